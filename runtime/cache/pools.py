@@ -1,0 +1,93 @@
+"""Memory pools: request rows -> token slots, and the token-granular KV pool with its allocator."""
+from __future__ import annotations
+
+import torch
+
+
+class ReqToTokenPool:
+    """One row per running request; row r holds the KV slot index of each of its tokens."""
+
+    def __init__(self, max_reqs: int, max_context_len: int, device: torch.device | str = "cpu") -> None:
+        self.size = max_reqs
+        self.max_context_len = max_context_len
+        self.req_to_token = torch.zeros((max_reqs, max_context_len), dtype=torch.int64, device=device)
+        self._free_rows: list[int] = list(range(max_reqs))
+
+    def available_size(self) -> int:
+        return len(self._free_rows)
+
+    def alloc(self) -> int | None:
+        return self._free_rows.pop() if self._free_rows else None
+
+    def free(self, row: int) -> None:
+        if row in self._free_rows:  # rows are few, so the membership scan is cheap
+            raise RuntimeError(f"request pool row {row} freed twice")
+        self._free_rows.append(row)
+
+    def clear(self) -> None:
+        self._free_rows = list(range(self.size))
+
+
+class TokenAllocator:
+    """Free list over KV slots 1..size; slot 0 is a dummy that padded writes may target."""
+
+    def __init__(self, size: int, device: torch.device | str = "cpu", check_double_free: bool = True) -> None:
+        self.size = size
+        self.device = device
+        self.check_double_free = check_double_free
+        self.clear()
+
+    def clear(self) -> None:
+        self._free = torch.arange(1, self.size + 1, dtype=torch.int64)
+        self._is_free = torch.ones(self.size + 1, dtype=torch.bool)
+        self._is_free[0] = False
+        self._pending: list[torch.Tensor] = []
+
+    def available_size(self) -> int:
+        return len(self._free) + sum(len(p) for p in self._pending)
+
+    def alloc(self, need: int) -> torch.Tensor | None:
+        if need > len(self._free) and self._pending:
+            self._merge_pending()
+        if need > len(self._free):
+            return None
+        out, self._free = self._free[:need], self._free[need:]
+        if self.check_double_free:
+            self._is_free[out] = False
+        return out.to(self.device, non_blocking=True) if str(self.device) != "cpu" else out
+
+    def free(self, slots: torch.Tensor) -> None:
+        if slots.numel() == 0:
+            return
+        slots = slots.to("cpu", dtype=torch.int64)
+        if self.check_double_free:
+            if bool((slots == 0).any()):
+                raise RuntimeError("KV slot 0 (the dummy slot) was freed")
+            if bool(self._is_free[slots].any()) or slots.unique().numel() != slots.numel():
+                raise RuntimeError("KV slot freed twice")
+            self._is_free[slots] = True
+        self._pending.append(slots)
+
+    def _merge_pending(self) -> None:
+        self._free = torch.cat([self._free, *self._pending])
+        self._pending = []
+
+
+class KVPool:
+    """Per-layer K and V buffers of shape [num_slots + 1, num_kv_heads, head_dim]."""
+
+    def __init__(self, size: int, num_layers: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
+        self.size = size
+        self.dtype = dtype
+        shape = (size + 1, num_kv_heads, head_dim)
+        self.k_buffer = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v_buffer = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+
+    def set_kv(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.k_buffer[layer_id][loc] = k
+        self.v_buffer[layer_id][loc] = v
+
+    @staticmethod
+    def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        return 2 * num_layers * num_kv_heads * head_dim * torch.tensor([], dtype=dtype).element_size()

@@ -1,0 +1,46 @@
+"""The one typed registry of TANDEM_* environment switches."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+T = TypeVar("T", bool, int, float, str)
+
+
+@dataclass(frozen=True)
+class EnvVar(Generic[T]):
+    name: str
+    default: T
+    help: str
+
+    def get(self) -> T:
+        raw = os.environ.get(self.name)
+        if raw is None or raw == "":
+            return self.default
+        kind = type(self.default)
+        if kind is bool:
+            return raw.strip().lower() in ("1", "true", "yes", "on")  # type: ignore[return-value]
+        try:
+            return kind(raw)  # type: ignore[return-value]
+        except ValueError as exc:
+            raise ValueError(f"environment variable {self.name}={raw!r} is not a valid {kind.__name__}") from exc
+
+    def set(self, value: T) -> None:
+        os.environ[self.name] = str(int(value)) if isinstance(value, bool) else str(value)
+
+
+class Envs:
+    TEST_RETRACT = EnvVar("TANDEM_TEST_RETRACT", False, "force a retraction every N decode steps (tests)")
+    TEST_RETRACT_INTERVAL = EnvVar("TANDEM_TEST_RETRACT_INTERVAL", 3, "N for TANDEM_TEST_RETRACT")
+    DEBUG_FUTURE_MAP = EnvVar("TANDEM_DEBUG_FUTURE_MAP", False, "poison the future map and check every gather")
+    FORCE_STREAM_INTERVAL = EnvVar("TANDEM_FORCE_STREAM_INTERVAL", 50, "internal stream interval of non-streaming logprob requests")
+    CACHE_DIR = EnvVar("TANDEM_CACHE_DIR", "", "where converted tokenizers are cached (default ~/.cache/tandem)")
+    HEALTH_CHECK_INTERVAL = EnvVar("TANDEM_CHILD_WATCH_INTERVAL", 0.5, "seconds between child-process liveness checks")
+
+    @classmethod
+    def all(cls) -> list[EnvVar]:
+        return [v for v in vars(cls).values() if isinstance(v, EnvVar)]
+
+
+envs = Envs

