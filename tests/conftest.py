@@ -8,3 +8,43 @@ import torch
 if not torch.cuda.is_available():
     # must be set before triton is first imported anywhere in the session
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """Return a builder of tiny random HF checkpoints, one folder per architecture, made once."""
+    from tandem.launch.make_tiny_model import build_tiny_model
+
+    root = tmp_path_factory.mktemp("tiny_models")
+    return lambda arch="qwen2": str(build_tiny_model(root / arch, arch))
+
+
+@pytest.fixture(scope="session")
+def smol_runner():
+    from tandem.runtime.model.runner import ModelRunner
+    from tandem.runtime.server_args import ServerArgs
+
+    return ModelRunner(ServerArgs(max_total_tokens=16384, max_running_requests=16))
+
+
+@pytest.fixture(scope="session")
+def smol_tokenizer():
+    from tandem.runtime.tokenizer import load_tokenizer
+
+    return load_tokenizer(None)
+
+
+@pytest.fixture(scope="session")
+def hf_smol():
+    """transformers' own model on the same GGUF checkpoint: the correctness reference."""
+    import os
+
+    from transformers import AutoModelForCausalLM
+
+    from tandem.runtime.model.loader import default_model_path
+
+    path = default_model_path()
+    return AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
+                                                dtype=torch.float32).eval()

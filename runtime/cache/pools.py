@@ -20,6 +20,8 @@ class ReqToTokenPool:
         return self._free_rows.pop() if self._free_rows else None
 
     def free(self, row: int) -> None:
+        if not 0 <= row < self.size:
+            raise RuntimeError(f"request pool row {row} is out of range")
         if row in self._free_rows:  # rows are few, so the membership scan is cheap
             raise RuntimeError(f"request pool row {row} freed twice")
         self._free_rows.append(row)
@@ -59,7 +61,7 @@ class TokenAllocator:
     def free(self, slots: torch.Tensor) -> None:
         if slots.numel() == 0:
             return
-        slots = slots.to("cpu", dtype=torch.int64)
+        slots = slots.to("cpu", dtype=torch.int64).clone()  # callers often pass views of reusable rows
         if self.check_double_free:
             if bool((slots == 0).any()):
                 raise RuntimeError("KV slot 0 (the dummy slot) was freed")

@@ -1,0 +1,390 @@
+"""`tandem bench serving`: online serving benchmark against a native `/generate` endpoint.
+
+Speaks the same wire protocol as SGLang's `bench_serving --backend sglang`: streaming POST
+/generate with cumulative SSE chunks ending in `data: [DONE]`. So it measures a tandem server
+and an SGLang server the same way. Metric definitions live in `bench_metrics`, prompt sets in
+`bench_datasets`. With `--launch` it starts a tandem server itself and always stops it.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import http.client
+import json
+import math
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from typing import Any
+
+import aiohttp
+import numpy as np
+import orjson
+
+from tandem.launch.bench_datasets import DatasetRow, get_dataset, load_tokenizer
+from tandem.launch.bench_metrics import (
+    RequestResult,
+    compute_metrics,
+    finish_request,
+    format_result_block,
+    plot_results,
+    record_chunk,
+)
+
+# same knobs SGLang's harness uses: long streams must not time out, big chunks must fit
+HTTP_TIMEOUT_S = 6 * 3600
+READ_BUFSIZE = 10 * 1024**2
+WARMUP_MAX_NEW_TOKENS = 32
+STOP_GRACE_S = 10.0
+
+
+class BenchError(RuntimeError):
+    """A failure that ends the benchmark with a message instead of a traceback."""
+
+
+class StreamError(RuntimeError):
+    """The server reported an error inside an otherwise healthy stream."""
+
+
+# ---------------------------------------------------------------- one request
+
+
+def build_payload(prompt: str | list[int], max_new_tokens: int, args: Any) -> dict[str, Any]:
+    """The body SGLang's harness posts to /generate for its native backend."""
+    payload: dict[str, Any] = {
+        ("text" if isinstance(prompt, str) else "input_ids"): prompt,
+        "sampling_params": {
+            "temperature": 0.0,
+            "max_new_tokens": max_new_tokens,
+            "ignore_eos": not args.disable_ignore_eos,
+        },
+        "stream": True,
+        "lora_path": None,
+        "return_logprob": args.return_logprob,
+        "logprob_start_len": -1,
+    }
+    payload.update(args.extra_body)
+    return payload
+
+
+def _chunk_tokens(data: dict[str, Any], res: RequestResult) -> int:
+    """Cumulative output length of a chunk: completion_tokens (as SGLang reads it), else
+    len(output_ids), else +1 whenever the cumulative text grew."""
+    meta = data.get("meta_info") or {}
+    if meta.get("completion_tokens") is not None:
+        return int(meta["completion_tokens"])
+    if data.get("output_ids") is not None:
+        return len(data["output_ids"])
+    grew = len(data.get("text") or "") > len(res.text)
+    return res.tokens_seen + int(grew)
+
+
+def apply_chunk(res: RequestResult, data: dict[str, Any], now: float) -> None:
+    """Fold one decoded SSE chunk into the request's record."""
+    if "error" in data:
+        err = data["error"]
+        raise StreamError(err.get("message", str(err)) if isinstance(err, dict) else str(err))
+    meta = data.get("meta_info") or {}
+    total = _chunk_tokens(data, res)
+    res.output_len = total
+    res.cached_tokens = int(meta.get("cached_tokens") or res.cached_tokens)
+    if meta.get("prompt_tokens"):
+        # the server's count is exact; the dataset's is an estimate for text prompts
+        res.prompt_len = int(meta["prompt_tokens"])
+    if isinstance(data.get("text"), str):
+        res.text = data["text"]
+    record_chunk(res, now, total)
+
+
+async def _consume_stream(resp: aiohttp.ClientResponse, res: RequestResult) -> None:
+    last = time.perf_counter()
+    async for raw in resp.content:
+        line = raw.strip()
+        if not line:
+            continue
+        last = time.perf_counter()
+        body = line[5:].strip() if line.startswith(b"data:") else line
+        if body == b"[DONE]":
+            continue
+        apply_chunk(res, orjson.loads(body), last)
+    finish_request(res, last)
+
+
+async def send_request(
+    session: aiohttp.ClientSession, api_url: str, row: DatasetRow, args: Any,
+    max_new_tokens: int | None = None,
+) -> RequestResult:
+    """Stream one request; any failure is recorded on the result, never raised."""
+    res = RequestResult(prompt_len=row.prompt_len)
+    payload = build_payload(row.prompt, max_new_tokens or row.output_len, args)
+    res.start = time.perf_counter()
+    try:
+        async with session.post(api_url, json=payload) as resp:
+            if resp.status != 200:
+                res.error = f"HTTP {resp.status}: {(await resp.text())[:500]}"
+            else:
+                await _consume_stream(resp, res)
+    except Exception as exc:  # noqa: BLE001 - a bad request must not end the run
+        res.success = False
+        res.error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+    if not res.success:
+        res.latency = time.perf_counter() - res.start  # failed requests still occupied a slot
+    return res
+
+
+# ---------------------------------------------------------------- the run
+
+
+async def _arrivals(rows: list[DatasetRow], rate: float, seed: int) -> Any:
+    """Yield rows with Poisson (exponential-gap) arrivals; rate inf sends all at once."""
+    rng = np.random.default_rng(seed)
+    for row in rows:
+        yield row
+        if math.isfinite(rate):
+            await asyncio.sleep(float(rng.exponential(1.0 / rate)))
+
+
+def _progress_bar(total: int, args: Any) -> Any:
+    from tqdm import tqdm
+
+    return tqdm(total=total, disable=args.disable_tqdm or not sys.stderr.isatty())
+
+
+async def _warmup(session: aiohttp.ClientSession, api_url: str, row: DatasetRow, args: Any) -> None:
+    if args.warmup_requests <= 0:
+        return
+    n_tokens = min(row.output_len, WARMUP_MAX_NEW_TOKENS)
+    outs = await asyncio.gather(*(send_request(session, api_url, row, args, n_tokens)
+                                  for _ in range(args.warmup_requests)))
+    if not any(o.success for o in outs):
+        raise BenchError(f"warmup failed, check the arguments and the server: {outs[0].error}")
+
+
+async def run_benchmark(
+    args: Any, rows: list[DatasetRow], base_url: str
+) -> tuple[list[RequestResult], float, float]:
+    """Send every row under the configured load shape; returns results, duration, start time."""
+    api_url = f"{base_url}/generate"
+    connector = aiohttp.TCPConnector(limit=0)  # the semaphore, not aiohttp, caps concurrency
+    async with aiohttp.ClientSession(
+        connector=connector, timeout=aiohttp.ClientTimeout(total=HTTP_TIMEOUT_S),
+        read_bufsize=READ_BUFSIZE,
+    ) as session:
+        await _warmup(session, api_url, rows[0], args)
+        if args.flush_cache:
+            async with session.post(f"{base_url}/flush_cache") as resp:
+                await resp.read()
+        sem = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
+        pbar = _progress_bar(len(rows), args)
+
+        async def one(row: DatasetRow) -> RequestResult:
+            async with sem if sem is not None else contextlib.nullcontext():
+                res = await send_request(session, api_url, row, args)
+            pbar.update(1)
+            return res
+
+        t0 = time.perf_counter()
+        tasks = [asyncio.create_task(one(row))
+                 async for row in _arrivals(rows, args.request_rate, args.seed)]
+        results = list(await asyncio.gather(*tasks))
+        duration = time.perf_counter() - t0
+        pbar.close()
+    return results, duration, t0
+
+
+# ---------------------------------------------------------------- --launch
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _healthy(base_url: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"{base_url}/health", timeout=2) as resp:
+            return resp.status == 200
+    except (OSError, http.client.HTTPException):  # not up yet, or up but half-started
+        return False
+
+
+def wait_for_health(base_url: str, proc: subprocess.Popen, timeout_s: float) -> None:
+    """Poll GET /health until 200; fail at once if the server process dies."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise BenchError(f"server exited with code {proc.returncode} before it was healthy: "
+                             f"{shlex.join(proc.args)}")
+        if _healthy(base_url):
+            return
+        time.sleep(0.5)
+    raise BenchError(f"server not healthy after {timeout_s:.0f} s: {shlex.join(proc.args)}")
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    """SIGTERM, then SIGKILL after a grace period; then sweep its process group for strays."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(STOP_GRACE_S)
+        except subprocess.TimeoutExpired:
+            pass
+    # the server runs in its own session, so its pid is the group id of all its children
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
+@contextlib.contextmanager
+def launched_server(args: Any) -> Iterator[str]:
+    """Start `python -m <server module> --port P <server args>`; yield its base URL."""
+    port = free_port()
+    cmd = [sys.executable, "-m", args.server_module, "--port", str(port),
+           *shlex.split(args.server_args)]
+    print(f"Launching server: {shlex.join(cmd)}", flush=True)
+    proc = subprocess.Popen(cmd, start_new_session=True)
+    try:
+        base_url = f"http://127.0.0.1:{port}"
+        wait_for_health(base_url, proc, args.launch_timeout)
+        yield base_url
+    finally:
+        stop_server(proc)
+
+
+# ---------------------------------------------------------------- CLI
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="tandem bench serving", description=__doc__.split("\n")[0])
+    a = p.add_argument
+    a("--backend", default="sglang", choices=["sglang", "sglang-native"],
+      help="wire protocol: SGLang's native /generate (the only one)")
+    a("--base-url", default=None, help="server URL; default http://HOST:PORT")
+    a("--host", default="127.0.0.1")
+    a("--port", type=int, default=30000)
+    a("--launch", action="store_true", help="start a tandem server on a free port for the run")
+    a("--server-args", default="", help="one quoted string passed to the launched server")
+    a("--server-module", default="tandem.launch.server", help="module run by --launch")
+    a("--launch-timeout", type=float, default=300.0, help="seconds to wait for /health")
+    a("--dataset-name", default="random",
+      choices=["random", "generated-shared-prefix", "sharegpt", "jsonl"])
+    a("--dataset-path", default="", help="local ShareGPT JSON or conversations JSONL")
+    a("--tokenizer", default=None, help="send text built with this tokenizer, not input_ids")
+    a("--vocab-size", type=int, default=49152, help="id range for random prompts")
+    a("--num-prompts", type=int, default=1000)
+    a("--random-input-len", type=int, default=1024)
+    a("--random-output-len", type=int, default=1024)
+    a("--random-range-ratio", type=float, default=0.0)
+    a("--gsp-num-groups", type=int, default=64)
+    a("--gsp-prompts-per-group", type=int, default=16)
+    a("--gsp-system-prompt-len", type=int, default=2048)
+    a("--gsp-question-len", type=int, default=128)
+    a("--gsp-output-len", type=int, default=256)
+    a("--sharegpt-output-len", type=int, default=None, help="fixed output length")
+    a("--sharegpt-context-len", type=int, default=None, help="skip longer prompt+output")
+    a("--request-rate", type=float, default=float("inf"), help="req/s, Poisson; inf = burst")
+    a("--max-concurrency", type=int, default=None)
+    a("--warmup-requests", type=int, default=1)
+    a("--seed", type=int, default=1)
+    a("--disable-ignore-eos", action="store_true")
+    a("--return-logprob", action="store_true")
+    a("--extra-request-body", default=None, help="JSON object merged into every payload")
+    a("--flush-cache", action="store_true", help="POST /flush_cache after warmup")
+    a("--disable-tqdm", action="store_true")
+    a("--output-file", default=None, help="write the result as JSON")
+    a("--output-details", action="store_true", help="add per-request lists to the JSON")
+    a("--plot", default=None, help="write latency CDFs and throughput over time (PNG)")
+    return p
+
+
+def _join_server_args(argv: list[str]) -> list[str]:
+    """Let `--server-args "--flag"` through: argparse would read a lone "--flag" as an option."""
+    out, i = [], 0
+    while i < len(argv):
+        if argv[i] == "--server-args" and i + 1 < len(argv):
+            out.append(f"--server-args={argv[i + 1]}")
+            i += 2
+            continue
+        out.append(argv[i])
+        i += 1
+    return out
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    args = build_parser().parse_args(_join_server_args(argv))
+    args.extra_body = json.loads(args.extra_request_body) if args.extra_request_body else {}
+    if args.num_prompts < 1 and args.dataset_name != "generated-shared-prefix":
+        raise SystemExit("--num-prompts must be >= 1")
+    return args
+
+
+def _finite(value: Any) -> Any:
+    # strict JSON has no Infinity/NaN; "inf" keeps the request rate readable
+    return str(value) if isinstance(value, float) and not math.isfinite(value) else value
+
+
+def build_result(args: Any, metrics: dict[str, Any], results: list[RequestResult]) -> dict[str, Any]:
+    run = {k: getattr(args, k) for k in (
+        "backend", "dataset_name", "request_rate", "max_concurrency", "num_prompts",
+        "random_input_len", "random_output_len", "random_range_ratio", "seed")}
+    result = {**run, **metrics, "duration": metrics["duration_s"],
+              "errors": [r.error for r in results if not r.success]}
+    if args.output_details:
+        result.update(input_lens=[r.prompt_len for r in results],
+                      output_lens=[r.output_len for r in results],
+                      ttfts=[r.ttft for r in results], itls=[r.itl for r in results])
+    return {k: _finite(v) for k, v in result.items()}
+
+
+def report(args: Any, results: list[RequestResult], duration: float, t0: float) -> dict[str, Any]:
+    metrics = compute_metrics(results, duration, t0)
+    header = {"Backend": args.backend, "Traffic request rate": args.request_rate,
+              "Max request concurrency": args.max_concurrency or "not set"}
+    print("\n" + format_result_block(metrics, header), flush=True)
+    result = build_result(args, metrics, results)
+    if result["errors"]:
+        print(f"First error: {result['errors'][0]}", file=sys.stderr)
+    if args.output_file:
+        with open(args.output_file, "w", encoding="utf-8") as f:
+            json.dump(result, f, indent=2)
+    if args.plot:
+        plot_results(results, t0, args.plot)
+    return result
+
+
+def _run(args: argparse.Namespace, base_url: str) -> dict[str, Any]:
+    rows = get_dataset(args, load_tokenizer(args.tokenizer))
+    if not rows:
+        raise BenchError("the dataset produced no prompts")
+    print(f"#Prompts: {len(rows)}  #Input tokens: {sum(r.prompt_len for r in rows)}  "
+          f"#Output tokens: {sum(r.output_len for r in rows)}", flush=True)
+    results, duration, t0 = asyncio.run(run_benchmark(args, rows, base_url))
+    return report(args, results, duration, t0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point; returns 0 when at least one request succeeded."""
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        if args.launch:
+            with launched_server(args) as base_url:
+                result = _run(args, base_url)
+        else:
+            base_url = (args.base_url or f"http://{args.host}:{args.port}").rstrip("/")
+            result = _run(args, base_url)
+    except BenchError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    return 0 if result["completed"] > 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,62 @@
+"""Build a tiny random checkpoint (HF folder: config.json + safetensors + tokenizer) for tests.
+
+`python -m tandem.launch.make_tiny_model OUT_DIR --arch qwen2` writes one; tests call
+`build_tiny_model` directly. The tokenizer is the embedded SmolLM2 one, so vocab is 49152.
+"""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+
+_ARCHS = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+    "mistral": ("MistralConfig", "MistralForCausalLM"),
+}
+
+
+def build_tiny_model(out_dir: str | Path, arch: str = "qwen2", hidden: int = 64, layers: int = 2,
+                     heads: int = 4, kv_heads: int = 2, seed: int = 0) -> Path:
+    import transformers
+
+    from tandem.runtime.tokenizer import load_tokenizer
+
+    out = Path(out_dir)
+    if (out / "config.json").is_file():
+        return out
+    tok = load_tokenizer(None)
+    config_cls, model_cls = (getattr(transformers, name) for name in _ARCHS[arch])
+    config = config_cls(vocab_size=len(tok), hidden_size=hidden, intermediate_size=hidden * 2,
+                        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                        head_dim=hidden // heads, max_position_embeddings=2048, rms_norm_eps=1e-6,
+                        tie_word_embeddings=arch != "qwen2", eos_token_id=tok.eos_token_id,
+                        bos_token_id=tok.bos_token_id, torch_dtype="float32")
+    torch.manual_seed(seed)
+    model = model_cls(config).eval()
+    with torch.no_grad():  # default init is tiny; widen it so logits are not all near-ties
+        for name, p in model.named_parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, 0.08)
+            if name.endswith("bias"):
+                p.normal_(0.0, 0.05)
+    model.save_pretrained(str(out), safe_serialization=True)
+    tok.save_pretrained(str(out))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("out_dir")
+    parser.add_argument("--arch", choices=sorted(_ARCHS), default="qwen2")
+    parser.add_argument("--hidden", type=int, default=64)
+    parser.add_argument("--layers", type=int, default=2)
+    args = parser.parse_args(argv)
+    print(build_tiny_model(args.out_dir, args.arch, args.hidden, args.layers))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

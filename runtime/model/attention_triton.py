@@ -1,0 +1,100 @@
+"""Triton attention backend: the TorchAttnBackend contract, run by the paged Triton kernels.
+
+init_forward turns the request-to-token table into flat CSR metadata (kv_indptr / kv_indices)
+once per pass with device-side torch ops; all sizes come from the batch's host-side length lists,
+so neither init_forward nor forward waits on the device.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tandem.kernels.decode_attention import decode_attention_fwd, num_kv_splits
+from tandem.kernels.extend_attention import extend_attention_fwd
+from tandem.kernels.kv_store import store_kv
+from tandem.runtime.cache.pools import KVPool, ReqToTokenPool
+from tandem.runtime.model.forward_batch import ForwardBatch, ForwardMode
+
+
+@dataclass
+class TritonAttnMeta:
+    decode: bool
+    kv_indptr: torch.Tensor  # [bs + 1] int64; keys of request b: kv_indices[kv_indptr[b]:kv_indptr[b+1]]
+    kv_indices: torch.Tensor  # [total keys] int64 pool slots
+    qo_indptr: torch.Tensor | None  # extend: [bs + 1] int64 offsets of each request's new tokens
+    max_extend_len: int
+    num_splits: torch.Tensor | None  # decode: [bs] int64, 1..max_splits
+    max_splits: int
+
+
+def _to_device(parts: list[list[int]], device: torch.device) -> list[torch.Tensor]:
+    """One host-to-device copy for all small per-pass int lists (pinned, so it does not block)."""
+    host = torch.tensor([x for part in parts for x in part], dtype=torch.int64,
+                        pin_memory=device.type == "cuda")
+    return list(host.to(device, non_blocking=True).split([len(part) for part in parts]))
+
+
+def _offsets(lens: list[int]) -> list[int]:
+    out = [0]
+    for n in lens:
+        out.append(out[-1] + n)
+    return out
+
+
+def gather_kv_indices(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, lens: torch.Tensor,
+                      kv_indptr: torch.Tensor, total: int) -> torch.Tensor:
+    """Row r's first lens[b] slots for each request b, concatenated; `total` (host) avoids a sync."""
+    rows = torch.repeat_interleave(req_pool_indices, lens, output_size=total)
+    starts = torch.repeat_interleave(kv_indptr[:-1], lens, output_size=total)
+    cols = torch.arange(total, device=req_to_token.device) - starts
+    return req_to_token[rows, cols]
+
+
+class TritonAttnBackend:
+    """Decode: split-KV flash decoding. Extend: prefix from the pool + causal self-attention."""
+
+    def __init__(self, kv_pool: KVPool, req_to_token_pool: ReqToTokenPool, *, min_split_len: int = 256,
+                 max_kv_splits: int = 16) -> None:
+        self.kv_pool = kv_pool
+        self.req_to_token = req_to_token_pool.req_to_token
+        self.min_split_len = min_split_len
+        self.max_kv_splits = max_kv_splits
+        num_kv_heads = kv_pool.k_buffer[0].shape[1] if kv_pool.k_buffer else 1
+        self.num_kv_heads = num_kv_heads
+        device = self.req_to_token.device
+        sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
+        self.target_programs = 2 * sms  # two split programs per SM hides the tail of the slowest split
+
+    def init_forward(self, batch: ForwardBatch) -> None:
+        device = self.req_to_token.device
+        decode = batch.mode == ForwardMode.DECODE
+        if decode and batch.num_tokens != batch.batch_size:
+            raise ValueError(f"decode batch has {batch.num_tokens} tokens for {batch.batch_size} requests")
+        kv_lens = batch.seq_lens_cpu if decode else batch.prefix_lens_cpu
+        kv_offsets = _offsets(kv_lens)
+        if decode:
+            splits = num_kv_splits(kv_lens, self.num_kv_heads, min_split_len=self.min_split_len,
+                                   max_splits=self.max_kv_splits, target_programs=self.target_programs)
+            kv_indptr, lens, num_splits = _to_device([kv_offsets, kv_lens, splits], device)
+            qo_indptr, max_extend, max_splits = None, 1, max(splits)
+        else:
+            kv_indptr, lens, qo_indptr = _to_device([kv_offsets, kv_lens, _offsets(batch.extend_lens_cpu)], device)
+            num_splits, max_extend, max_splits = None, max(batch.extend_lens_cpu), 0
+        kv_indices = gather_kv_indices(self.req_to_token, batch.req_pool_indices.to(device), lens, kv_indptr,
+                                       kv_offsets[-1])
+        batch.attn_metadata = TritonAttnMeta(decode, kv_indptr, kv_indices, qo_indptr, max_extend, num_splits,
+                                             max_splits)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
+                batch: ForwardBatch, scale: float) -> torch.Tensor:
+        meta = batch.attn_metadata
+        if not isinstance(meta, TritonAttnMeta):
+            raise RuntimeError("TritonAttnBackend.forward called before init_forward for this batch")
+        k_buffer, v_buffer = self.kv_pool.k_buffer[layer_id], self.kv_pool.v_buffer[layer_id]
+        store_kv(k_buffer, v_buffer, batch.out_cache_loc, k, v)
+        if meta.decode:
+            return decode_attention_fwd(q, k_buffer, v_buffer, meta.kv_indptr, meta.kv_indices, meta.num_splits,
+                                        meta.max_splits, scale)
+        return extend_attention_fwd(q, k, v, k_buffer, v_buffer, meta.qo_indptr, meta.kv_indptr,
+                                    meta.kv_indices, meta.max_extend_len, scale)

@@ -1,0 +1,73 @@
+"""ModelRunner: owns the model, the KV pools and the attention backend; runs forward passes and sampling."""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from tandem.runtime.cache.pools import KVPool, ReqToTokenPool, TokenAllocator
+from tandem.runtime.model.attention import create_attention_backend
+from tandem.runtime.model.forward_batch import ForwardBatch
+from tandem.runtime.model.loader import load_model, resolve_model_path
+from tandem.runtime.sampling.sampler import SamplingBatchInfo, sample
+from tandem.runtime.server_args import ServerArgs
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_CPU_KV_MEM_FRACTION = 0.1  # of free host memory, when neither max_total_tokens nor a fraction is given
+_GPU_KV_MEM_FRACTION = 0.85
+
+
+class ModelRunner:
+    def __init__(self, args: ServerArgs) -> None:
+        self.args = args
+        self.device = torch.device(args.resolved_device())
+        self.dtype = _DTYPES[args.resolved_dtype()]
+        self.model_path = resolve_model_path(args.model_path)
+        torch.manual_seed(args.random_seed)
+        self.model = load_model(self.model_path, self.dtype, self.device)
+        self.config = self.model.cfg
+        self.context_len = min(args.context_length or self.config.max_position, self.config.max_position)
+        self.max_total_tokens = self._kv_capacity()
+        self.max_running_requests = args.max_running_requests
+        self.req_to_token_pool = ReqToTokenPool(self.max_running_requests + 1, self.context_len + 8, self.device)
+        self.allocator = TokenAllocator(self.max_total_tokens, self.device)
+        self.kv_pool = KVPool(self.max_total_tokens, self.config.num_layers, self.config.num_kv_heads,
+                              self.config.head_dim, self.dtype, self.device)
+        self.attn_backend = create_attention_backend(args.resolved_attention_backend(), self.kv_pool,
+                                                     self.req_to_token_pool)
+        logger.info("model %s loaded: %s, %d KV slots, context %d", self.model_path, self.config.arch,
+                    self.max_total_tokens, self.context_len)
+
+    def _kv_capacity(self) -> int:
+        if self.args.max_total_tokens:
+            return self.args.max_total_tokens
+        cfg = self.config
+        per_token = KVPool.bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.dtype)
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            budget = free * (self.args.mem_fraction_static or _GPU_KV_MEM_FRACTION)
+        else:
+            budget = _free_host_bytes() * (self.args.mem_fraction_static or _CPU_KV_MEM_FRACTION)
+        return max(int(budget // per_token), self.context_len)
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """Float32 logits at batch.logits_indices."""
+        return self.model(batch, self.attn_backend)
+
+    @torch.inference_mode()
+    def sample(self, logits: torch.Tensor, info: SamplingBatchInfo, positions: torch.Tensor) -> torch.Tensor:
+        return sample(logits, info, positions)
+
+
+def _free_host_bytes() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 8 << 30

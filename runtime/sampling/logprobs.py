@@ -1,0 +1,255 @@
+"""Device-side logprobs: logsumexp, top-k and requested-id logprobs, chunked over rows.
+
+Logprobs are of the model's raw distribution (before temperature, penalties, top-p...),
+computed in float32. Work is done `chunk_size` rows at a time, so the float32 working set is
+O(chunk_size x vocab) whatever the number of positions: an 8k-token prompt with a 49k vocab
+never holds an [8k x 49k] log-softmax. `compute_logprobs_from_hidden` also bounds the logits
+themselves by projecting hidden states through the LM head one chunk at a time.
+
+Null representation (shared with logprob_format.LogprobArrays): a block of positions has a
+`null_prefix` count of leading positions without a value; their float entries are NaN and
+their top ids -1. For prompt logprobs that is the first prompt position, which has no
+preceding token to predict it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import numpy as np
+import torch
+
+from tandem.runtime.sampling.logprob_format import LogprobArrays
+
+# 512 rows x 49k vocab x 4 B = 100 MB per float32 chunk (plus logsumexp/topk temporaries).
+DEFAULT_CHUNK_SIZE = 512
+
+
+@dataclass
+class LogprobChunk:
+    """Per-row results on the logits' device; row r describes logits row r."""
+
+    token_logprobs: torch.Tensor  # float32 [N]; NaN when no token ids were given
+    top_vals: torch.Tensor  # float32 [N, k], sorted descending
+    top_idx: torch.Tensor  # int32 [N, k]
+    ids_logprobs: torch.Tensor  # float32 [N, n] for token_ids_logprob
+
+    def __len__(self) -> int:
+        return int(self.token_logprobs.shape[0])
+
+    @staticmethod
+    def cat(chunks: Sequence[LogprobChunk]) -> LogprobChunk:
+        return LogprobChunk(*(torch.cat([getattr(c, f) for c in chunks]) for f in _FIELDS))
+
+    def slice(self, start: int, stop: int) -> LogprobChunk:
+        return LogprobChunk(*(getattr(self, f)[start:stop] for f in _FIELDS))
+
+    def to_numpy(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """(token_logprobs, top_vals, top_idx, ids_logprobs) on the host; one transfer each."""
+        return tuple(getattr(self, f).cpu().numpy() for f in _FIELDS)  # type: ignore[return-value]
+
+    def to_arrays(self, token_ids: np.ndarray | Sequence[int], null_prefix: int = 0) -> LogprobArrays:
+        """Host block for the formatter; the first `null_prefix` rows are blanked."""
+        tok, vals, idx, ids_lp = self.to_numpy()
+        if null_prefix > 0:  # CPU tensors share memory with .numpy(): blank copies instead
+            tok, vals, idx, ids_lp = tok.copy(), vals.copy(), idx.copy(), ids_lp.copy()
+        arrays = LogprobArrays(tok, np.asarray(token_ids, np.int32), vals, idx, ids_lp)
+        return with_null_prefix(arrays, null_prefix)
+
+
+_FIELDS = ("token_logprobs", "top_vals", "top_idx", "ids_logprobs")
+
+
+def with_null_prefix(arrays: LogprobArrays, null_prefix: int) -> LogprobArrays:
+    """Blank the first rows in place (NaN values, -1 ids) and record the count."""
+    p = min(null_prefix, len(arrays))
+    if p:
+        arrays.token_logprobs[:p] = np.nan
+        arrays.top_vals[:p] = np.nan
+        arrays.top_idx[:p] = -1
+        arrays.ids_logprobs[:p] = np.nan
+    arrays.null_prefix = p
+    return arrays
+
+
+def compute_logprobs(
+    logits: torch.Tensor,
+    token_ids: torch.Tensor | None,
+    top_k: int,
+    token_ids_logprob: Sequence[int] | None = None,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+) -> LogprobChunk:
+    """Logprobs for each row of `logits` [N, V] (any float dtype).
+
+    token_ids [N]: the token whose logprob row i reports (None -> NaN). top_k is clamped to V.
+    """
+    return compute_logprobs_from_hidden(
+        logits, _identity, token_ids, top_k, token_ids_logprob, chunk_size
+    )
+
+
+def compute_logprobs_from_hidden(
+    hidden: torch.Tensor,
+    lm_head: Callable[[torch.Tensor], torch.Tensor],
+    token_ids: torch.Tensor | None,
+    top_k: int,
+    token_ids_logprob: Sequence[int] | None = None,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+) -> LogprobChunk:
+    """Like compute_logprobs, projecting `hidden` [N, H] to logits one chunk at a time, so
+    neither the logits nor their log-softmax ever exist for all N rows at once."""
+    if chunk_size <= 0:
+        raise ValueError("chunk_size must be positive")
+    n, dev = hidden.shape[0], hidden.device
+    req_ids = None
+    if token_ids_logprob:
+        req_ids = torch.as_tensor(list(token_ids_logprob), dtype=torch.long, device=dev)
+    out = None
+    for start in range(0, n, chunk_size):
+        stop = min(start + chunk_size, n)
+        x = lm_head(hidden[start:stop]).float()
+        if out is None:
+            out = _allocate(n, max(0, min(top_k, x.shape[1])), len(token_ids_logprob or ()), dev)
+            _check_ids(req_ids, x.shape[1])
+        ids = None if token_ids is None else token_ids[start:stop].to(dev, torch.long)
+        _fill_rows(out, start, stop, x, ids, req_ids)
+    if out is None:  # no rows: the vocab size is unknown, so k cannot be clamped
+        out = _allocate(0, max(0, top_k), len(token_ids_logprob or ()), dev)
+    return out
+
+
+def _identity(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
+def _allocate(n: int, k: int, num_ids: int, dev: torch.device) -> LogprobChunk:
+    f32 = dict(dtype=torch.float32, device=dev)
+    return LogprobChunk(
+        torch.full((n,), float("nan"), **f32), torch.empty((n, k), **f32),
+        torch.empty((n, k), dtype=torch.int32, device=dev), torch.empty((n, num_ids), **f32),
+    )
+
+
+def _check_ids(req_ids: torch.Tensor | None, vocab: int) -> None:
+    if req_ids is not None and req_ids.numel() and int(req_ids.max()) >= vocab:
+        raise ValueError(f"token_ids_logprob has an id >= vocab size {vocab}")
+
+
+def _fill_rows(out: LogprobChunk, start: int, stop: int, x: torch.Tensor,
+               ids: torch.Tensor | None, req_ids: torch.Tensor | None) -> None:
+    """x: float32 logits for rows [start, stop); writes their logprob results into out."""
+    lse = torch.logsumexp(x, dim=-1, keepdim=True)
+    if ids is not None:
+        out.token_logprobs[start:stop] = (x.gather(1, ids[:, None]) - lse).squeeze(1)
+    k = out.top_vals.shape[1]
+    if k:
+        vals, idx = torch.topk(x, k, dim=-1)
+        out.top_vals[start:stop] = vals - lse
+        out.top_idx[start:stop] = idx.to(torch.int32)
+    if req_ids is not None:
+        out.ids_logprobs[start:stop] = x.index_select(1, req_ids) - lse
+
+
+def batch_output_logprobs(
+    logits: torch.Tensor,
+    token_ids: torch.Tensor,
+    top_ks: Sequence[int],
+    token_ids_logprobs: Sequence[Sequence[int] | None],
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+) -> list[LogprobArrays]:
+    """Output logprobs for one decode step: row r is request r's raw logits and sampled token.
+
+    One pass with the largest k and the union of requested ids, one host transfer, then each
+    row is cut down to its own k and ids. Returns a one-position block per row.
+    """
+    union = sorted({t for ids in token_ids_logprobs if ids for t in ids})
+    chunk = compute_logprobs(logits, token_ids, max(top_ks, default=0), union, chunk_size)
+    tok, vals, idx, ids_lp = chunk.to_numpy()
+    sampled = token_ids.cpu().numpy().astype(np.int32)
+    col = {t: c for c, t in enumerate(union)}
+    out = []
+    for r, (k, ids) in enumerate(zip(top_ks, token_ids_logprobs)):
+        cols = [col[t] for t in ids] if ids else []
+        out.append(LogprobArrays(tok[r:r + 1], sampled[r:r + 1], vals[r:r + 1, :k],
+                                 idx[r:r + 1, :k], ids_lp[r:r + 1, cols]))
+    return out
+
+
+class InputLogprobAccumulator:
+    """Collects a request's prompt logprobs across chunked-prefill passes.
+
+    Positions: prompt position i >= 1 gets its values from logits row i-1 (that row predicts
+    token i). Covered positions are [start, P) with start = logprob_start_len (-1: none, i.e.
+    output logprobs only). Position 0 has no predecessor, so when start == 0 the first covered
+    position is null (null_prefix = 1). Logits row P-1 predicts the first output token and is
+    not an input logprob. The needed logits rows are `rows_needed`; a prefix-cache hit must
+    not skip any of them.
+    """
+
+    def __init__(self, prompt_ids: Sequence[int] | np.ndarray, logprob_start_len: int,
+                 top_k: int, token_ids_logprob: Sequence[int] | None = None,
+                 chunk_size: int = DEFAULT_CHUNK_SIZE) -> None:
+        self.prompt = np.asarray(prompt_ids, dtype=np.int64)
+        p = len(self.prompt)
+        self.start = p if logprob_start_len < 0 else min(logprob_start_len, p)
+        self.top_k = top_k
+        self.token_ids_logprob = list(token_ids_logprob) if token_ids_logprob else None
+        self.chunk_size = chunk_size
+        self.rows_needed = range(max(self.start - 1, 0), max(p - 1, 0))
+        self._next_row = self.rows_needed.start
+        self._chunks: list[LogprobChunk] = []
+
+    @property
+    def done(self) -> bool:
+        return self._next_row >= self.rows_needed.stop
+
+    def add_logits(self, logits: torch.Tensor, first_row: int) -> None:
+        """logits [n, V] for prompt rows [first_row, first_row + n) of one prefill pass."""
+        lo, hi = self._clip(first_row, logits.shape[0])
+        if lo >= hi:
+            return
+        nxt = torch.from_numpy(self.prompt[lo + 1:hi + 1])
+        chunk = compute_logprobs(logits[lo - first_row:hi - first_row], nxt, self.top_k,
+                                 self.token_ids_logprob, self.chunk_size)
+        self._append(chunk, lo, hi)
+
+    def add_chunk(self, chunk: LogprobChunk, first_row: int) -> None:
+        """Precomputed results for rows [first_row, first_row + len(chunk)); each row's token
+        logprob must be that of the next prompt token."""
+        lo, hi = self._clip(first_row, len(chunk))
+        if lo < hi:
+            self._append(chunk.slice(lo - first_row, hi - first_row), lo, hi)
+
+    def _clip(self, first_row: int, n: int) -> tuple[int, int]:
+        lo = max(first_row, self._next_row)
+        hi = min(first_row + n, self.rows_needed.stop)
+        if lo < hi and first_row > self._next_row:
+            raise ValueError(f"prompt logits rows skipped: expected row {self._next_row}, "
+                             f"got {first_row}")
+        return lo, hi
+
+    def _append(self, chunk: LogprobChunk, lo: int, hi: int) -> None:
+        self._chunks.append(chunk)
+        self._next_row = hi
+
+    def finalize(self) -> LogprobArrays:
+        """Host arrays for positions [start, P); one device-to-host transfer per field."""
+        if not self.done:
+            raise ValueError(f"prompt logprobs incomplete: next row {self._next_row} of "
+                             f"{self.rows_needed.stop}")
+        k, n_ids = self.top_k, len(self.token_ids_logprob or ())
+        null = 1 if self.start == 0 and len(self.prompt) > 0 else 0
+        if self._chunks:
+            tok, vals, idx, ids_lp = LogprobChunk.cat(self._chunks).to_numpy()
+            k = vals.shape[1]
+        else:
+            tok, vals, idx = np.zeros(0, np.float32), np.zeros((0, k), np.float32), np.zeros((0, k), np.int32)
+            ids_lp = np.zeros((0, n_ids), np.float32)
+        arrays = LogprobArrays(
+            np.concatenate([np.zeros(null, np.float32), tok]),
+            self.prompt[self.start:].astype(np.int32),
+            np.concatenate([np.zeros((null, k), np.float32), vals]),
+            np.concatenate([np.zeros((null, k), np.int32), idx]),
+            np.concatenate([np.zeros((null, n_ids), np.float32), ids_lp]),
+        )
+        return with_null_prefix(arrays, null)

@@ -1,0 +1,328 @@
+"""Per-request sampling parameters (SGLang names and defaults) and their validation.
+
+Validation happens once, in the tokenizer manager, via `SamplingParams.from_request`. The
+scheduler receives an already-valid struct inside `TokenizedGenerateReq` and never re-checks it.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Any
+
+import msgspec
+import orjson
+
+# Limits shared with the HTTP layer; SGLang uses the same ranges.
+MAX_STOP_STRINGS = 32
+MAX_N = 64
+INT64_MIN = -(2**63)
+INT64_MAX = 2**63 - 1
+GREEDY_TEMPERATURE = 1e-6
+
+
+class ValidationError(ValueError):
+    """Bad request input. `str()` names the offending field so the 400 body is actionable."""
+
+    def __init__(self, field: str, message: str) -> None:
+        # args = (field, message) keeps the exception picklable with its custom __init__.
+        super().__init__(field, message)
+        self.field = field
+        self.message = message
+
+    def __str__(self) -> str:
+        return f"{self.field} {self.message}"
+
+
+class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """Validated sampling parameters. Plain (untagged) struct: it rides inside tagged messages."""
+
+    max_new_tokens: int = 128
+    min_new_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    stop: list[str] = msgspec.field(default_factory=list)
+    stop_token_ids: list[int] = msgspec.field(default_factory=list)
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    no_stop_trim: bool = False
+    logit_bias: dict[int, float] | None = None
+    n: int = 1
+    sampling_seed: int | None = None
+    stream_interval: int | None = None
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
+
+    @property
+    def has_penalties(self) -> bool:
+        return (
+            self.frequency_penalty != 0.0
+            or self.presence_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )
+
+    @classmethod
+    def from_request(
+        cls, d: Any, vocab_size: int, *, field: str = "sampling_params"
+    ) -> "SamplingParams":
+        """Validate a JSON `sampling_params` object (None means all defaults).
+
+        `field` prefixes error messages, e.g. "sampling_params[2]" for one item of a batch.
+        """
+        if d is None:
+            return cls()
+        if not isinstance(d, dict):
+            raise ValidationError(field, f"must be an object, got {_type_name(d)}")
+        return _Checker(d, field, vocab_size).build()
+
+
+def _type_name(v: Any) -> str:
+    return "null" if v is None else type(v).__name__
+
+
+def short(v: Any, limit: int = 60) -> str:
+    """repr() for error messages, cut so a huge bad value cannot blow up the 400 body."""
+    try:
+        r = repr(v)
+    except ValueError:  # ints beyond sys.get_int_max_str_digits() refuse to print
+        return f"<{type(v).__name__} too large to print>"
+    return r if len(r) <= limit else r[: limit - 3] + "..."
+
+
+def key_name(key: Any) -> str:
+    """An unknown key as a field name: plain when it reads cleanly, quoted repr otherwise."""
+    if isinstance(key, str) and key.isprintable() and key.strip() == key and 0 < len(key) <= 40:
+        return key
+    return short(key, 40)
+
+
+def is_int(v: Any) -> bool:
+    """JSON integer: bool is a subclass of int in Python but never a valid count or id."""
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+_INT_FIELDS = ("max_new_tokens", "min_new_tokens", "top_k", "n", "stream_interval")
+_FLOAT_FIELDS = (
+    "temperature",
+    "top_p",
+    "min_p",
+    "frequency_penalty",
+    "presence_penalty",
+    "repetition_penalty",
+)
+_BOOL_FIELDS = (
+    "ignore_eos",
+    "skip_special_tokens",
+    "spaces_between_special_tokens",
+    "no_stop_trim",
+)
+_GRAMMAR_FIELDS = ("json_schema", "regex", "ebnf")
+_ALIASES = {"seed": "sampling_seed"}
+_KNOWN = set(SamplingParams.__struct_fields__) | set(_ALIASES)
+
+
+class _Checker:
+    """Reads one sampling_params dict field by field; JSON null means "use the default"."""
+
+    def __init__(self, d: dict, prefix: str, vocab_size: int) -> None:
+        self.d = d
+        self.prefix = prefix
+        self.vocab_size = vocab_size
+        self.out: dict[str, Any] = {}
+
+    def fail(self, name: str, message: str) -> ValidationError:
+        return ValidationError(f"{self.prefix}.{name}", message)
+
+    def build(self) -> SamplingParams:
+        for key in self.d:
+            if key not in _KNOWN:
+                raise self.fail(key_name(key), "is not a known sampling parameter")
+        self._scalars()
+        self._ranges()
+        self._stop()
+        self._logit_bias()
+        self._seed()
+        self._grammar()
+        return SamplingParams(**self.out)
+
+    def _present(self, name: str) -> bool:
+        return self.d.get(name) is not None
+
+    def _scalars(self) -> None:
+        for name in _INT_FIELDS:
+            if self._present(name):
+                v = self.d[name]
+                if not is_int(v):
+                    raise self.fail(name, f"must be an integer, got {_type_name(v)}")
+                if not fits_int64(v):  # msgpack on the IPC wire carries at most 64 bits
+                    raise self.fail(name, f"must fit in a 64-bit integer, got {short(v)}")
+                self.out[name] = v
+        for name in _FLOAT_FIELDS:
+            if self._present(name):
+                v = self.d[name]
+                if not is_number(v):
+                    raise self.fail(name, f"must be a number, got {_type_name(v)}")
+                f = finite_float(v)
+                if f is None:
+                    raise self.fail(name, f"must be finite, got {short(v)}")
+                self.out[name] = f
+        for name in _BOOL_FIELDS:
+            if self._present(name):
+                v = self.d[name]
+                if not isinstance(v, bool):
+                    raise self.fail(name, f"must be a boolean, got {_type_name(v)}")
+                self.out[name] = v
+
+    def _ranges(self) -> None:
+        p = SamplingParams(**self.out)  # defaults filled in; ranges checked on final values
+        for name in ("max_new_tokens", "min_new_tokens"):
+            v = getattr(p, name)
+            self._check(v >= 0, name, f"must be >= 0, got {v}")
+        self._check(
+            p.min_new_tokens <= p.max_new_tokens,
+            "min_new_tokens",
+            f"must be <= max_new_tokens ({p.max_new_tokens}), got {p.min_new_tokens}",
+        )
+        self._check(p.temperature >= 0, "temperature", f"must be >= 0, got {_num(p.temperature)}")
+        self._check(0 < p.top_p <= 1, "top_p", f"must be in (0, 1], got {_num(p.top_p)}")
+        self._check(
+            p.top_k == -1 or p.top_k >= 1, "top_k", f"must be -1 (all) or >= 1, got {p.top_k}"
+        )
+        self._check(0 <= p.min_p <= 1, "min_p", f"must be in [0, 1], got {_num(p.min_p)}")
+        for name in ("frequency_penalty", "presence_penalty"):
+            v = getattr(p, name)
+            self._check(-2 <= v <= 2, name, f"must be in [-2, 2], got {_num(v)}")
+        rp = p.repetition_penalty
+        self._check(0 < rp <= 2, "repetition_penalty", f"must be in (0, 2], got {_num(rp)}")
+        self._check(1 <= p.n <= MAX_N, "n", f"must be in [1, {MAX_N}], got {p.n}")
+        si = p.stream_interval
+        self._check(si is None or si >= 1, "stream_interval", f"must be >= 1, got {si}")
+        if p.top_k >= self.vocab_size:
+            self.out["top_k"] = -1  # a k covering the whole vocabulary is "all"; saves a top-k pass
+
+    def _check(self, ok: bool, name: str, message: str) -> None:
+        if not ok:
+            raise self.fail(name, message)
+
+    def _stop(self) -> None:
+        if self._present("stop"):
+            self.out["stop"] = self._stop_strings(self.d["stop"])
+        if self._present("stop_token_ids"):
+            ids = self.d["stop_token_ids"]
+            if not isinstance(ids, list):
+                got = _type_name(ids)
+                raise self.fail("stop_token_ids", f"must be a list of integers, got {got}")
+            for i, t in enumerate(ids):
+                self._token_id(f"stop_token_ids[{i}]", t)
+            self.out["stop_token_ids"] = list(ids)
+
+    def _stop_strings(self, stop: Any) -> list[str]:
+        # SGLang accepts a bare string as a one-element list.
+        items = [stop] if isinstance(stop, str) else stop
+        if not isinstance(items, list):
+            got = _type_name(stop)
+            raise self.fail("stop", f"must be a string or a list of strings, got {got}")
+        if len(items) > MAX_STOP_STRINGS:
+            raise self.fail("stop", f"has {len(items)} entries, at most {MAX_STOP_STRINGS} allowed")
+        for i, s in enumerate(items):
+            if not isinstance(s, str):
+                raise self.fail(f"stop[{i}]", f"must be a string, got {_type_name(s)}")
+            if not s:  # an empty stop string would match before the first token
+                raise self.fail(f"stop[{i}]", "must not be empty")
+        return list(items)
+
+    def _token_id(self, name: str, t: Any) -> int:
+        if not is_int(t):
+            raise self.fail(name, f"must be an integer token id, got {_type_name(t)}")
+        if not 0 <= t < self.vocab_size:
+            raise self.fail(name, f"must be in [0, {self.vocab_size}), got {short(t)}")
+        return t
+
+    def _logit_bias(self) -> None:
+        if not self._present("logit_bias"):
+            return
+        bias = self.d["logit_bias"]
+        if not isinstance(bias, dict):
+            got = _type_name(bias)
+            raise self.fail("logit_bias", f"must be an object of token id -> bias, got {got}")
+        out: dict[int, float] = {}
+        for key, v in bias.items():
+            name = f"logit_bias[{short(key, 30)}]"
+            tid = self._token_id(name, _bias_key(key))
+            f = finite_float(v)
+            if f is None:
+                raise self.fail(name, f"must be a finite number, got {short(v)}")
+            out[tid] = f
+        self.out["logit_bias"] = out or None
+
+    def _seed(self) -> None:
+        given = [k for k in ("sampling_seed", "seed") if self._present(k)]
+        if len(given) == 2 and self.d["seed"] != self.d["sampling_seed"]:
+            raise self.fail("seed", "conflicts with sampling_seed; give only one")
+        if not given:
+            return
+        v = self.d[given[0]]
+        if not is_int(v) or not fits_int64(v):
+            raise self.fail(given[0], f"must be a 64-bit integer, got {short(v)}")
+        self.out["sampling_seed"] = v
+
+    def _grammar(self) -> None:
+        given = [k for k in _GRAMMAR_FIELDS if self._present(k)]
+        if len(given) > 1:
+            others = ", ".join(_GRAMMAR_FIELDS)
+            raise self.fail(given[1], f"cannot be combined with {given[0]}; give one of {others}")
+        for name in given:
+            v = self.d[name]
+            if name == "json_schema" and isinstance(v, dict):
+                v = orjson.dumps(v).decode()  # accept an inline schema object for convenience
+            if not isinstance(v, str):
+                raise self.fail(name, f"must be a string, got {_type_name(v)}")
+            self.out[name] = v
+
+
+_INT_KEY = re.compile(r"-?[0-9]{1,19}")
+
+
+def _bias_key(key: Any) -> Any:
+    """JSON object keys are strings: accept "123" (and ints from Python callers).
+
+    The length cap keeps int() away from Python's huge-string guard (a ValueError).
+    """
+    if isinstance(key, str) and _INT_KEY.fullmatch(key.strip()):
+        return int(key.strip())
+    return key
+
+
+def finite_float(v: Any) -> float | None:
+    """float(v) if v is a finite JSON number, else None (huge ints overflow float)."""
+    if not is_number(v):
+        return None
+    try:
+        f = float(v)
+    except OverflowError:
+        return None
+    return f if math.isfinite(f) else None
+
+
+def fits_int64(v: int) -> bool:
+    return INT64_MIN <= v <= INT64_MAX
+
+
+def _num(v: float) -> str:
+    """Print 2.0 as 2 so messages read like the request ("got -1", not "got -1.0")."""
+    return str(int(v)) if v.is_integer() and abs(v) < 1e15 else repr(v)

@@ -1,0 +1,88 @@
+"""Batched sampling: greedy, temperature, top-k, top-p, min-p, with a per-request seed.
+
+Randomness is counter-based: the noise for (seed, position, token id) is a hash of the three, so
+a seeded request samples the same tokens whatever else shares its batch. Unseeded requests get
+a random seed when they are created, which keeps one code path.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_MASK32 = 0xFFFFFFFF
+
+
+@dataclass
+class SamplingBatchInfo:
+    temperatures: torch.Tensor  # [B] float32; greedy rows hold 1.0 and are flagged in is_greedy
+    top_ps: torch.Tensor  # [B] float32
+    top_ks: torch.Tensor  # [B] int64, vocab size where unset
+    min_ps: torch.Tensor  # [B] float32
+    seeds: torch.Tensor  # [B] int64 (32-bit values)
+    is_greedy: torch.Tensor  # [B] bool
+    all_greedy: bool
+    need_top_p_k: bool
+    need_min_p: bool
+
+    @staticmethod
+    def build(temperatures: list[float], top_ps: list[float], top_ks: list[int], min_ps: list[float],
+              seeds: list[int], vocab_size: int, device: torch.device | str = "cpu") -> "SamplingBatchInfo":
+        greedy = [t < 1e-6 or k == 1 for t, k in zip(temperatures, top_ks)]
+        ks = [vocab_size if (k is None or k < 0 or k > vocab_size) else k for k in top_ks]
+        return SamplingBatchInfo(
+            temperatures=torch.tensor([1.0 if g else t for g, t in zip(greedy, temperatures)], dtype=torch.float32, device=device),
+            top_ps=torch.tensor(top_ps, dtype=torch.float32, device=device),
+            top_ks=torch.tensor(ks, dtype=torch.int64, device=device),
+            min_ps=torch.tensor(min_ps, dtype=torch.float32, device=device),
+            seeds=torch.tensor([s & _MASK32 for s in seeds], dtype=torch.int64, device=device),
+            is_greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
+            all_greedy=all(greedy),
+            need_top_p_k=any(p < 1.0 for p in top_ps) or any(k < vocab_size for k in ks),
+            need_min_p=any(p > 0.0 for p in min_ps),
+        )
+
+
+def sample(logits: torch.Tensor, info: SamplingBatchInfo, positions: torch.Tensor) -> torch.Tensor:
+    """logits [B, V] float32; positions [B] is the position each sampled token will take. Returns [B] int64."""
+    greedy_ids = logits.argmax(dim=-1)
+    if info.all_greedy:
+        return greedy_ids
+    probs = torch.softmax(logits / info.temperatures[:, None], dim=-1)
+    noise = _exponential_noise(info.seeds, positions, logits.shape[1])
+    if info.need_top_p_k or info.need_min_p:
+        sorted_probs, sorted_ids = probs.sort(dim=-1, descending=True)
+        keep = _keep_mask(sorted_probs, info)
+        race = torch.where(keep, sorted_probs / noise.gather(1, sorted_ids), torch.zeros_like(sorted_probs))
+        sampled = sorted_ids.gather(1, race.argmax(dim=-1, keepdim=True)).squeeze(1)
+    else:
+        sampled = (probs / noise).argmax(dim=-1)
+    return torch.where(info.is_greedy, greedy_ids, sampled)
+
+
+def _keep_mask(sorted_probs: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
+    ranks = torch.arange(sorted_probs.shape[1], device=sorted_probs.device)[None, :]
+    keep = ranks < info.top_ks[:, None]
+    cum_before = sorted_probs.cumsum(dim=-1) - sorted_probs  # mass strictly above this token
+    keep &= cum_before < info.top_ps[:, None]
+    keep &= sorted_probs >= info.min_ps[:, None] * sorted_probs[:, :1]
+    keep[:, 0] = True  # the most likely token always survives
+    return keep
+
+
+def _fmix32(h: torch.Tensor) -> torch.Tensor:
+    """murmur3's finalizer on 32-bit values held in int64 (products wrap; the low 32 bits stay exact)."""
+    h = h ^ (h >> 16)
+    h = (h * 0x85EBCA6B) & _MASK32
+    h = h ^ (h >> 13)
+    h = (h * 0xC2B2AE35) & _MASK32
+    return h ^ (h >> 16)
+
+
+def _exponential_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Exp(1) noise per (row, token); argmax(p / noise) samples from p (the exponential race)."""
+    row_key = _fmix32(_fmix32(seeds ^ 0x5BD1E995) ^ (positions.to(torch.int64) & _MASK32))
+    token_ids = torch.arange(vocab, device=seeds.device, dtype=torch.int64)
+    bits = _fmix32(row_key[:, None] ^ ((token_ids[None, :] * 0x27D4EB2F) & _MASK32))
+    uniform = (bits.to(torch.float64) + 0.5) / 4294967296.0
+    return (-torch.log(uniform)).to(torch.float32)

@@ -1,0 +1,405 @@
+"""Normalize and validate a native `/generate` body (SGLang `GenerateReqInput` semantics).
+
+`normalize_generate_request` turns a single or batched body into one `GenerateItem` per prompt,
+every field checked; any problem is a `ValidationError` whose text names the field (HTTP 400).
+`n > 1` is not expanded here: it stays in `sampling_params.n` for the tokenizer manager.
+
+Top-level keys: the ones below are handled; a small allowlist of other SGLang fields
+(`IGNORED_KEYS`: LoRA, disaggregation, DP routing, logging, hidden states, ...) is accepted and
+dropped, so SGLang clients and the SGLang Model Gateway work unchanged; media and session
+inputs (`MEDIA_KEYS`) are accepted only when empty, because silently dropping an image would
+change the answer; anything else is a 400 naming the key, which catches typos like `max_tokens`.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections import Counter
+from collections.abc import Callable, Collection
+from typing import Any
+
+import msgspec
+
+from tandem.runtime.sampling.params import (
+    SamplingParams,
+    ValidationError,
+    fits_int64,
+    is_int,
+    key_name,
+    short,
+)
+
+__all__ = [
+    "GenerateItem",
+    "NormalizedBatch",
+    "ValidationError",
+    "check_rid_free",
+    "normalize_generate_request",
+]
+
+HANDLED_KEYS = frozenset(
+    {
+        "text", "input_ids", "sampling_params", "rid", "stream", "return_logprob",
+        "logprob_start_len", "top_logprobs_num", "token_ids_logprob", "return_text_in_logprobs",
+        "priority", "extra_key", "return_flat_raw_top_logprobs",
+        "return_flat_raw_output_top_logprobs", "return_flat_raw_top_logprobs_b64",
+    }
+)  # fmt: skip
+IGNORED_KEYS = frozenset(
+    {
+        "lora_path", "lora_id", "return_hidden_states", "return_routed_experts",
+        "custom_logit_processor", "bootstrap_host", "bootstrap_port", "bootstrap_room",
+        "bootstrap_pair_key", "decode_tp_size", "data_parallel_rank", "routed_dp_rank",
+        "disagg_prefill_dp_rank", "log_metrics", "no_logs", "custom_labels", "conversation_id",
+        "routing_key", "received_time", "external_trace_header", "return_entropy",
+        "return_sampling_mask", "modalities",
+    }
+)  # fmt: skip
+MEDIA_KEYS = frozenset(
+    {"image_data", "video_data", "audio_data", "input_embeds", "session_params"}
+)
+FLAT_FLAGS = ("return_flat_raw_top_logprobs", "return_flat_raw_output_top_logprobs")
+
+
+class GenerateItem(msgspec.Struct, kw_only=True):
+    """One validated prompt of a /generate call."""
+
+    rid: str
+    input_ids: list[int]
+    text: str | None
+    sampling_params: SamplingParams
+    stream: bool = False
+    return_logprob: bool = False
+    logprob_start_len: int = -1
+    top_logprobs_num: int = 0
+    token_ids_logprob: list[int] | None = None
+    return_text_in_logprobs: bool = False
+    priority: int | None = None
+    extra_key: str | None = None
+    return_flat_raw_top_logprobs: bool = False
+    return_flat_raw_output_top_logprobs: bool = False
+    return_flat_raw_top_logprobs_b64: bool = False
+
+
+class NormalizedBatch(msgspec.Struct, kw_only=True):
+    """`is_batch` tells the response formatter to answer with a list."""
+
+    is_batch: bool
+    items: list[GenerateItem]
+
+
+def check_rid_free(rid: str, running: Collection[str]) -> None:
+    """The tokenizer manager calls this: a rid may not be reused while it is still running."""
+    if rid in running:
+        raise ValidationError("rid", f"{rid!r} is already used by a running request")
+
+
+def normalize_generate_request(
+    body: Any,
+    *,
+    vocab_size: int,
+    context_len: int,
+    tokenize: Callable[[str], list[int]],
+) -> NormalizedBatch:
+    if not isinstance(body, dict):
+        raise ValidationError("body", f"must be a JSON object, got {_type_name(body)}")
+    _check_keys(body)
+    prompts, is_batch = _prompts(body)
+    n = len(prompts)
+    shared = _shared_flags(body)
+    rids = _rids(body.get("rid"), n, is_batch)
+    params = _sampling_params(body.get("sampling_params"), n, is_batch, vocab_size)
+    return_logprob = _per_item(body, "return_logprob", n, is_batch, False, _bool)
+    start_lens = _per_item(body, "logprob_start_len", n, is_batch, -1, _start_len)
+    top_nums = _per_item(body, "top_logprobs_num", n, is_batch, 0, _top_num(vocab_size))
+    token_lists = _token_ids_logprob(body.get("token_ids_logprob"), n, is_batch, vocab_size)
+    extra_keys = _per_item(body, "extra_key", n, is_batch, None, _extra_key)
+    items = []
+    for i, (field, prompt) in enumerate(prompts):
+        ids, text = _prompt_ids(field, prompt, tokenize, vocab_size)
+        sp_field, sp = params[i]
+        _fit_context(field, len(ids), sp_field, sp, _explicit_max_new(body, i), context_len)
+        start_field, start = start_lens[i]
+        if return_logprob[i][1] and start > len(ids):
+            msg = f"must be <= the prompt length ({len(ids)} tokens), got {start}"
+            raise ValidationError(start_field, msg)
+        items.append(
+            GenerateItem(
+                rid=rids[i],
+                input_ids=ids,
+                text=text,
+                sampling_params=sp,
+                return_logprob=return_logprob[i][1],
+                logprob_start_len=start,
+                top_logprobs_num=top_nums[i][1],
+                token_ids_logprob=token_lists[i],
+                extra_key=extra_keys[i][1],
+                **shared,
+            )
+        )
+    return NormalizedBatch(is_batch=is_batch, items=items)
+
+
+def _type_name(v: Any) -> str:
+    return "null" if v is None else type(v).__name__
+
+
+def _check_keys(body: dict) -> None:
+    for key, value in body.items():
+        if key in HANDLED_KEYS or key in IGNORED_KEYS:
+            continue
+        if key in MEDIA_KEYS:
+            if _is_empty(value):
+                continue
+            raise ValidationError(key, "is not supported by this server (text-only)")
+        raise ValidationError(key_name(key), "is not a known /generate field")
+
+
+def _is_empty(v: Any) -> bool:
+    """None, "", {} or (nested) lists of those; iterative so deep nesting cannot recurse."""
+    stack = [v]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, list):
+            stack.extend(x)
+        elif not (x is None or x == {} or x == ""):
+            return False
+    return True
+
+
+# ---- prompts -----------------------------------------------------------------------------
+
+Prompt = tuple[str, Any]  # (field name for messages, raw text str or raw id list)
+
+
+def _prompts(body: dict) -> tuple[list[Prompt], bool]:
+    text, ids = body.get("text"), body.get("input_ids")
+    if text is not None and ids is not None:
+        raise ValidationError("input_ids", "cannot be combined with text; give exactly one")
+    if text is None and ids is None:
+        raise ValidationError("text", "is required (or give input_ids)")
+    if text is not None:
+        return _text_prompts(text)
+    return _ids_prompts(ids)
+
+
+def _text_prompts(text: Any) -> tuple[list[Prompt], bool]:
+    if isinstance(text, str):
+        return [("text", text)], False
+    if not isinstance(text, list):
+        got = _type_name(text)
+        raise ValidationError("text", f"must be a string or a list of strings, got {got}")
+    if not text:
+        raise ValidationError("text", "must not be an empty list")
+    for i, t in enumerate(text):
+        if not isinstance(t, str):
+            raise ValidationError(f"text[{i}]", f"must be a string, got {_type_name(t)}")
+    return [(f"text[{i}]", t) for i, t in enumerate(text)], True
+
+
+def _ids_prompts(ids: Any) -> tuple[list[Prompt], bool]:
+    if not isinstance(ids, list):
+        got = _type_name(ids)
+        raise ValidationError("input_ids", f"must be a list of token ids, got {got}")
+    if not ids:
+        raise ValidationError("input_ids", "must not be empty")
+    if not isinstance(ids[0], list):
+        return [("input_ids", ids)], False  # element types are checked with the ids
+    for i, row in enumerate(ids):
+        if not isinstance(row, list):
+            got = _type_name(row)
+            raise ValidationError(f"input_ids[{i}]", f"must be a list of token ids, got {got}")
+    return [(f"input_ids[{i}]", row) for i, row in enumerate(ids)], True
+
+
+def _prompt_ids(
+    field: str, prompt: Any, tokenize: Callable[[str], list[int]], vocab_size: int
+) -> tuple[list[int], str | None]:
+    if isinstance(prompt, str):
+        if not prompt:
+            raise ValidationError(field, "must not be empty")
+        ids = list(tokenize(prompt))
+        if not ids:
+            raise ValidationError(field, "tokenizes to zero tokens")
+        return ids, prompt
+    if not prompt:
+        raise ValidationError(field, "must not be empty")
+    for j, t in enumerate(prompt):
+        if not is_int(t):
+            got = _type_name(t)
+            raise ValidationError(f"{field}[{j}]", f"must be an integer token id, got {got}")
+        if not 0 <= t < vocab_size:
+            raise ValidationError(f"{field}[{j}]", f"must be in [0, {vocab_size}), got {short(t)}")
+    return list(prompt), None
+
+
+def _explicit_max_new(body: dict, i: int) -> bool:
+    sp = body.get("sampling_params")
+    d = sp[i] if isinstance(sp, list) else sp
+    return isinstance(d, dict) and d.get("max_new_tokens") is not None
+
+
+def _fit_context(
+    field: str, prompt_len: int, sp_field: str, sp: SamplingParams, explicit: bool, ctx: int
+) -> None:
+    """prompt + max_new_tokens must fit the context. Like SGLang, only an explicit
+    max_new_tokens is an error; the default (128) is clamped to the room that is left."""
+    if prompt_len > ctx:
+        msg = f"has {prompt_len} tokens, more than the context length ({ctx})"
+        raise ValidationError(field, msg)
+    if not explicit and prompt_len + sp.max_new_tokens > ctx:
+        sp.max_new_tokens = ctx - prompt_len
+        if sp.min_new_tokens > sp.max_new_tokens:
+            msg = (
+                f"is {sp.min_new_tokens}, but only {sp.max_new_tokens} tokens fit after the "
+                f"{prompt_len}-token prompt (context length {ctx})"
+            )
+            raise ValidationError(f"{sp_field}.min_new_tokens", msg)
+    max_new = sp.max_new_tokens
+    if prompt_len + max_new > ctx:
+        msg = (
+            f"is {max_new}; with the {prompt_len}-token prompt that is {prompt_len + max_new} "
+            f"tokens, more than the context length ({ctx})"
+        )
+        raise ValidationError(f"{sp_field}.max_new_tokens", msg)
+
+
+# ---- per-request fields ------------------------------------------------------------------
+
+
+def _rids(rid: Any, n: int, is_batch: bool) -> list[str]:
+    if rid is None:
+        return [uuid.uuid4().hex for _ in range(n)]
+    if isinstance(rid, str):
+        if not rid:
+            raise ValidationError("rid", "must not be empty")
+        # SGLang: a string rid for a batch is a prefix, item i gets "<rid>_<i>".
+        return [f"{rid}_{i}" for i in range(n)] if is_batch else [rid]
+    if not is_batch or not isinstance(rid, list):
+        want = "a string or a list of strings" if is_batch else "a string"
+        raise ValidationError("rid", f"must be {want}, got {_type_name(rid)}")
+    _check_len("rid", rid, n)
+    for i, r in enumerate(rid):
+        if not isinstance(r, str) or not r:
+            raise ValidationError(f"rid[{i}]", f"must be a non-empty string, got {short(r)}")
+    dups = [r for r, c in Counter(rid).items() if c > 1]
+    if dups:
+        raise ValidationError("rid", f"has duplicate request ids in the batch: {short(dups)}")
+    return list(rid)
+
+
+def _check_len(field: str, values: list, n: int) -> None:
+    if len(values) != n:
+        raise ValidationError(field, f"has {len(values)} entries but the batch has {n} prompts")
+
+
+def _sampling_params(
+    sp: Any, n: int, is_batch: bool, vocab_size: int
+) -> list[tuple[str, SamplingParams]]:
+    if is_batch and isinstance(sp, list):
+        _check_len("sampling_params", sp, n)
+        fields = [f"sampling_params[{i}]" for i in range(n)]
+        return [
+            (f, SamplingParams.from_request(d, vocab_size, field=f)) for f, d in zip(fields, sp)
+        ]
+    shared = SamplingParams.from_request(sp, vocab_size)
+    # Shallow copies: a per-item scalar edit (e.g. clamping max_new_tokens) must not leak into
+    # siblings; the lists inside are never mutated after validation.
+    return [("sampling_params", msgspec.structs.replace(shared)) for _ in range(n)]
+
+
+Checker = Callable[[str, Any], Any]
+
+
+def _per_item(
+    body: dict, name: str, n: int, is_batch: bool, default: Any, check: Checker
+) -> list[tuple[str, Any]]:
+    """SGLang per-item fields: a scalar shared by the batch, or (batch only) one per prompt."""
+    v = body.get(name)
+    if v is None:
+        return [(name, default)] * n
+    if is_batch and isinstance(v, list):
+        _check_len(name, v, n)
+        return [(f"{name}[{i}]", check(f"{name}[{i}]", x)) for i, x in enumerate(v)]
+    return [(name, check(name, v))] * n
+
+
+def _bool(field: str, v: Any) -> bool:
+    if not isinstance(v, bool):
+        raise ValidationError(field, f"must be a boolean, got {_type_name(v)}")
+    return v
+
+
+def _int(field: str, v: Any) -> int:
+    if not is_int(v):
+        raise ValidationError(field, f"must be an integer, got {_type_name(v)}")
+    if not fits_int64(v):
+        raise ValidationError(field, f"must fit in a 64-bit integer, got {short(v)}")
+    return v
+
+
+def _start_len(field: str, v: Any) -> int:
+    if _int(field, v) < -1:
+        raise ValidationError(field, f"must be >= -1 (-1 = output tokens only), got {v}")
+    return v
+
+
+def _top_num(vocab_size: int) -> Checker:
+    def check(field: str, v: Any) -> int:
+        if not 0 <= _int(field, v) <= vocab_size:
+            raise ValidationError(field, f"must be in [0, {vocab_size}], got {v}")
+        return v
+
+    return check
+
+
+def _extra_key(field: str, v: Any) -> str | None:
+    if not isinstance(v, str):
+        raise ValidationError(field, f"must be a string, got {_type_name(v)}")
+    return v or None  # SGLang: an empty extra_key means no namespace
+
+
+def _token_ids_logprob(
+    v: Any, n: int, is_batch: bool, vocab_size: int
+) -> list[list[int] | None]:
+    if v is None or v == []:
+        return [None] * n
+    if not isinstance(v, list):
+        got = _type_name(v)
+        raise ValidationError("token_ids_logprob", f"must be a list of token ids, got {got}")
+    if is_batch and isinstance(v[0], list):
+        _check_len("token_ids_logprob", v, n)
+        return [_id_list(f"token_ids_logprob[{i}]", row, vocab_size) for i, row in enumerate(v)]
+    return [_id_list("token_ids_logprob", v, vocab_size)] * n
+
+
+def _id_list(field: str, v: Any, vocab_size: int) -> list[int] | None:
+    if v is None or v == []:
+        return None
+    if not isinstance(v, list):
+        raise ValidationError(field, f"must be a list of token ids, got {_type_name(v)}")
+    for j, t in enumerate(v):
+        if not is_int(t) or not 0 <= t < vocab_size:
+            msg = f"must be a token id in [0, {vocab_size}), got {short(t)}"
+            raise ValidationError(f"{field}[{j}]", msg)
+    return list(v)
+
+
+# ---- batch-wide fields -------------------------------------------------------------------
+
+
+def _shared_flags(body: dict) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    names = ("stream", "return_text_in_logprobs", *FLAT_FLAGS, "return_flat_raw_top_logprobs_b64")
+    for name in names:
+        v = body.get(name)
+        out[name] = False if v is None else _bool(name, v)
+    if out["return_flat_raw_top_logprobs_b64"] and not any(out[f] for f in FLAT_FLAGS):
+        msg = f"requires {FLAT_FLAGS[0]} or {FLAT_FLAGS[1]}"
+        raise ValidationError("return_flat_raw_top_logprobs_b64", msg)
+    if out["return_flat_raw_output_top_logprobs"] and out["stream"]:
+        msg = "cannot be used with stream=true (output arrays are built once, at the end)"
+        raise ValidationError("return_flat_raw_output_top_logprobs", msg)
+    priority = body.get("priority")
+    out["priority"] = None if priority is None else _int("priority", priority)
+    return out

@@ -1,0 +1,121 @@
+"""ServerArgs: one frozen dataclass built from CLI flags, a TOML preset, or keyword arguments."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import tomllib
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "default.toml"
+
+
+@dataclass(frozen=True)
+class ServerArgs:
+    model_path: str | None = None  # None = the embedded SmolLM2-135M-Instruct
+    tokenizer_path: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 30000
+    tp_size: int = 1
+    dtype: str = "auto"  # auto = float32 on CPU, bfloat16 on GPU
+    device: str = "auto"  # auto = cuda when available
+    attention_backend: str = "auto"  # auto = triton on CUDA, torch on CPU
+    max_total_tokens: int | None = None
+    mem_fraction_static: float | None = None
+    max_running_requests: int = 128
+    max_queued_requests: int | None = None
+    max_prefill_tokens: int = 8192
+    chunked_prefill_size: int = 2048
+    context_length: int | None = None
+    schedule_policy: str = "fcfs"
+    enable_priority_scheduling: bool = False
+    priority_preemption: bool = False
+    disable_radix_cache: bool = False
+    disable_overlap_schedule: bool = False
+    request_timeout: float | None = None
+    max_request_bytes: int = 64 * 1024 * 1024
+    stream_interval: int = 1
+    log_level: str = "info"
+    random_seed: int = 0
+    served_model_name: str | None = None
+    skip_tokenizer_init: bool = False
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        checks = {
+            "schedule_policy": self.schedule_policy in ("fcfs", "lpm"),
+            "dtype": self.dtype in ("auto", "float32", "bfloat16", "float16"),
+            "attention_backend": self.attention_backend in ("auto", "torch", "triton"),
+            "chunked_prefill_size": self.chunked_prefill_size > 0 or self.chunked_prefill_size == -1,
+            "max_running_requests": self.max_running_requests > 0,
+            "tp_size": self.tp_size >= 1,
+        }
+        bad = [name for name, ok in checks.items() if not ok]
+        if bad:
+            raise ValueError(f"invalid server argument {bad[0]}={getattr(self, bad[0])!r}")
+
+    # -- resolved views -------------------------------------------------------------------------
+    def resolved_device(self) -> str:
+        if self.device != "auto":
+            return self.device
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+    def resolved_dtype(self) -> str:
+        if self.dtype != "auto":
+            return self.dtype
+        return "float32" if self.resolved_device() == "cpu" else "bfloat16"
+
+    def resolved_attention_backend(self) -> str:
+        if self.attention_backend != "auto":
+            return self.attention_backend
+        return "torch" if self.resolved_device() == "cpu" else "triton"
+
+    def replace(self, **changes: Any) -> "ServerArgs":
+        return dataclasses.replace(self, **changes)
+
+    # -- construction ---------------------------------------------------------------------------
+    @staticmethod
+    def from_toml(path: str | Path, **overrides: Any) -> "ServerArgs":
+        data = tomllib.loads(Path(path).read_text())
+        flat = {**data.get("model", {}), **data.get("server", {}), **{k: v for k, v in data.items() if not isinstance(v, dict)}}
+        return ServerArgs.from_dict({**flat, **overrides})
+
+    @staticmethod
+    def from_dict(values: dict[str, Any]) -> "ServerArgs":
+        names = {f.name for f in fields(ServerArgs)}
+        unknown = sorted(k for k in values if k.replace("-", "_") not in names)
+        if unknown:
+            raise ValueError(f"unknown server argument(s): {', '.join(unknown)}")
+        return ServerArgs(**{k.replace("-", "_"): v for k, v in values.items()})
+
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("--config", type=str, default=None, help="TOML preset (flags given here override it)")
+        for f in fields(ServerArgs):
+            if f.name == "extra":
+                continue
+            flag = "--" + f.name.replace("_", "-")
+            if f.type in ("bool", bool):
+                parser.add_argument(flag, action="store_true", default=None)
+            else:
+                parser.add_argument(flag, type=_cli_type(f.type), default=None)
+
+    @staticmethod
+    def from_cli_args(ns: argparse.Namespace) -> "ServerArgs":
+        given = {f.name: getattr(ns, f.name) for f in fields(ServerArgs)
+                 if f.name != "extra" and getattr(ns, f.name, None) is not None}
+        if getattr(ns, "config", None):
+            return ServerArgs.from_toml(ns.config, **given)
+        return ServerArgs(**given)
+
+
+def _cli_type(type_name: Any):
+    text = str(type_name)
+    if text.startswith("int"):
+        return int
+    if text.startswith("float"):
+        return float
+    return str

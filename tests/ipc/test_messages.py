@@ -1,0 +1,127 @@
+"""Message structs: tagged-union config, field contracts and helpers."""
+from __future__ import annotations
+
+import gc
+
+import msgspec
+import numpy as np
+import pytest
+
+from tandem.ipc import messages as m
+from tandem.ipc.codec import WireError, decode, encode
+from tandem.runtime.sampling.params import SamplingParams
+
+
+def _req(**kw: object) -> m.TokenizedGenerateReq:
+    base: dict[str, object] = dict(
+        rid="a", input_ids=[1, 2, 3], sampling_params=SamplingParams(), stream=False,
+        created_time=0.0,
+    )
+    base.update(kw)
+    return m.TokenizedGenerateReq(**base)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("cls", m.MESSAGE_TYPES, ids=lambda c: c.__name__)
+def test_every_message_is_a_tagged_gc_free_struct(cls: type) -> None:
+    cfg = cls.__struct_config__
+    assert issubclass(cls, msgspec.Struct)
+    assert cfg.tag == cls.__name__ and cfg.tag_field == "type"
+    assert cfg.gc is False
+
+
+@pytest.mark.parametrize("cls", m.MESSAGE_TYPES, ids=lambda c: c.__name__)
+def test_every_message_is_keyword_only(cls: type) -> None:
+    if cls.__struct_fields__:
+        with pytest.raises(TypeError):
+            cls("positional")
+
+
+def test_union_lists_each_message_once() -> None:
+    names = [t.__name__ for t in m.MESSAGE_TYPES]
+    assert len(names) == len(set(names)) == 11
+    assert "FinishReason" not in names  # nested only, never top-level
+
+
+def test_gc_free_instances_are_not_tracked() -> None:
+    assert not gc.is_tracked(m.AbortReq(rid="x"))
+
+
+def test_sampling_params_is_the_runtime_struct() -> None:
+    assert m.TokenizedGenerateReq.__annotations__["sampling_params"] in (
+        SamplingParams, "SamplingParams",
+    )
+    out = decode(encode(_req(sampling_params=SamplingParams(top_k=5))))
+    assert isinstance(out.sampling_params, SamplingParams) and out.sampling_params.top_k == 5
+
+
+def test_input_ids_are_coerced_to_int32() -> None:
+    req = _req(input_ids=[1, 2, 3])
+    assert isinstance(req.input_ids, np.ndarray) and req.input_ids.dtype == np.int32
+    ids = np.arange(3, dtype=np.int32)
+    assert _req(input_ids=ids).input_ids is ids  # no copy when already int32
+
+
+def test_2d_input_ids_are_rejected_on_build_and_decode() -> None:
+    with pytest.raises(ValueError, match="1-D"):
+        _req(input_ids=np.zeros((2, 2), dtype=np.int32))
+    good = _req()
+    good.input_ids = np.zeros((2, 2), dtype=np.int32)  # bypass __post_init__
+    with pytest.raises(WireError, match="1-D"):
+        decode(encode(good))
+
+
+def test_defaults() -> None:
+    a = m.AbortReq()
+    assert (a.rid, a.abort_all, a.finished_reason) == ("", False, None)
+    r = _req()
+    assert (r.return_logprob, r.logprob_start_len, r.top_logprobs_num) == (False, -1, 0)
+    assert r.token_ids_logprob is None and r.priority is None and r.extra_key is None
+    ready = m.ReadyMsg(role="detokenizer", pid=1)
+    assert ready.max_total_tokens == ready.context_len == ready.vocab_size == 0
+
+
+def test_empty_logprob_columns_are_not_on_the_wire() -> None:
+    out = m.BatchTokenIDOutput(
+        rids=["a"], finished_reasons=[None], new_token_ids=[np.array([1], dtype="<i4")],
+        prompt_tokens=[1], completion_tokens=[1], cached_tokens=[0],
+        skip_special_tokens=[True], spaces_between_special_tokens=[True],
+        no_stop_trim=[False], stop_strings=[[]],
+    )
+    buf = encode(out)
+    assert b"logprobs" not in buf
+    assert decode(buf).output_top_logprobs_val == []
+
+
+def test_str_output_is_not_a_token_output() -> None:
+    # dispatch by isinstance must not confuse the two batch outputs
+    assert not issubclass(m.BatchStrOutput, m.BatchTokenIDOutput)
+    assert "texts" in m.BatchStrOutput.__struct_fields__
+    assert "texts" not in m.BatchTokenIDOutput.__struct_fields__
+
+
+@pytest.mark.parametrize(
+    "reason, expected",
+    [
+        (m.FinishReason(type="stop", matched=2), {"type": "stop", "matched": 2}),
+        (m.FinishReason(type="stop", matched="\n"), {"type": "stop", "matched": "\n"}),
+        (m.FinishReason(type="length", length=16), {"type": "length", "length": 16}),
+        (
+            m.FinishReason(type="abort", message="bad", status_code=400),
+            {"type": "abort", "message": "bad", "status_code": 400, "err_type": None},
+        ),
+    ],
+)
+def test_finish_reason_json(reason: m.FinishReason, expected: dict) -> None:
+    assert reason.to_json() == expected
+
+
+def test_finish_reason_matched_keeps_int_vs_str() -> None:
+    cols = dict(
+        rids=["a", "b"], new_token_ids=[np.zeros(0, "<i4")] * 2, prompt_tokens=[1, 1],
+        completion_tokens=[0, 0], cached_tokens=[0, 0], skip_special_tokens=[True] * 2,
+        spaces_between_special_tokens=[True] * 2, no_stop_trim=[False] * 2,
+        stop_strings=[[], []],
+    )
+    reasons = [m.FinishReason(type="stop", matched=7), m.FinishReason(type="stop", matched="7")]
+    out = decode(encode(m.BatchTokenIDOutput(finished_reasons=reasons, **cols)))
+    assert [r.matched for r in out.finished_reasons] == [7, "7"]

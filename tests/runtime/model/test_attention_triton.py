@@ -1,0 +1,106 @@
+"""Triton attention backend vs the torch backend on a whole tiny model (prefill, chunked prefill
+over a cached prefix, greedy decode), plus the lazy-import and argument contracts."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tandem.runtime.cache.pools import KVPool, ReqToTokenPool, TokenAllocator
+from tandem.runtime.model.attention import TorchAttnBackend, create_attention_backend
+from tandem.runtime.model.attention_triton import TritonAttnBackend
+from tandem.runtime.model.config import ModelConfig
+from tandem.runtime.model.forward_batch import ForwardBatch, ForwardMode
+from tandem.runtime.model.llama import CausalLM
+
+CFG = ModelConfig(arch="LlamaForCausalLM", vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2,
+                  num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-6, rope_theta=10000.0,
+                  max_position=256, tie_word_embeddings=False, qkv_bias=False, qk_norm=False)
+MAX_CTX, POOL = 64, 256
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+class _Side:
+    """One backend with its own pools; both sides get identical slots so their KV layouts match."""
+
+    def __init__(self, name: str, dtype: torch.dtype) -> None:
+        self.kv = KVPool(POOL, CFG.num_layers, CFG.num_kv_heads, CFG.head_dim, dtype, DEVICE)
+        self.r2t = ReqToTokenPool(4, MAX_CTX, DEVICE)
+        if name == "triton":
+            # short splits so a 30-token request already decodes over several of them
+            self.attn = TritonAttnBackend(self.kv, self.r2t, min_split_len=8, max_kv_splits=4)
+        else:
+            self.attn = TorchAttnBackend(self.kv, self.r2t)
+
+
+def _run(model: CausalLM, sides: list[_Side], mode: ForwardMode, ids: list[int], rows: list[int],
+         prefix: list[int], extend: list[int], loc: torch.Tensor) -> list[torch.Tensor]:
+    """Set the req_to_token rows as the scheduler would, then run one pass per side."""
+    outs = []
+    for side in sides:
+        start = 0
+        for row, p, e in zip(rows, prefix, extend):
+            side.r2t.req_to_token[row, p:p + e] = loc[start:start + e].to(DEVICE)
+            start += e
+        batch = ForwardBatch.build(mode, ids, rows, prefix, extend, loc, device=DEVICE)
+        with torch.no_grad():
+            outs.append(model(batch, side.attn))
+    return outs
+
+
+def _tiny_model(dtype: torch.dtype) -> CausalLM:
+    torch.manual_seed(0)
+    model = CausalLM(CFG)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.1)
+        for name, p in model.named_parameters():
+            if name.endswith("layernorm.weight") or name == "norm.weight":
+                p.fill_(1.0)
+    return model.to(DEVICE, dtype).eval()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_tiny_model_prefill_then_decode_matches_torch_backend(dtype: torch.dtype) -> None:
+    model = _tiny_model(dtype)
+    sides = [_Side("torch", dtype), _Side("triton", dtype)]
+    alloc = TokenAllocator(POOL)
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, CFG.vocab_size, (n,), generator=gen).tolist() for n in (1, 7, 30)]
+    rows = [0, 1, 2]
+
+    # chunked prefill: request 2 first gets 20 tokens, then 10 more over its cached prefix
+    prefix, extend = [0, 0, 0], [1, 7, 20]
+    ids = prompts[0] + prompts[1] + prompts[2][:20]
+    ref, got = _run(model, sides, ForwardMode.EXTEND, ids, rows, prefix, extend, alloc.alloc(sum(extend)))
+    torch.testing.assert_close(got, ref, atol=tol, rtol=tol)
+    next_ids = ref.argmax(-1).tolist()[:2]  # requests 0 and 1 are fully prefilled
+    ref, got = _run(model, sides, ForwardMode.EXTEND, prompts[2][20:], [2], [20], [10], alloc.alloc(10))
+    torch.testing.assert_close(got, ref, atol=tol, rtol=tol)
+    next_ids += ref.argmax(-1).tolist()
+
+    lens = [len(p) for p in prompts]
+    for _ in range(4):
+        ref, got = _run(model, sides, ForwardMode.DECODE, next_ids, rows, lens, [1, 1, 1], alloc.alloc(3))
+        torch.testing.assert_close(got, ref, atol=tol, rtol=tol)
+        assert got.argmax(-1).tolist() == ref.argmax(-1).tolist()
+        next_ids = ref.argmax(-1).tolist()
+        lens = [n + 1 for n in lens]
+
+
+def test_backend_factory_and_lazy_triton_import() -> None:
+    code = ("import sys, tandem.runtime.model.attention, tandem.runtime.model.llama; "
+            "assert 'triton' not in sys.modules, 'torch path imported triton'")
+    subprocess.run([sys.executable, "-c", code], check=True)
+    kv, r2t = KVPool(8, 1, 1, 16, torch.float32, DEVICE), ReqToTokenPool(1, 8, DEVICE)
+    assert isinstance(create_attention_backend("triton", kv, r2t), TritonAttnBackend)
+
+
+def test_decode_rejects_multi_token_batch() -> None:
+    side = _Side("triton", torch.float32)
+    batch = ForwardBatch.build(ForwardMode.DECODE, [1, 2], [0], [3], [2], torch.tensor([1, 2]), device=DEVICE)
+    with pytest.raises(ValueError, match="decode batch has 2 tokens for 1 requests"):
+        side.attn.init_forward(batch)

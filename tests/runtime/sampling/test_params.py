@@ -1,0 +1,182 @@
+"""SamplingParams.from_request: defaults, conversions and every range rule."""
+
+from __future__ import annotations
+
+import math
+import pickle
+
+import msgspec
+import pytest
+
+from tandem.runtime.sampling.params import SamplingParams, ValidationError
+
+VOCAB = 1000
+
+
+def parse(d: object) -> SamplingParams:
+    return SamplingParams.from_request(d, VOCAB)
+
+
+def test_defaults_match_sglang() -> None:
+    p = parse({})
+    assert p == SamplingParams()
+    assert (p.max_new_tokens, p.min_new_tokens, p.temperature, p.top_p, p.top_k) == (
+        128, 0, 1.0, 1.0, -1
+    )  # fmt: skip
+    assert (p.min_p, p.frequency_penalty, p.presence_penalty, p.repetition_penalty) == (
+        0.0, 0.0, 0.0, 1.0
+    )  # fmt: skip
+    assert p.stop == [] and p.stop_token_ids == [] and p.logit_bias is None
+    assert p.skip_special_tokens and p.spaces_between_special_tokens
+    assert not (p.ignore_eos or p.no_stop_trim)
+    assert p.n == 1 and p.sampling_seed is None and p.stream_interval is None
+    assert parse(None) == p
+    assert not p.is_greedy and not p.has_penalties
+
+
+def test_default_lists_are_not_shared() -> None:
+    a, b = SamplingParams(), SamplingParams()
+    a.stop.append("x")
+    assert b.stop == []
+
+
+@pytest.mark.parametrize(
+    "d, greedy",
+    [({"temperature": 0}, True), ({"temperature": 1e-7}, True), ({"top_k": 1}, True),
+     ({"temperature": 0.5}, False), ({"top_k": 2}, False)],
+)  # fmt: skip
+def test_is_greedy(d: dict, greedy: bool) -> None:
+    assert parse(d).is_greedy is greedy
+
+
+def test_null_means_default() -> None:
+    assert parse({"temperature": None, "stop": None, "max_new_tokens": None}) == SamplingParams()
+
+
+def test_seed_alias() -> None:
+    assert parse({"seed": 7}).sampling_seed == 7
+    assert parse({"sampling_seed": 7}).sampling_seed == 7
+    assert parse({"seed": 7, "sampling_seed": 7}).sampling_seed == 7
+    with pytest.raises(ValidationError, match=r"^sampling_params\.seed .*sampling_seed"):
+        parse({"seed": 7, "sampling_seed": 8})
+    with pytest.raises(ValidationError, match=r"^sampling_params\.seed must be a 64-bit"):
+        parse({"seed": "7"})
+
+
+def test_logit_bias_string_keys_become_ints() -> None:
+    p = parse({"logit_bias": {"123": 5, "7": -2.5, 9: 1}})
+    assert p.logit_bias == {123: 5.0, 7: -2.5, 9: 1.0}
+    assert all(type(k) is int for k in p.logit_bias)
+    assert parse({"logit_bias": {}}).logit_bias is None
+
+
+def test_stop_string_becomes_list() -> None:
+    assert parse({"stop": "###"}).stop == ["###"]
+    assert parse({"stop": ["a", "b"]}).stop == ["a", "b"]
+
+
+def test_json_schema_object_is_serialized() -> None:
+    p = parse({"json_schema": {"type": "object"}})
+    assert p.json_schema == '{"type":"object"}'
+
+
+def test_top_k_covering_vocab_means_all() -> None:
+    assert parse({"top_k": VOCAB}).top_k == -1
+    assert parse({"top_k": 50}).top_k == 50
+
+
+def test_roundtrips_through_msgpack() -> None:
+    p = parse({"logit_bias": {"3": 1.0}, "stop": "x", "seed": 1, "temperature": 0.3})
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(p), type=SamplingParams) == p
+
+
+def test_error_is_picklable_and_structured() -> None:
+    with pytest.raises(ValidationError) as info:
+        parse({"temperature": -1})
+    e = info.value
+    assert (e.field, e.message) == ("sampling_params.temperature", "must be >= 0, got -1")
+    assert str(e) == "sampling_params.temperature must be >= 0, got -1"
+    e2 = pickle.loads(pickle.dumps(e))
+    assert str(e2) == str(e) and isinstance(e, ValueError)
+
+
+def test_field_prefix_for_batch_items() -> None:
+    with pytest.raises(ValidationError, match=r"^sampling_params\[3\]\.top_p "):
+        SamplingParams.from_request({"top_p": 2}, VOCAB, field="sampling_params[3]")
+
+
+BAD = [
+    # (sampling_params, field named, message fragment)
+    ([1], "sampling_params", "must be an object"),
+    ({"max_tokens": 5}, "sampling_params.max_tokens", "not a known sampling parameter"),
+    ({"max_new_tokens": -1}, "sampling_params.max_new_tokens", ">= 0, got -1"),
+    ({"max_new_tokens": 1.5}, "sampling_params.max_new_tokens", "must be an integer, got float"),
+    ({"max_new_tokens": True}, "sampling_params.max_new_tokens", "must be an integer, got bool"),
+    ({"max_new_tokens": 2**64}, "sampling_params.max_new_tokens", "64-bit"),
+    ({"min_new_tokens": -2}, "sampling_params.min_new_tokens", ">= 0"),
+    ({"min_new_tokens": 9, "max_new_tokens": 8}, "sampling_params.min_new_tokens",
+     "<= max_new_tokens (8), got 9"),
+    ({"temperature": -1}, "sampling_params.temperature", "must be >= 0, got -1"),
+    ({"temperature": math.nan}, "sampling_params.temperature", "finite"),
+    ({"temperature": math.inf}, "sampling_params.temperature", "finite"),
+    ({"temperature": 10**400}, "sampling_params.temperature", "finite"),
+    ({"temperature": "0"}, "sampling_params.temperature", "must be a number, got str"),
+    ({"temperature": False}, "sampling_params.temperature", "must be a number, got bool"),
+    ({"top_p": 0}, "sampling_params.top_p", "(0, 1], got 0"),
+    ({"top_p": 1.01}, "sampling_params.top_p", "(0, 1]"),
+    ({"top_k": 0}, "sampling_params.top_k", "-1 (all) or >= 1, got 0"),
+    ({"top_k": -2}, "sampling_params.top_k", "-1 (all) or >= 1"),
+    ({"min_p": 1.5}, "sampling_params.min_p", "[0, 1]"),
+    ({"min_p": -0.1}, "sampling_params.min_p", "[0, 1]"),
+    ({"frequency_penalty": 2.5}, "sampling_params.frequency_penalty", "[-2, 2], got 2.5"),
+    ({"presence_penalty": -3}, "sampling_params.presence_penalty", "[-2, 2], got -3"),
+    ({"repetition_penalty": 0}, "sampling_params.repetition_penalty", "(0, 2], got 0"),
+    ({"repetition_penalty": 2.1}, "sampling_params.repetition_penalty", "(0, 2]"),
+    ({"stop": 5}, "sampling_params.stop", "string or a list of strings"),
+    ({"stop": ["a", 1]}, "sampling_params.stop[1]", "must be a string"),
+    ({"stop": ["a", ""]}, "sampling_params.stop[1]", "must not be empty"),
+    ({"stop": ["x"] * 33}, "sampling_params.stop", "33 entries, at most 32"),
+    ({"stop_token_ids": 3}, "sampling_params.stop_token_ids", "list of integers"),
+    ({"stop_token_ids": [1, VOCAB]}, "sampling_params.stop_token_ids[1]", "[0, 1000), got 1000"),
+    ({"stop_token_ids": [-1]}, "sampling_params.stop_token_ids[0]", "[0, 1000)"),
+    ({"stop_token_ids": [True]}, "sampling_params.stop_token_ids[0]", "integer token id"),
+    ({"ignore_eos": 1}, "sampling_params.ignore_eos", "must be a boolean, got int"),
+    ({"skip_special_tokens": "yes"}, "sampling_params.skip_special_tokens", "boolean"),
+    ({"spaces_between_special_tokens": 0}, "sampling_params.spaces_between_special_tokens",
+     "boolean"),
+    ({"no_stop_trim": []}, "sampling_params.no_stop_trim", "boolean"),
+    ({"logit_bias": [1, 2]}, "sampling_params.logit_bias", "token id -> bias"),
+    ({"logit_bias": {"abc": 1}}, "sampling_params.logit_bias['abc']", "integer token id"),
+    ({"logit_bias": {"5000": 1}}, "sampling_params.logit_bias['5000']", "[0, 1000), got 5000"),
+    ({"logit_bias": {"-1": 1}}, "sampling_params.logit_bias['-1']", "[0, 1000)"),
+    ({"logit_bias": {"5": "1"}}, "sampling_params.logit_bias['5']", "finite number"),
+    ({"logit_bias": {"5": math.inf}}, "sampling_params.logit_bias['5']", "finite number"),
+    ({"n": 0}, "sampling_params.n", "[1, 64], got 0"),
+    ({"n": 65}, "sampling_params.n", "[1, 64], got 65"),
+    ({"sampling_seed": 2**64}, "sampling_params.sampling_seed", "64-bit"),
+    ({"sampling_seed": 1.0}, "sampling_params.sampling_seed", "64-bit"),
+    ({"stream_interval": 0}, "sampling_params.stream_interval", ">= 1, got 0"),
+    ({"regex": "a", "json_schema": "{}"}, "sampling_params.regex", "cannot be combined"),
+    ({"regex": 3}, "sampling_params.regex", "must be a string"),
+    ({"ebnf": ["x"]}, "sampling_params.ebnf", "must be a string"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("d, field, fragment", BAD, ids=[b[1] for b in BAD])
+def test_rejects(d: object, field: str, fragment: str) -> None:
+    with pytest.raises(ValidationError) as info:
+        parse(d)
+    assert info.value.field == field
+    assert str(info.value).startswith(field + " ")
+    assert fragment in info.value.message
+
+
+@pytest.mark.parametrize(
+    "d",
+    [{"temperature": 0}, {"top_p": 1}, {"top_p": 1e-9}, {"min_p": 1}, {"repetition_penalty": 2},
+     {"frequency_penalty": -2}, {"presence_penalty": 2}, {"n": 64}, {"max_new_tokens": 0},
+     {"min_new_tokens": 128}, {"stop": ["x"] * 32}, {"stop_token_ids": [0, VOCAB - 1]},
+     {"sampling_seed": -(2**63)}, {"stream_interval": 1}, {"regex": "a+", "json_schema": None}],
+)  # fmt: skip
+def test_accepts_boundaries(d: dict) -> None:
+    parse(d)

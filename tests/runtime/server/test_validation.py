@@ -1,0 +1,277 @@
+"""normalize_generate_request: shapes, defaults, every rule, and a fuzz test."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tandem.runtime.sampling.params import SamplingParams
+from tandem.runtime.server.validation import (
+    HANDLED_KEYS,
+    IGNORED_KEYS,
+    MEDIA_KEYS,
+    NormalizedBatch,
+    ValidationError,
+    check_rid_free,
+    normalize_generate_request,
+)
+
+VOCAB = 100
+CTX = 64
+
+
+def tokenize(s: str) -> list[int]:
+    """One token per non-space character, so prompt lengths are easy to reason about."""
+    return [ord(c) % VOCAB for c in s if not c.isspace()]
+
+
+def norm(body: Any) -> NormalizedBatch:
+    return normalize_generate_request(body, vocab_size=VOCAB, context_len=CTX, tokenize=tokenize)
+
+
+def test_single_text_defaults() -> None:
+    out = norm({"text": "abc"})
+    assert not out.is_batch and len(out.items) == 1
+    it = out.items[0]
+    assert it.input_ids == tokenize("abc") and it.text == "abc"
+    assert len(it.rid) == 32 and int(it.rid, 16) >= 0  # uuid4 hex
+    # The default max_new_tokens (128) is clamped to the room left in the 64-token context.
+    assert it.sampling_params == SamplingParams(max_new_tokens=CTX - 3)
+    assert (it.stream, it.return_logprob, it.logprob_start_len, it.top_logprobs_num) == (
+        False, False, -1, 0
+    )  # fmt: skip
+    assert it.token_ids_logprob is None and it.priority is None and it.extra_key is None
+
+
+def test_single_input_ids_and_options() -> None:
+    body = {
+        "input_ids": [1, 2, 3], "rid": "r1", "stream": True, "return_logprob": True,
+        "logprob_start_len": 3, "top_logprobs_num": 5, "token_ids_logprob": [7, 8],
+        "return_text_in_logprobs": True, "priority": -5, "extra_key": "tenant",
+        "sampling_params": {"max_new_tokens": 8, "temperature": 0, "seed": 3},
+    }  # fmt: skip
+    it = norm(body).items[0]
+    assert (it.rid, it.input_ids, it.text, it.stream) == ("r1", [1, 2, 3], None, True)
+    assert (it.return_logprob, it.logprob_start_len, it.top_logprobs_num) == (True, 3, 5)
+    assert it.token_ids_logprob == [7, 8] and it.return_text_in_logprobs
+    assert (it.priority, it.extra_key) == (-5, "tenant")
+    assert it.sampling_params.is_greedy and it.sampling_params.sampling_seed == 3
+
+
+def test_batch_text_shared_params_and_rid_prefix() -> None:
+    out = norm({"text": ["ab", "cd", "ef"], "rid": "job", "sampling_params": {"top_k": 5}})
+    assert out.is_batch and [i.rid for i in out.items] == ["job_0", "job_1", "job_2"]
+    assert all(i.sampling_params.top_k == 5 for i in out.items)
+    assert out.items[0].sampling_params is not out.items[1].sampling_params
+
+
+def test_batch_ids_per_item_fields() -> None:
+    body = {
+        "input_ids": [[1, 2], [3]], "rid": ["a", "b"],
+        "sampling_params": [{"temperature": 0}, {"temperature": 0.7}],
+        "return_logprob": [True, False], "logprob_start_len": [0, -1],
+        "top_logprobs_num": [2, 0], "token_ids_logprob": [[1], None], "extra_key": ["x", ""],
+    }  # fmt: skip
+    a, b = norm(body).items
+    assert (a.rid, a.input_ids, b.rid, b.input_ids) == ("a", [1, 2], "b", [3])
+    assert a.sampling_params.temperature == 0 and b.sampling_params.temperature == 0.7
+    assert (a.return_logprob, b.return_logprob, a.top_logprobs_num) == (True, False, 2)
+    assert (a.token_ids_logprob, b.token_ids_logprob) == ([1], None)
+    assert (a.extra_key, b.extra_key) == ("x", None)
+
+
+def test_batch_without_rid_gets_unique_uuids() -> None:
+    items = norm({"text": ["a", "b"]}).items
+    assert items[0].rid != items[1].rid
+
+
+def test_n_stays_in_sampling_params() -> None:
+    out = norm({"text": "abc", "sampling_params": {"n": 4}})
+    assert not out.is_batch and len(out.items) == 1 and out.items[0].sampling_params.n == 4
+
+
+def test_ignored_and_empty_media_keys_are_accepted() -> None:
+    body = {
+        "text": "a", "lora_path": "x", "log_metrics": False, "image_data": None,
+        "data_parallel_rank": 0, "bootstrap_host": "h", "custom_logit_processor": None,
+    }  # fmt: skip
+    assert norm(body).items[0].input_ids == [ord("a") % VOCAB]
+    assert norm({"text": ["a", "b"], "image_data": [None, None]}).is_batch
+
+
+def test_key_sets_are_disjoint() -> None:
+    assert not (HANDLED_KEYS & IGNORED_KEYS) and not (MEDIA_KEYS & (HANDLED_KEYS | IGNORED_KEYS))
+
+
+def test_default_max_new_tokens_is_clamped_but_explicit_is_not() -> None:
+    big = 200
+    body = {"text": "abcd"}
+    out = normalize_generate_request(body, vocab_size=VOCAB, context_len=big, tokenize=tokenize)
+    assert out.items[0].sampling_params.max_new_tokens == 128
+    assert norm(body).items[0].sampling_params.max_new_tokens == CTX - 4
+    with pytest.raises(ValidationError, match=r"^sampling_params.max_new_tokens is 128"):
+        norm({"text": "abcd", "sampling_params": {"max_new_tokens": 128}})
+    with pytest.raises(ValidationError, match=r"^sampling_params.min_new_tokens is 61, but only"):
+        norm({"text": "abcd", "sampling_params": {"min_new_tokens": 61}})
+
+
+def test_context_boundary_is_inclusive() -> None:
+    norm({"input_ids": [1] * 60, "sampling_params": {"max_new_tokens": 4}})
+    norm({"input_ids": [1] * CTX, "sampling_params": {"max_new_tokens": 0}})
+
+
+def test_check_rid_free() -> None:
+    check_rid_free("a", {"b"})
+    with pytest.raises(ValidationError, match=r"^rid 'a' is already used"):
+        check_rid_free("a", {"a", "b"})
+
+
+BAD = [
+    # (body, field named, message fragment)
+    ([{"text": "a"}], "body", "must be a JSON object, got list"),
+    ("text", "body", "got str"),
+    ({}, "text", "is required"),
+    ({"text": "a", "input_ids": [1]}, "input_ids", "cannot be combined with text"),
+    ({"text": ""}, "text", "must not be empty"),
+    ({"text": "   "}, "text", "tokenizes to zero tokens"),
+    ({"text": 5}, "text", "string or a list of strings, got int"),
+    ({"text": []}, "text", "must not be an empty list"),
+    ({"text": ["a", ""]}, "text[1]", "must not be empty"),
+    ({"text": ["a", 3]}, "text[1]", "must be a string, got int"),
+    ({"input_ids": []}, "input_ids", "must not be empty"),
+    ({"input_ids": "1 2"}, "input_ids", "list of token ids, got str"),
+    ({"input_ids": [[1], []]}, "input_ids[1]", "must not be empty"),
+    ({"input_ids": [[1], 2]}, "input_ids[1]", "list of token ids, got int"),
+    ({"input_ids": [1, True]}, "input_ids[1]", "integer token id, got bool"),
+    ({"input_ids": [1, 2.0]}, "input_ids[1]", "integer token id, got float"),
+    ({"input_ids": [1, VOCAB]}, "input_ids[1]", "[0, 100), got 100"),
+    ({"input_ids": [[1], [-1]]}, "input_ids[1][0]", "[0, 100), got -1"),
+    ({"input_ids": [1] * 65, "sampling_params": {"max_new_tokens": 0}}, "input_ids",
+     "has 65 tokens, more than the context length (64)"),
+    ({"input_ids": [1] * 60, "sampling_params": {"max_new_tokens": 5}},
+     "sampling_params.max_new_tokens", "60-token prompt that is 65 tokens, more than the "
+     "context length (64)"),
+    ({"text": ["a", "b"], "sampling_params": [{}, {"max_new_tokens": 64}]},
+     "sampling_params[1].max_new_tokens", "65 tokens"),
+    ({"text": "a", "sampling_params": {"temperature": -1}}, "sampling_params.temperature",
+     "must be >= 0, got -1"),
+    ({"text": ["a", "b"], "sampling_params": [{}, {"top_p": 0}]}, "sampling_params[1].top_p",
+     "(0, 1]"),
+    ({"text": ["a", "b"], "sampling_params": [{}]}, "sampling_params", "1 entries but the "
+     "batch has 2 prompts"),
+    ({"text": "a", "sampling_params": [{}]}, "sampling_params", "must be an object, got list"),
+    ({"text": "a", "sampling_params": {"min_new_tokens": 5, "max_new_tokens": 4}},
+     "sampling_params.min_new_tokens", "<= max_new_tokens (4), got 5"),
+    ({"text": "a", "sampling_params": {"bogus": 1}}, "sampling_params.bogus", "not a known"),
+    ({"text": "a", "rid": ""}, "rid", "must not be empty"),
+    ({"text": "a", "rid": 5}, "rid", "must be a string, got int"),
+    ({"text": "a", "rid": ["x"]}, "rid", "must be a string, got list"),
+    ({"text": ["a", "b"], "rid": ["x"]}, "rid", "1 entries but the batch has 2"),
+    ({"text": ["a", "b"], "rid": ["x", 1]}, "rid[1]", "non-empty string"),
+    ({"text": ["a", "b"], "rid": ["x", "x"]}, "rid", "duplicate request ids in the batch: ['x']"),
+    ({"text": "a", "stream": "yes"}, "stream", "must be a boolean, got str"),
+    ({"text": "a", "stream": 1}, "stream", "must be a boolean, got int"),
+    ({"text": "a", "return_logprob": 1}, "return_logprob", "boolean"),
+    ({"text": "a", "return_logprob": [True]}, "return_logprob", "boolean, got list"),
+    ({"text": ["a", "b"], "return_logprob": [True]}, "return_logprob", "1 entries"),
+    ({"text": ["a", "b"], "return_logprob": [True, 0]}, "return_logprob[1]", "boolean"),
+    ({"text": "a", "return_text_in_logprobs": 0}, "return_text_in_logprobs", "boolean"),
+    ({"text": "abc", "return_logprob": True, "logprob_start_len": 4}, "logprob_start_len",
+     "<= the prompt length (3 tokens), got 4"),
+    ({"text": ["abc", "a"], "return_logprob": True, "logprob_start_len": [0, 2]},
+     "logprob_start_len[1]", "prompt length (1 tokens), got 2"),
+    ({"text": "a", "logprob_start_len": -2}, "logprob_start_len", ">= -1"),
+    ({"text": "a", "logprob_start_len": 1.0}, "logprob_start_len", "integer, got float"),
+    ({"text": "a", "top_logprobs_num": -1}, "top_logprobs_num", "[0, 100], got -1"),
+    ({"text": "a", "top_logprobs_num": 101}, "top_logprobs_num", "[0, 100]"),
+    ({"text": "a", "top_logprobs_num": True}, "top_logprobs_num", "integer, got bool"),
+    ({"text": "a", "token_ids_logprob": 5}, "token_ids_logprob", "list of token ids"),
+    ({"text": "a", "token_ids_logprob": [1, 100]}, "token_ids_logprob[1]", "[0, 100)"),
+    ({"text": ["a", "b"], "token_ids_logprob": [[1], [2], [3]]}, "token_ids_logprob",
+     "3 entries"),
+    ({"text": ["a", "b"], "token_ids_logprob": [[1], [-2]]}, "token_ids_logprob[1][0]",
+     "[0, 100)"),
+    ({"text": "a", "priority": 2**63}, "priority", "64-bit"),
+    ({"text": "a", "priority": -(2**63) - 1}, "priority", "64-bit"),
+    ({"text": "a", "priority": 1.5}, "priority", "integer, got float"),
+    ({"text": "a", "priority": False}, "priority", "integer, got bool"),
+    ({"text": "a", "extra_key": 3}, "extra_key", "must be a string"),
+    ({"text": ["a", "b"], "extra_key": ["x"]}, "extra_key", "1 entries"),
+    ({"text": "a", "return_flat_raw_top_logprobs_b64": True}, "return_flat_raw_top_logprobs_b64",
+     "requires return_flat_raw_top_logprobs or return_flat_raw_output_top_logprobs"),
+    ({"text": "a", "stream": True, "return_flat_raw_output_top_logprobs": True},
+     "return_flat_raw_output_top_logprobs", "stream=true"),
+    ({"text": "a", "return_flat_raw_top_logprobs": "y"}, "return_flat_raw_top_logprobs",
+     "boolean"),
+    ({"text": "a", "max_tokens": 5}, "max_tokens", "is not a known /generate field"),
+    ({"text": "a", "image_data": "cat.png"}, "image_data", "not supported"),
+    ({"text": "a", "input_embeds": [[0.1]]}, "input_embeds", "not supported"),
+    ({"text": "a", "sampling_params": {"temperature": math.nan}}, "sampling_params.temperature",
+     "finite"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "body, field, fragment", BAD, ids=[f"{i}:{b[1]}" for i, b in enumerate(BAD)]
+)
+def test_rejects(body: Any, field: str, fragment: str) -> None:
+    with pytest.raises(ValidationError) as info:
+        norm(body)
+    assert info.value.field == field, str(info.value)
+    assert str(info.value).startswith(field + " ")
+    assert fragment in info.value.message, str(info.value)
+
+
+def test_flat_b64_with_a_flat_flag_is_fine() -> None:
+    for flag in ("return_flat_raw_top_logprobs", "return_flat_raw_output_top_logprobs"):
+        it = norm({"text": "a", flag: True, "return_flat_raw_top_logprobs_b64": True}).items[0]
+        assert getattr(it, flag) and it.return_flat_raw_top_logprobs_b64
+    norm({"text": "a", "stream": True, "return_flat_raw_top_logprobs": True})
+
+
+# ---- fuzz --------------------------------------------------------------------------------
+
+json_scalars = (
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=True, allow_infinity=True)
+    | st.text(max_size=6) | st.sampled_from(["", "0", "123", "-1", "abc", "12x"])
+)  # fmt: skip
+json_values = st.recursive(
+    json_scalars,
+    lambda inner: (
+        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner, max_size=4)
+    ),
+    max_leaves=12,
+)
+SP_KEYS = [*SamplingParams.__struct_fields__, "seed", "bogus"]
+small_ints = st.integers(min_value=-3, max_value=VOCAB + 3)
+sampling_dicts = st.dictionaries(
+    st.sampled_from(SP_KEYS), json_values | small_ints | st.floats(-3, 3), max_size=6
+)
+TOP_KEYS = sorted(HANDLED_KEYS | IGNORED_KEYS | MEDIA_KEYS) + ["bogus"]
+top_values = (
+    json_values
+    | sampling_dicts
+    | st.lists(sampling_dicts, max_size=3)
+    | st.lists(small_ints, max_size=8)
+    | st.lists(st.lists(small_ints, max_size=5), max_size=3)
+    | st.lists(st.text(max_size=5), max_size=3)
+)
+bodies = st.dictionaries(st.sampled_from(TOP_KEYS), top_values, max_size=7) | json_values
+
+
+@settings(max_examples=600, deadline=None, database=None)
+@given(bodies)
+def test_fuzz_never_raises_anything_but_validation_error(body: Any) -> None:
+    try:
+        out = norm(body)
+    except ValidationError as e:
+        assert e.field and str(e).startswith(e.field)
+        return
+    assert out.items
+    for it in out.items:
+        assert it.input_ids and all(0 <= t < VOCAB for t in it.input_ids)
+        assert len(it.input_ids) + it.sampling_params.max_new_tokens <= CTX

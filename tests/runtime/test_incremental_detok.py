@@ -1,0 +1,260 @@
+"""Incremental detokenization against the real SmolLM2 tokenizer."""
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from typing import Any
+
+import pytest
+
+from tandem.runtime.incremental_detok import REPLACEMENT_CHAR, DecodeState, decode_batch
+from tandem.runtime.tokenizer import load_tokenizer
+
+IM_END = 2
+TEXTS = [
+    "The quick brown fox jumps over the lazy dog. It's 3:14pm, isn't it?\n  Indented line.",
+    "héllo wörld 日本語 🎉🎉 naïve",
+    "混合テキスト：한국어, русский, العربية, emoji 👩‍👩‍👧‍👦 and 𝔘𝔫𝔦𝔠𝔬𝔡𝔢!",
+]
+
+
+@pytest.fixture(scope="module")
+def tok() -> Any:
+    return load_tokenizer(None)
+
+
+class CountingTokenizer:
+    """Wraps a tokenizer to count batch_decode calls and record the longest decoded window."""
+
+    def __init__(self, tok: Any) -> None:
+        self.tok = tok
+        self.calls = 0
+        self.max_window = 0
+
+    def batch_decode(self, seqs: list[list[int]], **kwargs: Any) -> list[str]:
+        self.calls += 1
+        self.max_window = max([self.max_window, *(len(s) for s in seqs)])
+        return self.tok.batch_decode(seqs, **kwargs)
+
+
+def stream(state: DecodeState, ids: Sequence[int], chunks: Sequence[int] | None = None) -> list[str]:
+    """Feed ids in chunks (default one at a time), finishing with the last chunk."""
+    sizes = list(chunks) if chunks is not None else [1] * len(ids)
+    deltas, pos = [], 0
+    for n, size in enumerate(sizes):
+        deltas.append(state.add(ids[pos : pos + size], finished=n == len(sizes) - 1))
+        pos += size
+    assert pos == len(ids)
+    return deltas
+
+
+def random_chunks(total: int, rng: random.Random) -> list[int]:
+    sizes = []
+    while total > 0:
+        sizes.append(min(total, rng.randint(1, 4)))
+        total -= sizes[-1]
+    return sizes
+
+
+# (a) + (b): streaming reproduces a full decode, never emitting U+FFFD mid-stream.
+@pytest.mark.parametrize("text", TEXTS)
+def test_stream_one_token_at_a_time_matches_full_decode(tok: Any, text: str) -> None:
+    ids = tok.encode(text)
+    state = DecodeState(tokenizer=tok)
+    deltas = stream(state, ids)
+    assert "".join(deltas) == state.text == tok.decode(ids) == text
+    assert not any(REPLACEMENT_CHAR in d for d in deltas)
+
+
+def test_split_multibyte_chars_are_held_back(tok: Any) -> None:
+    ids = tok.encode("🎉")
+    assert len(ids) > 1  # the emoji's bytes span several tokens
+    state = DecodeState(tokenizer=tok)
+    assert [state.add([i], finished=False) for i in ids[:-1]] == [""] * (len(ids) - 1)
+    assert state.add(ids[-1:], finished=False) == "🎉"
+    assert state.add([], finished=True) == ""
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_random_chunking_matches_full_decode(tok: Any, seed: int) -> None:
+    rng = random.Random(seed)
+    ids = tok.encode(" ".join(TEXTS))
+    state = DecodeState(tokenizer=tok)
+    deltas = stream(state, ids, random_chunks(len(ids), rng))
+    assert "".join(deltas) == tok.decode(ids)
+    assert not any(REPLACEMENT_CHAR in d for d in deltas)
+
+
+def test_finish_flushes_incomplete_char(tok: Any) -> None:
+    ids = tok.encode("ok 🎉")
+    head = ids[:-1]  # drops the token completing the last character
+    assert tok.decode(head).endswith(REPLACEMENT_CHAR)
+    state = DecodeState(tokenizer=tok)
+    deltas = [state.add([i], finished=False) for i in head]
+    assert REPLACEMENT_CHAR not in "".join(deltas)
+    deltas.append(state.add([], finished=True))
+    assert "".join(deltas) == state.text == tok.decode(head)
+
+
+def test_invalid_byte_mid_stream_is_released_by_next_token(tok: Any) -> None:
+    lone = tok.encode("🎉")[-1]  # a continuation byte on its own: genuinely invalid UTF-8
+    ids = tok.encode("a") + [lone] + tok.encode(" b")
+    state = DecodeState(tokenizer=tok)
+    deltas = stream(state, ids)
+    assert "".join(deltas) == tok.decode(ids)
+    assert deltas[-1].endswith(" b") and state.surrogate_offset > 0
+
+
+def test_add_after_finish_emits_nothing(tok: Any) -> None:
+    state = DecodeState(tokenizer=tok)
+    state.add(tok.encode("done"), finished=True)
+    assert state.done and state.add(tok.encode(" more"), finished=True) == ""
+    assert state.text == "done"
+
+
+# (c) special tokens.
+@pytest.mark.parametrize("skip", [True, False])
+def test_special_tokens(tok: Any, skip: bool) -> None:
+    ids = tok.encode("Hello there") + [IM_END] + tok.encode(" after")
+    state = DecodeState(tokenizer=tok, skip_special_tokens=skip)
+    deltas = stream(state, ids)
+    assert "".join(deltas) == tok.decode(ids, skip_special_tokens=skip)
+    assert ("<|im_end|>" in state.text) is not skip
+
+
+# (d) stop strings spanning several tokens and several add() calls.
+STOP_TEXT = "The answer is 42. STOP here and then more text follows."
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_stop_string_trimmed(tok: Any, chunked: bool) -> None:
+    ids = tok.encode(STOP_TEXT)
+    stop = "STOP here"
+    state = DecodeState(tokenizer=tok, stop_strings=[stop])
+    chunks = random_chunks(len(ids), random.Random(1)) if chunked else None
+    deltas = stream(state, ids, chunks)
+    assert state.text == "".join(deltas) == "The answer is 42. "
+    assert state.stop_matched == stop
+    assert "S" not in "".join(deltas)  # not even the stop string's first letter leaked
+
+
+def test_stop_string_kept_with_no_stop_trim(tok: Any) -> None:
+    ids = tok.encode(STOP_TEXT)
+    state = DecodeState(tokenizer=tok, stop_strings=["STOP here"], no_stop_trim=True)
+    deltas = stream(state, ids)
+    assert state.text == "".join(deltas) == "The answer is 42. STOP here"
+
+
+def test_stop_string_freezes_before_finish(tok: Any) -> None:
+    ids = tok.encode(STOP_TEXT)
+    state = DecodeState(tokenizer=tok, stop_strings=["STOP here"])
+    seen = [state.add([i], finished=False) for i in ids]
+    assert state.done and state.stop_matched == "STOP here"
+    assert "".join(seen) == "The answer is 42. "
+    # Everything after the match, whether in later calls or at finish, is dropped.
+    assert state.add(tok.encode(" extra"), finished=True) == ""
+
+
+def test_stop_string_in_single_add_with_trailing_text(tok: Any) -> None:
+    state = DecodeState(tokenizer=tok, stop_strings=["\n\n", "42"])
+    assert state.add(tok.encode("x = 42\n\nnext"), finished=False) == "x = "
+    assert state.stop_matched == "42"
+
+
+def test_first_completed_stop_wins(tok: Any) -> None:
+    # "bc" completes before "abcd" could, so a char-by-char stream would stop at "bc".
+    state = DecodeState(tokenizer=tok, stop_strings=["abcd", "bc"])
+    state.add(tok.encode("xabcd"), finished=True)
+    assert (state.text, state.stop_matched) == ("xa", "bc")
+
+
+# (e) partial stop-string prefixes are held back, then released.
+def test_partial_stop_prefix_held_then_released(tok: Any) -> None:
+    stop = "STOP now"
+    ids = tok.encode("We STOP later, fine.")
+    state = DecodeState(tokenizer=tok, stop_strings=[stop])
+    helds = []
+    for i in ids:
+        state.add([i], finished=False)
+        full = tok.decode(state.ids)
+        assert full.startswith(state.text)
+        helds.append(full[len(state.text) :])
+        assert helds[-1] == "" or stop.startswith(helds[-1])  # only a possible stop start
+    assert "STOP" in helds and "ST" in helds  # " ST" then "OP" arrive as separate tokens
+    assert state.stop_matched is None
+    assert state.text == "We STOP later, fine."
+
+
+def test_partial_stop_prefix_released_on_finish(tok: Any) -> None:
+    state = DecodeState(tokenizer=tok, stop_strings=["<END>"])
+    assert state.add(tok.encode("value <EN"), finished=False) == "value "
+    assert state.add([], finished=True) == "<EN"
+    assert state.text == "value <EN" and state.stop_matched is None
+
+
+# (f) batch helper equals per-state decoding, with one batch_decode per option group.
+def make_states(tok: Any | None) -> list[DecodeState]:
+    return [
+        DecodeState(tokenizer=tok),
+        DecodeState(tokenizer=tok, stop_strings=["STOP here"]),
+        DecodeState(tokenizer=tok, skip_special_tokens=False),
+        DecodeState(tokenizer=tok, stop_strings=["lazy"], no_stop_trim=True),
+    ]
+
+
+def test_batch_matches_per_state(tok: Any) -> None:
+    streams = [
+        tok.encode(TEXTS[1]),
+        tok.encode(STOP_TEXT),
+        tok.encode("chat") + [IM_END] + tok.encode(TEXTS[2]),
+        tok.encode(TEXTS[0]),
+    ]
+    rng = random.Random(7)
+    plans = [random_chunks(len(ids), rng) for ids in streams]
+    steps = max(len(p) for p in plans)
+
+    solo = make_states(tok)
+    batched = make_states(None)
+    counting = CountingTokenizer(tok)
+    pos = [0] * len(streams)
+    solo_out: list[list[str]] = [[] for _ in streams]
+    batch_out: list[list[str]] = [[] for _ in streams]
+    for step in range(steps):
+        chunks, fins = [], []
+        for r, plan in enumerate(plans):
+            size = plan[step] if step < len(plan) else 0
+            chunks.append(streams[r][pos[r] : pos[r] + size])
+            fins.append(step >= len(plan) - 1)
+            pos[r] += size
+        before = counting.calls
+        deltas = decode_batch(counting, batched, chunks, fins)
+        assert counting.calls - before <= 2  # two option groups: skip True / skip False
+        for r in range(len(streams)):
+            solo_out[r].append(solo[r].add(chunks[r], fins[r]))
+            batch_out[r].append(deltas[r])
+    assert batch_out == solo_out
+    assert [s.text for s in batched] == [s.text for s in solo]
+    assert batched[1].stop_matched == "STOP here" and batched[3].text.endswith("lazy")
+
+
+def test_batch_validates_lengths(tok: Any) -> None:
+    with pytest.raises(ValueError):
+        decode_batch(tok, [DecodeState()], [], [False])
+    with pytest.raises(ValueError):
+        DecodeState().add([1], finished=False)
+
+
+# (g) the per-step decode window stays bounded however long the output gets.
+def test_decode_window_stays_bounded(tok: Any) -> None:
+    ids = (tok.encode(" ".join(TEXTS)) * 10)[:300]
+    assert len(ids) >= 200
+    counting = CountingTokenizer(tok)
+    state = DecodeState()
+    for n, i in enumerate(ids):
+        decode_batch(counting, [state], [[i]], [False])
+        assert len(state.ids) - state.surrogate_offset <= 8
+        if n >= 200:
+            assert state.surrogate_offset > 190
+    assert counting.max_window <= 8
+    decode_batch(counting, [state], [[]], [True])
+    assert state.text == tok.decode(ids)
