@@ -1,0 +1,58 @@
+"""`tandem bench one-batch`: prefill and decode latency of one static batch, no server (like SGLang's bench_one_batch)."""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+
+from tandem.runtime.model.bare_loop import BareLoop
+from tandem.runtime.model.runner import ModelRunner
+from tandem.runtime.server_args import ServerArgs
+
+
+def run(runner: ModelRunner, batch_size: int, input_len: int, output_len: int, seed: int = 0) -> dict:
+    rng = random.Random(seed)
+    vocab = runner.config.vocab_size
+    prompts = [[rng.randrange(17, vocab) for _ in range(input_len)] for _ in range(batch_size)]
+    res = BareLoop(runner).generate(prompts, output_len)
+    decode_steps = max(output_len - 1, 1)
+    return {
+        "batch_size": batch_size, "input_len": input_len, "output_len": output_len,
+        "prefill_latency_s": round(res.prefill_s, 4),
+        "prefill_throughput_tok_s": round(batch_size * input_len / res.prefill_s, 1),
+        "median_decode_latency_s": round(res.decode_s / decode_steps, 5),
+        "decode_throughput_tok_s": round(batch_size * decode_steps / res.decode_s, 1) if res.decode_s else 0.0,
+        "total_latency_s": round(res.prefill_s + res.decode_s, 4),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="tandem bench one-batch", description=__doc__)
+    parser.add_argument("--model-path", default=None)
+    parser.add_argument("--batch-size", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--input-len", type=int, default=256)
+    parser.add_argument("--output-len", type=int, default=32)
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--attention-backend", default="auto")
+    parser.add_argument("--output-file", default=None, help="append one JSON line per batch size")
+    args = parser.parse_args(argv)
+    need = max(args.batch_size) * (args.input_len + args.output_len) + 64
+    runner = ModelRunner(ServerArgs(model_path=args.model_path, dtype=args.dtype, max_total_tokens=need,
+                                    max_running_requests=max(args.batch_size), attention_backend=args.attention_backend))
+    run(runner, 1, min(args.input_len, 16), 2)  # warm-up
+    rows = [run(runner, bs, args.input_len, args.output_len) for bs in args.batch_size]
+    print(f"model: {runner.model_path}  dtype: {runner.dtype}  device: {runner.device}")
+    header = f"{'batch':>6} {'in':>5} {'out':>5} {'prefill s':>10} {'prefill tok/s':>14} {'decode s/step':>14} {'decode tok/s':>13}"
+    print(header)
+    for r in rows:
+        print(f"{r['batch_size']:>6} {r['input_len']:>5} {r['output_len']:>5} {r['prefill_latency_s']:>10.4f} "
+              f"{r['prefill_throughput_tok_s']:>14.1f} {r['median_decode_latency_s']:>14.5f} {r['decode_throughput_tok_s']:>13.1f}")
+    if args.output_file:
+        with open(args.output_file, "a") as f:
+            for r in rows:
+                f.write(json.dumps({"dtype": str(runner.dtype), **r}) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

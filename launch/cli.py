@@ -1,0 +1,72 @@
+"""The `tandem` command: serve, generate, bench ..."""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+_BENCHES = {
+    "one-batch": "tandem.launch.bench_one_batch",
+    "serving": "tandem.launch.bench_serving",
+    "offline": "tandem.launch.bench_offline",
+    "prefix": "tandem.launch.bench_prefix",
+    "logprobs": "tandem.launch.bench_logprobs",
+    "kernels": "tandem.launch.bench_kernels",
+}
+
+
+def _generate(argv: list[str]) -> int:
+    from tandem.runtime.model.bare_loop import BareLoop, LoopSampling
+    from tandem.runtime.model.runner import ModelRunner
+    from tandem.runtime.server_args import ServerArgs
+    from tandem.runtime.tokenizer import load_tokenizer
+
+    parser = argparse.ArgumentParser(prog="tandem generate", description="Run one prompt through the model (no server)")
+    parser.add_argument("prompt")
+    parser.add_argument("--model-path", default=None)
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    args = parser.parse_args(argv)
+    tok = load_tokenizer(args.model_path)
+    if args.chat:
+        ids = tok.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True)
+        ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+    else:
+        ids = tok.encode(args.prompt, add_special_tokens=False)
+    runner = ModelRunner(ServerArgs(model_path=args.model_path, dtype=args.dtype,
+                                    max_total_tokens=len(ids) + args.max_new_tokens + 8, max_running_requests=1))
+    out = BareLoop(runner).generate([list(ids)], args.max_new_tokens,
+                                    LoopSampling(temperature=args.temperature, seed=args.seed)).output_ids[0]
+    if eos := [i for i, t in enumerate(out) if t == tok.eos_token_id]:
+        out = out[:eos[0]]
+    print(tok.decode(out, skip_special_tokens=True))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    usage = "usage: tandem {serve,generate,bench} ...\n  tandem bench {" + ",".join(_BENCHES) + "} ..."
+    if not argv or argv[0] in ("-h", "--help"):
+        print(usage)
+        return 0 if argv else 2
+    cmd, rest = argv[0], argv[1:]
+    if cmd == "serve":
+        from tandem.launch.server import main as serve_main
+
+        return serve_main(rest)
+    if cmd == "generate":
+        return _generate(rest)
+    if cmd == "bench":
+        if not rest or rest[0] not in _BENCHES:
+            print(usage, file=sys.stderr)
+            return 2
+        return int(importlib.import_module(_BENCHES[rest[0]]).main(rest[1:]) or 0)
+    print(usage, file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,154 @@
+"""Engine: the embedded Python API, with the same semantics as /generate.
+
+    with Engine() as engine:
+        out = engine.generate("The capital of France is", {"max_new_tokens": 16, "temperature": 0})
+
+It starts the same scheduler and detokenizer processes as the server and runs the tokenizer
+manager on its own event loop thread, so it works from plain scripts and from async code.
+"""
+from __future__ import annotations
+
+import asyncio
+import threading
+from typing import Any, AsyncIterator, Iterator
+
+from tandem.runtime.server_args import ServerArgs
+from tandem.runtime.tokenizer_manager import TokenizerManager
+
+_STREAM_END = object()
+
+
+class Engine:
+    def __init__(self, model_path: str | None = None, **server_args: Any) -> None:
+        self.args = ServerArgs(model_path=model_path, **server_args)
+        try:
+            import uvloop
+
+            self._loop = uvloop.new_event_loop()
+        except ImportError:  # pragma: no cover - uvloop is a dependency; keep working without it
+            self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="tandem-engine", daemon=True)
+        self._thread.start()
+        self.tm: TokenizerManager | None = None
+        try:
+            self.tm = self._run(self._start())
+        except BaseException:
+            self.shutdown()
+            raise
+
+    async def _start(self) -> TokenizerManager:
+        tm = TokenizerManager(self.args)
+        try:
+            await tm.start()
+        except BaseException:
+            tm.close()
+            raise
+        return tm
+
+    def _run(self, coro):
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    @staticmethod
+    def _body(prompt: str | list[str] | None, sampling_params: dict | list[dict] | None,
+              input_ids: list[int] | list[list[int]] | None, stream: bool, extra: dict[str, Any]) -> dict[str, Any]:
+        body: dict[str, Any] = {"stream": stream, **extra}
+        if prompt is not None:
+            body["text"] = prompt
+        if input_ids is not None:
+            body["input_ids"] = input_ids
+        if sampling_params is not None:
+            body["sampling_params"] = sampling_params
+        return body
+
+    # -- sync API -------------------------------------------------------------------------------------
+    def generate(self, prompt: str | list[str] | None = None, sampling_params: dict | list[dict] | None = None,
+                 input_ids: list[int] | list[list[int]] | None = None, stream: bool = False, **kwargs: Any):
+        """Like POST /generate: a dict (a list for batch input or n > 1), or an iterator of
+        cumulative chunks when stream=True."""
+        body = self._body(prompt, sampling_params, input_ids, stream, kwargs)
+        if stream:
+            return self._sync_stream(body)
+        return self._run(self.tm.generate(body))  # type: ignore[union-attr]
+
+    def _sync_stream(self, body: dict[str, Any]) -> Iterator[dict]:
+        import queue
+
+        chunks: queue.Queue = queue.Queue()
+
+        async def pump() -> None:
+            try:
+                async for chunk in self.tm.generate_stream(body):  # type: ignore[union-attr]
+                    chunks.put(chunk)
+            except BaseException as exc:  # re-raised in the caller's thread
+                chunks.put(exc)
+            finally:
+                chunks.put(_STREAM_END)
+
+        fut = asyncio.run_coroutine_threadsafe(pump(), self._loop)
+        try:
+            while (item := chunks.get()) is not _STREAM_END:
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            fut.cancel()  # the consumer stopped early: the stream's cleanup aborts the request
+
+    # -- async API -------------------------------------------------------------------------------------
+    async def async_generate(self, prompt: str | list[str] | None = None, sampling_params: dict | list[dict] | None = None,
+                             input_ids: list[int] | list[list[int]] | None = None, stream: bool = False, **kwargs: Any):
+        body = self._body(prompt, sampling_params, input_ids, stream, kwargs)
+        if stream:
+            return self._async_stream(body)
+        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(self.tm.generate(body), self._loop))  # type: ignore[union-attr]
+
+    async def _async_stream(self, body: dict[str, Any]) -> AsyncIterator[dict]:
+        caller = asyncio.get_running_loop()
+        chunks: asyncio.Queue = asyncio.Queue()
+
+        async def pump() -> None:
+            try:
+                async for chunk in self.tm.generate_stream(body):  # type: ignore[union-attr]
+                    caller.call_soon_threadsafe(chunks.put_nowait, chunk)
+            except BaseException as exc:
+                caller.call_soon_threadsafe(chunks.put_nowait, exc)
+            finally:
+                caller.call_soon_threadsafe(chunks.put_nowait, _STREAM_END)
+
+        fut = asyncio.run_coroutine_threadsafe(pump(), self._loop)
+        try:
+            while (item := await chunks.get()) is not _STREAM_END:
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            fut.cancel()
+
+    def abort(self, rid: str = "", abort_all: bool = False) -> None:
+        self._loop.call_soon_threadsafe(self.tm.abort, rid, abort_all)  # type: ignore[union-attr]
+
+    def flush_cache(self) -> bool:
+        return self._run(self.tm.flush_cache()).success  # type: ignore[union-attr]
+
+    def server_info(self) -> dict[str, Any]:
+        return self._run(self.tm.server_info())  # type: ignore[union-attr]
+
+    # -- lifecycle -------------------------------------------------------------------------------------------
+    def shutdown(self) -> None:
+        if self.tm is not None:
+            tm, self.tm = self.tm, None
+            self._loop.call_soon_threadsafe(tm.close)
+        if self._loop.is_running():
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=10)
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.shutdown()
+
+    def __del__(self) -> None:  # pragma: no cover - best effort when the user forgot shutdown()
+        try:
+            self.shutdown()
+        except Exception:
+            pass

@@ -1,0 +1,76 @@
+"""FutureMap: device buffers, indexed by request pool row, that carry step N's tokens into step N+1.
+
+After each forward the worker stashes a RelayPayload: the sampled "bonus" token per row for
+plain decoding, or the next draft input (draft tokens + accept lengths) for speculative
+decoding, or nothing when the step sampled nothing (a middle prefill chunk). Step N+1 gathers
+its input tokens from here on the device when it launches, so the CPU never waits for step N.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+POISON = -(1 << 40)  # never a token id; a gather that returns it read a row nobody wrote
+
+
+@dataclass
+class RelayPayload:
+    rows: torch.Tensor  # [B] int64 pool rows the payload belongs to
+    bonus_tokens: torch.Tensor | None = None  # [B] int64: the token each row sampled
+    draft_tokens: torch.Tensor | None = None  # [B, K] int64: speculative draft input for the next step
+    accept_lens: torch.Tensor | None = None  # [B] int64: accepted tokens per row in this step
+
+    @property
+    def is_speculative(self) -> bool:
+        return self.draft_tokens is not None
+
+
+class FutureMapError(RuntimeError):
+    pass
+
+
+class FutureMap:
+    def __init__(self, num_rows: int, device: torch.device | str, max_draft_tokens: int = 1, debug: bool = False) -> None:
+        self.debug = debug
+        fill = POISON if debug else 0
+        self.bonus = torch.full((num_rows,), fill, dtype=torch.int64, device=device)
+        self.draft = torch.full((num_rows, max_draft_tokens), fill, dtype=torch.int64, device=device)
+        self.accept_lens = torch.zeros((num_rows,), dtype=torch.int64, device=device)
+
+    def stash(self, payload: RelayPayload | None) -> None:
+        if payload is None:
+            return
+        if payload.bonus_tokens is not None:
+            self.bonus[payload.rows] = payload.bonus_tokens
+        if payload.draft_tokens is not None:
+            k = payload.draft_tokens.shape[1]
+            self.draft[payload.rows, :k] = payload.draft_tokens
+            if payload.accept_lens is not None:
+                self.accept_lens[payload.rows] = payload.accept_lens
+
+    def gather_bonus(self, rows: torch.Tensor) -> torch.Tensor:
+        tokens = self.bonus[rows]
+        if self.debug:
+            self._check(tokens, rows, "bonus token")
+        return tokens
+
+    def gather_draft(self, rows: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        drafts = self.draft[rows, :k]
+        if self.debug:
+            self._check(drafts, rows, "draft tokens")
+        return drafts, self.accept_lens[rows]
+
+    def poison(self, rows: list[int]) -> None:
+        """Debug mode: mark rows unwritten again (their request left), so a stale gather is caught."""
+        if self.debug and rows:
+            idx = torch.tensor(rows, dtype=torch.int64, device=self.bonus.device)
+            self.bonus[idx] = POISON
+            self.draft[idx] = POISON
+
+    @staticmethod
+    def _check(values: torch.Tensor, rows: torch.Tensor, what: str) -> None:
+        bad = (values == POISON)
+        if bad.any():  # a host sync, acceptable in debug mode only
+            rows_bad = rows[bad.reshape(len(rows), -1).any(dim=1)].tolist()
+            raise FutureMapError(f"future map: {what} of rows {rows_bad} gathered before any step wrote them")

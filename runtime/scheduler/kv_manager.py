@@ -1,0 +1,106 @@
+"""KV memory for requests: prefix matching, slot allocation with eviction, release and retraction.
+
+Ownership: every KV slot is free, owned by the radix tree, or owned by one request's row. A
+request's row holds `kv_alloc_len` valid slots: the tree's (matched or inserted prefix, locked
+through `req.last_node`) followed by its own.
+"""
+from __future__ import annotations
+
+import torch
+
+from tandem.runtime.cache.pools import ReqToTokenPool, TokenAllocator
+from tandem.runtime.cache.radix import RadixCache
+from tandem.runtime.scheduler.request import Req
+
+
+class KVManager:
+    def __init__(self, req_to_token_pool: ReqToTokenPool, allocator: TokenAllocator, disable_radix_cache: bool) -> None:
+        self.req_to_token_pool = req_to_token_pool
+        self.req_to_token = req_to_token_pool.req_to_token
+        self.allocator = allocator
+        self.tree = RadixCache(allocator, disabled=disable_radix_cache)
+
+    # -- capacity ---------------------------------------------------------------------------------
+    def available_tokens(self) -> int:
+        """Slots obtainable now: free ones plus what eviction can reclaim."""
+        return self.allocator.available_size() + self.tree.evictable_size()
+
+    def alloc_slots(self, need: int) -> torch.Tensor | None:
+        if need == 0:
+            return torch.empty(0, dtype=torch.int64)
+        if self.allocator.available_size() < need:
+            self.tree.evict(need - self.allocator.available_size())
+        return self.allocator.alloc(need)
+
+    # -- admission ----------------------------------------------------------------------------------
+    def match_prefix(self, req: Req) -> tuple[torch.Tensor, object]:
+        """Longest cached prefix of the request's tokens, leaving at least one token to compute
+        (its logits sample the next token) and every prompt position whose logprobs were asked for."""
+        ids = req.all_ids()
+        limit = len(ids) - 1
+        if req.needs_input_logprobs:
+            limit = min(limit, req.input_logprobs.rows_needed.start)  # type: ignore[union-attr]
+        slots, node = self.tree.match_prefix(ids[:limit], req.extra_key)
+        return slots, node
+
+    def start(self, req: Req, prefix_slots: torch.Tensor, node: object) -> bool:
+        """Give the request a row holding its cached prefix; the prefix stays locked while it runs."""
+        row = self.req_to_token_pool.alloc()
+        if row is None:
+            return False
+        req.req_pool_idx = row
+        n = len(prefix_slots)
+        if n:
+            self.req_to_token[row, :n] = prefix_slots.to(self.req_to_token.device)
+        req.kv_alloc_len = n
+        req.last_node = node
+        self.tree.inc_lock_ref(node)
+        return True
+
+    def extend(self, req: Req, new_len: int) -> torch.Tensor | None:
+        """Allocate slots for positions [kv_alloc_len, kv_alloc_len + new_len) of the request."""
+        slots = self.alloc_slots(new_len)
+        if slots is None:
+            return None
+        start = req.kv_alloc_len
+        self.req_to_token[req.req_pool_idx, start:start + new_len] = slots.to(self.req_to_token.device)
+        req.kv_alloc_len += new_len
+        return slots
+
+    def cache_prefill(self, req: Req) -> None:
+        """Put the request's computed-or-in-flight KV into the tree right after it is planned, so
+        requests admitted after it (the n>1 siblings, shared system prompts) reuse it at once."""
+        if self.tree.disabled:
+            return
+        n = req.kv_alloc_len
+        slots, node = self.tree.cache_unfinished_req(req.all_ids()[:n], self._row(req, n), req.last_node, req.extra_key)
+        self.req_to_token[req.req_pool_idx, :n] = slots.to(self.req_to_token.device)
+        req.last_node = node
+
+    # -- release --------------------------------------------------------------------------------------
+    def release(self, req: Req) -> None:
+        """Hand the request's KV to the tree (positions whose token is known) and free the rest and its row.
+
+        Slots still being written by an in-flight step are safe to hand out again: every later
+        step runs after that one on the same worker, in order.
+        """
+        row = req.req_pool_idx
+        if row is None:
+            return
+        ids = req.all_ids()
+        keep = min(req.kv_alloc_len, len(ids))
+        slots = self._row(req, req.kv_alloc_len)
+        self.tree.cache_finished_req(ids[:keep], slots[:keep], req.last_node or self.tree.root, req.extra_key)
+        if req.kv_alloc_len > keep:
+            self.allocator.free(slots[keep:])
+        self.req_to_token_pool.free(row)
+        req.req_pool_idx, req.kv_alloc_len, req.last_node = None, 0, None
+
+    def _row(self, req: Req, n: int) -> torch.Tensor:
+        return self.req_to_token[req.req_pool_idx, :n].to("cpu").clone()
+
+    # -- stats ------------------------------------------------------------------------------------------
+    def flush(self) -> None:
+        self.tree.reset()
+        self.allocator.clear()
+        self.req_to_token_pool.clear()

@@ -1,0 +1,87 @@
+"""Builds one BatchTokenIDOutput per step from the requests that have news.
+
+Two cursors per request, tokens sent and output logprobs sent, move together: every token
+sent carries exactly one output logprob, across retraction and for prefill-only requests.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from tandem.ipc.messages import BatchTokenIDOutput
+from tandem.runtime.envs import envs
+from tandem.runtime.sampling.logprob_format import LogprobArrays, concat_parts
+from tandem.runtime.scheduler.request import Req
+
+
+class OutputStreamer:
+    def __init__(self, default_stream_interval: int) -> None:
+        self.default_stream_interval = default_stream_interval
+        self.force_stream_interval = envs.FORCE_STREAM_INTERVAL.get()
+        self._pending: dict[int, Req] = {}
+
+    def add(self, req: Req) -> None:
+        """Consider the request for this step's output (it got tokens, finished or was aborted)."""
+        self._pending[id(req)] = req
+
+    def should_send(self, req: Req) -> bool:
+        if req.finished:
+            return True
+        new = len(req.output_ids) - req.sent_token_len
+        if new <= 0:
+            return False
+        if req.stream:
+            return new >= (req.sampling_params.stream_interval or self.default_stream_interval)
+        # non-streaming logprob requests still ship in pieces so nothing is rebuilt at the end
+        return req.return_logprob and new >= self.force_stream_interval
+
+    def build(self) -> BatchTokenIDOutput | None:
+        reqs = [r for r in self._pending.values() if self.should_send(r)]
+        self._pending.clear()
+        if not reqs:
+            return None
+        out = BatchTokenIDOutput(
+            rids=[], finished_reasons=[], new_token_ids=[], prompt_tokens=[], completion_tokens=[],
+            cached_tokens=[], skip_special_tokens=[], spaces_between_special_tokens=[], no_stop_trim=[],
+            stop_strings=[])
+        any_lp = any(r.return_logprob for r in reqs)
+        for r in reqs:
+            self._append(out, r, any_lp)
+        return out
+
+    def _append(self, out: BatchTokenIDOutput, r: Req, any_lp: bool) -> None:
+        sp = r.sampling_params
+        out.rids.append(r.rid)
+        out.finished_reasons.append(r.finished_reason)
+        out.new_token_ids.append(np.asarray(r.output_ids[r.sent_token_len:], dtype=np.int32))
+        out.prompt_tokens.append(len(r.origin_input_ids))
+        out.completion_tokens.append(len(r.output_ids))
+        out.cached_tokens.append(r.cached_tokens)
+        out.skip_special_tokens.append(sp.skip_special_tokens)
+        out.spaces_between_special_tokens.append(sp.spaces_between_special_tokens)
+        out.no_stop_trim.append(sp.no_stop_trim)
+        out.stop_strings.append(list(sp.stop))
+        r.sent_token_len = len(r.output_ids)
+        if any_lp:
+            self._append_logprobs(out, r)
+
+    def _append_logprobs(self, out: BatchTokenIDOutput, r: Req) -> None:
+        outputs = inputs = None
+        if r.return_logprob:
+            if r.sent_logprob_len < len(r.output_logprobs):
+                outputs = concat_parts(r.output_logprobs[r.sent_logprob_len:])
+                r.sent_logprob_len = len(r.output_logprobs)
+            if r.input_logprobs is not None and r.input_logprobs.done and not r.input_logprobs_sent:
+                inputs = r.input_logprobs.finalize()
+                r.input_logprobs_sent = True
+        _put(out, "output", outputs)
+        _put(out, "input", inputs)
+
+
+def _put(out: BatchTokenIDOutput, side: str, a: LogprobArrays | None) -> None:
+    getattr(out, f"{side}_token_logprobs_val").append(None if a is None else a.token_logprobs)
+    getattr(out, f"{side}_token_logprobs_idx").append(None if a is None else a.token_ids)
+    getattr(out, f"{side}_top_logprobs_val").append(None if a is None else a.top_vals)
+    getattr(out, f"{side}_top_logprobs_idx").append(None if a is None else a.top_idx)
+    getattr(out, f"{side}_token_ids_logprobs_val").append(None if a is None else a.ids_logprobs)
+    # the requested ids are the same at every position; repeat them so the wire shape is self-contained
+    getattr(out, f"{side}_token_ids_logprobs_idx").append(None)

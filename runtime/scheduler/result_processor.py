@@ -1,0 +1,59 @@
+"""One result path for every step: new tokens per request are a list (length 1 without
+speculation), appended with `extend`, and finish-checked with trimming (`finished_len`)."""
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+from tandem.ipc.messages import FinishReason
+from tandem.runtime.sampling.logprob_format import LogprobArrays
+from tandem.runtime.scheduler.request import Req
+
+_STOP_TAIL_TOKENS = 2  # extra tokens decoded around a stop string so one split across tokens is seen
+
+
+class FinishChecker:
+    def __init__(self, eos_ids: Sequence[int], decode: Callable[[list[int]], str]) -> None:
+        self.eos_ids = set(eos_ids)
+        self.decode = decode
+
+    def finished_len(self, req: Req, new_tokens: list[int]) -> tuple[int, FinishReason | None]:
+        """How many of `new_tokens` to keep, and why the request ends (None: it goes on)."""
+        sp = req.sampling_params
+        base = len(req.output_ids)
+        for i, tok in enumerate(new_tokens):
+            n_out = base + i + 1
+            if n_out > sp.max_new_tokens:
+                return i, FinishReason(type="length", length=sp.max_new_tokens)
+            if n_out > sp.min_new_tokens:  # the sampler bans stop tokens before that
+                if tok in sp.stop_token_ids or (not sp.ignore_eos and tok in self.eos_ids):
+                    return i + 1, FinishReason(type="stop", matched=tok)
+                if sp.stop and (hit := self._stop_string(req, new_tokens[:i + 1])) is not None:
+                    return i + 1, FinishReason(type="stop", matched=hit)
+            if n_out == sp.max_new_tokens:
+                return i + 1, FinishReason(type="length", length=sp.max_new_tokens)
+        return len(new_tokens), None
+
+    def _stop_string(self, req: Req, new_tokens: list[int]) -> str | None:
+        longest = max(len(s) for s in req.sampling_params.stop)
+        tail_ids = (req.output_ids + new_tokens)[-(longest + _STOP_TAIL_TOKENS):]
+        tail = self.decode(tail_ids)
+        for stop in req.sampling_params.stop:
+            if stop in tail:
+                return stop
+        return None
+
+
+def apply_new_tokens(req: Req, new_tokens: list[int], logprobs: list[LogprobArrays] | None,
+                     checker: FinishChecker) -> bool:
+    """Append the request's accepted tokens (and their logprobs); True when it finished."""
+    keep, reason = checker.finished_len(req, new_tokens)
+    if req.sampling_params.max_new_tokens == 0 and logprobs:
+        # prefill-only: no token is kept, but the first output position's logprob is (SGLang does the same)
+        req.output_logprobs.extend(logprobs[:1])
+    else:
+        req.output_ids.extend(new_tokens[:keep])
+        if logprobs:
+            req.output_logprobs.extend(logprobs[:keep])
+    if reason is not None:
+        req.finished_reason = reason
+    return reason is not None

@@ -1,0 +1,154 @@
+"""The SGLang-compatible native HTTP API (FastAPI on uvicorn/uvloop)."""
+from __future__ import annotations
+
+import logging
+import time
+from contextlib import asynccontextmanager
+from typing import Any, AsyncIterator, Callable
+
+import orjson
+from fastapi import FastAPI, Request
+from fastapi.responses import PlainTextResponse, Response, StreamingResponse
+
+from tandem.runtime.server.validation import ValidationError
+from tandem.runtime.server_args import ServerArgs
+from tandem.runtime.tokenizer_manager import RequestError, TokenizerManager
+
+logger = logging.getLogger("tandem.http")
+VERSION = "0.1.0"
+
+
+def _json(content: Any, status: int = 200) -> Response:
+    return Response(orjson.dumps(content, option=orjson.OPT_SERIALIZE_NUMPY), status_code=status,
+                    media_type="application/json")
+
+
+def _error(status: int, message: str) -> Response:
+    return _json({"error": {"message": message, "code": status}}, status)
+
+
+def create_app(args: ServerArgs, on_child_death: Callable[[str], None] | None = None) -> FastAPI:
+    holder: dict[str, TokenizerManager] = {}
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        tm = TokenizerManager(args, on_child_death)
+        try:
+            await tm.start()
+        except BaseException:
+            tm.close()
+            raise
+        holder["tm"] = tm
+        app.state.tm = tm
+        logger.info("tandem is ready on http://%s:%d", args.host, args.port)
+        try:
+            yield
+        finally:
+            tm.close()
+
+    app = FastAPI(lifespan=lifespan, title="tandem", version=VERSION)
+
+    async def read_json(request: Request) -> Any:
+        body = await request.body()
+        if len(body) > args.max_request_bytes:
+            raise ValidationError("body", f"is {len(body)} bytes, more than --max-request-bytes ({args.max_request_bytes})")
+        try:
+            return orjson.loads(body)
+        except orjson.JSONDecodeError as exc:
+            raise ValidationError("body", f"is not valid JSON: {exc}") from None
+
+    @app.exception_handler(ValidationError)
+    async def _bad_request(_: Request, exc: ValidationError) -> Response:
+        return _error(400, str(exc))
+
+    @app.exception_handler(RequestError)
+    async def _request_error(_: Request, exc: RequestError) -> Response:
+        return _error(exc.status_code, exc.message)
+
+    @app.post("/generate")
+    async def generate(request: Request) -> Response:
+        tm = holder["tm"]
+        body = await read_json(request)
+        if isinstance(body, dict) and body.get("stream"):
+            return StreamingResponse(_sse(tm.generate_stream(body)), media_type="text/event-stream")
+        return _json(await tm.generate(body, request.is_disconnected))
+
+    @app.get("/health")
+    async def health() -> Response:
+        tm = holder.get("tm")
+        if tm is None or tm.dead_reason:
+            return _error(503, tm.dead_reason if tm else "starting")
+        return Response(status_code=200)
+
+    @app.get("/health_generate")
+    async def health_generate() -> Response:
+        tm = holder["tm"]
+        await tm.generate({"input_ids": [0], "sampling_params": {"max_new_tokens": 1, "temperature": 0},
+                           "rid": f"health-{time.monotonic_ns()}"})
+        return Response(status_code=200)
+
+    def model_info() -> dict[str, Any]:
+        tm = holder["tm"]
+        return {"model_path": tm.args.model_path or "SmolLM2-135M-Instruct (embedded)",
+                "tokenizer_path": tm.args.tokenizer_path or tm.args.model_path, "is_generation": True,
+                "served_model_name": served_name(), **tm.model_info}
+
+    def served_name() -> str:
+        return args.served_model_name or args.model_path or "SmolLM2-135M-Instruct"
+
+    async def server_info() -> dict[str, Any]:
+        tm = holder["tm"]
+        info = {k: v for k, v in vars(args).items() if k != "extra"}
+        info.update(await tm.server_info())
+        info["version"] = VERSION
+        return info
+
+    for path in ("/model_info", "/get_model_info"):
+        app.add_api_route(path, model_info, methods=["GET"])
+    for path in ("/server_info", "/get_server_info"):
+        app.add_api_route(path, server_info, methods=["GET"])
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        tm = holder["tm"]
+        return {"object": "list", "data": [{"id": served_name(), "object": "model", "created": 0, "owned_by": "tandem",
+                                            "root": served_name(), "max_model_len": tm.model_info["context_len"]}]}
+
+    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    async def flush_cache() -> Response:
+        reply = await holder["tm"].flush_cache()
+        if reply.success:
+            return PlainTextResponse("Cache flushed.\n")
+        return _error(400, f"cache not flushed: {reply.message}")
+
+    @app.post("/abort_request")
+    async def abort_request(request: Request) -> Response:
+        body = await read_json(request)
+        if not isinstance(body, dict):
+            raise ValidationError("body", "must be a JSON object")
+        rid, abort_all = body.get("rid", ""), body.get("abort_all", False)
+        if not isinstance(rid, str):
+            raise ValidationError("rid", "must be a string")
+        if not isinstance(abort_all, bool):
+            raise ValidationError("abort_all", "must be a boolean")
+        if rid or abort_all:  # an empty rid without abort_all aborts nothing
+            holder["tm"].abort(rid, abort_all)
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        info = await holder["tm"].server_info()
+        lines = []
+        for key in ("num_running_reqs", "num_queue_reqs", "kv_slots_used", "kv_slots_free", "device_idle_fraction"):
+            value = info.get(key)
+            if isinstance(value, (int, float)):
+                lines += [f"# TYPE tandem:{key} gauge", f"tandem:{key} {value}"]
+        return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
+
+    return app
+
+
+async def _sse(events: AsyncIterator[dict]) -> AsyncIterator[bytes]:
+    async for event in events:
+        yield b"data: " + orjson.dumps(event, option=orjson.OPT_SERIALIZE_NUMPY) + b"\n\n"
+    yield b"data: [DONE]\n\n"
