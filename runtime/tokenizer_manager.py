@@ -288,7 +288,7 @@ class TokenizerManager:
 
     async def server_info(self) -> dict[str, Any]:
         reply: GetServerInfoReply = await self._control(GetServerInfoReq(), GetServerInfoReply)
-        return reply.info
+        return {**reply.info, **{f"{p.name.removeprefix('tandem-')}_pid": p.pid for p in self.procs}}
 
     def fail_all(self, reason: str) -> None:
         """A child died: every in-flight request ends with an error now, and new ones are refused."""

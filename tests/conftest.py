@@ -2,8 +2,11 @@
 from __future__ import annotations
 
 import os
+import sys
 
 import torch
+
+sys.path.insert(0, os.path.dirname(__file__))  # test helpers (server_utils) import by plain name
 
 if not torch.cuda.is_available():
     # must be set before triton is first imported anywhere in the session

@@ -175,6 +175,7 @@ class Scheduler:
             "step_time_median_ms": median,
             "step_time_p99_ms": p99,
             "num_steps": self._steps,
+            "num_retractions": self.planner.num_retractions,
         }
 
     def _maybe_log(self, batch: ScheduleBatch) -> None:

@@ -1,0 +1,45 @@
+"""Session-wide servers: started once, shared by the end-to-end tests, always stopped."""
+from __future__ import annotations
+
+import pytest
+
+from server_utils import start_server
+
+TINY_ARGS = ["--max-total-tokens", "6000", "--max-running-requests", "64"]
+
+
+@pytest.fixture(scope="session")
+def servers(tmp_path_factory, tiny_model_dir):
+    """Start servers lazily by name; every one started is stopped at session end."""
+    started: dict[str, object] = {}
+    logs = tmp_path_factory.mktemp("server_logs")
+
+    def get(name: str):
+        if name not in started:
+            tiny = tiny_model_dir("llama")
+            configs = {
+                "tiny": (["--model-path", tiny, *TINY_ARGS], None),
+                "tiny_sequential_chunked_retract": (["--model-path", tiny, *TINY_ARGS, "--chunked-prefill-size", "16",
+                                                     "--disable-overlap-schedule"],
+                                                    {"TANDEM_TEST_RETRACT": "1", "TANDEM_DEBUG_FUTURE_MAP": "1"}),
+                "tiny_overlap_chunked_retract": (["--model-path", tiny, *TINY_ARGS, "--chunked-prefill-size", "16"],
+                                                 {"TANDEM_TEST_RETRACT": "1", "TANDEM_DEBUG_FUTURE_MAP": "1"}),
+                "smol": (["--max-total-tokens", "20000", "--max-running-requests", "32"], None),
+            }
+            args, env = configs[name]
+            started[name] = start_server(args, str(logs / f"{name}.log"), env)
+        return started[name]
+
+    yield get
+    for handle in started.values():
+        handle.stop()
+
+
+@pytest.fixture(scope="session")
+def tiny_server(servers):
+    return servers("tiny")
+
+
+@pytest.fixture(scope="session")
+def smol_server(servers):
+    return servers("smol")

@@ -1,0 +1,105 @@
+"""End-to-end /generate against real server processes (tiny random model unless the real one matters)."""
+from __future__ import annotations
+
+import random
+from concurrent.futures import ThreadPoolExecutor
+
+import orjson
+import pytest
+import requests
+
+from server_utils import assert_no_leaks
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def _prompts(n: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(100, 40000) for _ in range(rng.randrange(3, 120))] for _ in range(n)]
+
+
+def _greedy(ids: list[int], max_new: int = 16, **extra) -> dict:
+    return {"input_ids": ids, "sampling_params": {"max_new_tokens": max_new, "temperature": 0, "ignore_eos": True}, **extra}
+
+
+def run_concurrently(server, bodies: list[dict]) -> list[dict]:
+    with ThreadPoolExecutor(len(bodies)) as pool:
+        return list(pool.map(server.generate, bodies))
+
+
+def test_capital_of_france_on_smollm2(smol_server):
+    out = smol_server.generate({"text": "The capital of France is",
+                                "sampling_params": {"max_new_tokens": 16, "temperature": 0}})
+    assert "Paris" in out["text"]
+    meta = out["meta_info"]
+    assert meta["finish_reason"] == {"type": "length", "length": 16}
+    assert meta["prompt_tokens"] == 5 and meta["completion_tokens"] == 16 == len(out["output_ids"])
+    assert set(meta) >= {"id", "cached_tokens", "e2e_latency"}
+
+
+def test_batch_input_returns_a_list_in_order(tiny_server):
+    prompts = _prompts(3, seed=1)
+    out = tiny_server.generate({"input_ids": prompts, "sampling_params": {"max_new_tokens": 5, "temperature": 0}})
+    assert isinstance(out, list) and [o["index"] for o in out] == [0, 1, 2]
+    for o, p in zip(out, prompts):
+        assert o["meta_info"]["prompt_tokens"] == len(p)
+        single = tiny_server.generate({"input_ids": p, "sampling_params": {"max_new_tokens": 5, "temperature": 0}})
+        assert single["output_ids"] == o["output_ids"]
+
+
+def test_streaming_is_cumulative_and_ends_with_done(tiny_server):
+    body = _greedy(_prompts(1, seed=2)[0], 8)
+    final = tiny_server.generate(body)
+    resp = requests.post(tiny_server.url + "/generate", json={**body, "stream": True}, stream=True, timeout=60)
+    events = [line for line in resp.iter_lines() if line]
+    assert events[-1] == b"data: [DONE]"
+    chunks = [orjson.loads(e[len(b"data: "):]) for e in events[:-1]]
+    lengths = [len(c["output_ids"]) for c in chunks]
+    assert lengths == sorted(lengths) and lengths[-1] == 8 and len(chunks) >= 2
+    for a, b in zip(chunks, chunks[1:]):
+        assert b["output_ids"][:len(a["output_ids"])] == a["output_ids"]
+        assert b["text"].startswith(a["text"])
+    assert chunks[-1]["output_ids"] == final["output_ids"] and chunks[-1]["text"] == final["text"]
+    assert chunks[-1]["meta_info"]["finish_reason"]["type"] == "length"
+
+
+def test_64_concurrent_mixed_lengths_equal_one_at_a_time(tiny_server):
+    prompts = _prompts(64, seed=3)
+    bodies = [_greedy(p, 4 + i % 13) for i, p in enumerate(prompts)]
+    concurrent = run_concurrently(tiny_server, bodies)
+    alone = [tiny_server.generate(b) for b in bodies]
+    for c, a in zip(concurrent, alone):
+        assert c["output_ids"] == a["output_ids"]
+    assert [len(c["output_ids"]) for c in concurrent] == [4 + i % 13 for i in range(64)]
+    assert_no_leaks(tiny_server)
+
+
+def test_radix_cache_hit_reports_cached_tokens_and_same_output(tiny_server):
+    prefix = _prompts(1, seed=4)[0] * 3
+    tiny_server.generate(_greedy(prefix + [501, 502], 4))
+    hit = tiny_server.generate(_greedy(prefix + [601, 602, 603], 6))
+    assert hit["meta_info"]["cached_tokens"] >= len(prefix)
+    assert tiny_server.post("/flush_cache").status_code == 200
+    cold = tiny_server.generate(_greedy(prefix + [601, 602, 603], 6))
+    assert cold["meta_info"]["cached_tokens"] == 0
+    assert cold["output_ids"] == hit["output_ids"]
+
+
+def test_chunked_prefill_forced_retraction_and_overlap_modes_agree(servers):
+    """Same greedy outputs from: the plain server; chunked prefill (16) + forced retraction with
+    overlap off; the same with overlap on. 32 concurrent requests, some sharing prefixes."""
+    base = _prompts(24, seed=5)
+    shared = [base[0] * 2 + p[:5] for p in base[:8]]  # radix hits across requests
+    bodies = [_greedy(p, 12 + i % 7) for i, p in enumerate(base + shared)]
+    reference = run_concurrently(servers("tiny"), bodies)
+    for name in ("tiny_sequential_chunked_retract", "tiny_overlap_chunked_retract"):
+        server = servers(name)
+        got = run_concurrently(server, bodies)
+        assert [g["output_ids"] for g in got] == [r["output_ids"] for r in reference], name
+        assert "retract" in server.log() or server.info()["num_retractions"] > 0
+        assert_no_leaks(server)
+
+
+def test_flush_cache_frees_every_slot(tiny_server):
+    run_concurrently(tiny_server, [_greedy(p, 3) for p in _prompts(8, seed=6)])
+    assert_no_leaks(tiny_server)

@@ -1,0 +1,91 @@
+"""Start a real tandem server process on a free loopback port for end-to-end tests."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+import requests
+
+STARTUP_TIMEOUT_S = 180
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class ServerHandle:
+    proc: subprocess.Popen
+    url: str
+    log_path: str
+
+    def post(self, path: str, json=None, **kw) -> requests.Response:
+        return requests.post(self.url + path, json=json, timeout=kw.pop("timeout", 120), **kw)
+
+    def get(self, path: str, **kw) -> requests.Response:
+        return requests.get(self.url + path, timeout=kw.pop("timeout", 60), **kw)
+
+    def generate(self, body: dict) -> dict:
+        resp = self.post("/generate", body)
+        assert resp.status_code == 200, resp.text
+        return resp.json()
+
+    def info(self) -> dict:
+        return self.get("/get_server_info").json()
+
+    def log(self) -> str:
+        with open(self.log_path, errors="replace") as f:
+            return f.read()
+
+    def stop(self) -> int | None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(5)
+        return self.proc.returncode
+
+
+def start_server(args: list[str], log_path: str, env: dict[str, str] | None = None) -> ServerHandle:
+    port = free_port()
+    cmd = [sys.executable, "-m", "tandem.launch.server", "--port", str(port), "--log-level", "warning", *args]
+    log = open(log_path, "w")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
+                            start_new_session=True)
+    handle = ServerHandle(proc, f"http://127.0.0.1:{port}", log_path)
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode} during startup:\n{handle.log()[-3000:]}")
+        try:
+            if requests.get(handle.url + "/health", timeout=2).status_code == 200:
+                return handle
+        except requests.RequestException:
+            pass
+        time.sleep(0.5)
+    handle.stop()
+    raise RuntimeError(f"server did not become healthy in {STARTUP_TIMEOUT_S} s:\n{handle.log()[-3000:]}")
+
+
+def assert_no_leaks(server: ServerHandle) -> None:
+    """After every request finished: flushing the cache frees every KV slot and request row."""
+    deadline = time.monotonic() + 10
+    while True:
+        info = server.info()
+        if info["num_running_reqs"] == 0 and info["num_queue_reqs"] == 0:
+            break
+        assert time.monotonic() < deadline, info
+        time.sleep(0.1)
+    assert server.post("/flush_cache").status_code == 200
+    info = server.info()
+    assert info["kv_slots_free"] == info["max_total_num_tokens"], info
+    assert info["req_rows_free"] == info["req_rows_total"], info
