@@ -59,8 +59,9 @@ def start_server(args: list[str], log_path: str, env: dict[str, str] | None = No
     port = free_port()
     cmd = [sys.executable, "-m", "tandem.launch.server", "--port", str(port), "--log-level", "warning", *args]
     log = open(log_path, "w")
+    # cwd away from the repo root: its kernels/ folder would shadow the PyPI `kernels` that transformers probes
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
-                            start_new_session=True)
+                            start_new_session=True, cwd=os.path.dirname(os.path.abspath(log_path)))
     handle = ServerHandle(proc, f"http://127.0.0.1:{port}", log_path)
     deadline = time.monotonic() + STARTUP_TIMEOUT_S
     while time.monotonic() < deadline:

@@ -25,6 +25,7 @@ from tandem.runtime.server_args import ServerArgs
 logger = logging.getLogger("tandem.scheduler")
 NEW_TOKEN_RATIO = 0.3  # share of a request's max_new_tokens held back for its decode when admitting
 _MAX_RESERVE_PER_REQ = 4096
+PREEMPTION_THRESHOLD = 10  # priority gap that lets an arrival preempt a running request (SGLang's default)
 
 
 class Planner:
@@ -130,7 +131,7 @@ class Planner:
         for req in list(self.waiting):
             if budget <= 0 or self.chunked_req is not None:
                 break
-            if len(self.running) + len(admitted) >= self.runner.max_running_requests:
+            if len(self.running) + len(admitted) >= self.runner.max_running_requests and not self._preempt_for(req):
                 break
             prefix_slots, node = self.kv.match_prefix(req)
             if not self.kv.start(req, prefix_slots, node):
@@ -194,6 +195,16 @@ class Planner:
         return build_batch(ForwardMode.DECODE, reqs, [1] * len(reqs), prefix_lens, new_slots, [True] * len(reqs),
                            self.runner.config.vocab_size, self.eos_ids, self.runner.device, self._take_poison())
 
+    def _preempt_for(self, req: Req) -> bool:
+        """--priority-preemption: a much more urgent arrival retracts the least urgent running request."""
+        if not (self.args.priority_preemption and self.args.enable_priority_scheduling and self.running):
+            return False
+        victim = self.policy.retract_order(self.running)[0]
+        if req.priority - victim.priority < PREEMPTION_THRESHOLD:
+            return False
+        self._retract(victim, [victim])
+        return True
+
     @staticmethod
     def _planned_outputs(req: Req) -> int:
         """Tokens the request will have sampled once every planned step ran."""
@@ -204,7 +215,8 @@ class Planner:
         self.kv.release(req)
         self.poison_later(row)  # type: ignore[arg-type]
         self.running.remove(req)
-        reqs.remove(req)
+        if req in reqs:
+            reqs.remove(req)
         req.retract_count += 1
         self.num_retractions += 1
         self.waiting.append(req)
