@@ -208,10 +208,14 @@ class TokenizerManager:
         results = [st.result() for st in states]
         return results if (is_batch or len(results) > 1) else results[0]
 
-    async def generate_stream(self, body: Any) -> AsyncIterator[dict]:
+    def generate_stream(self, body: Any) -> AsyncIterator[dict]:
         """Streaming: cumulative results as they grow; ends when every choice has finished.
-        A scheduler-initiated error becomes a final {"error": ...} event."""
+        Validation runs now, before any byte of the stream is sent (so bad input is still a 400);
+        a scheduler-initiated error becomes a final {"error": ...} event."""
         _, states = self._submit(body)
+        return self._stream(states)
+
+    async def _stream(self, states: list[ReqState]) -> AsyncIterator[dict]:
         sent = {id(st): 0 for st in states}  # version 0: nothing received yet
         try:
             while True:

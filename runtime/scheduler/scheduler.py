@@ -168,7 +168,7 @@ class Scheduler:
             "kv_slots_used": self.runner.max_total_tokens - alloc.available_size() - self.kv.tree.evictable_size(),
             "req_rows_free": self.runner.req_to_token_pool.available_size(),
             "req_rows_total": self.runner.req_to_token_pool.size,
-            "num_running_reqs": len(self.planner.running),
+            "num_running_reqs": len(self.planner.running) + (self.planner.chunked_req is not None),
             "num_queue_reqs": len(self.planner.waiting),
             "overlap_schedule": self.overlap,
             "device_idle_fraction": round(self.worker.idle_fraction(), 4),

@@ -120,6 +120,8 @@ def test_seeded_sampling_is_reproducible_across_batches(smol_server):
 
 
 def test_n4_one_logical_rid_shared_prefix_and_abort(smol_server):
+    _wait_idle(smol_server)
+    assert smol_server.post("/flush_cache").status_code == 200  # earlier tests cached PROMPT
     out = smol_server.generate({"text": PROMPT * 3, "rid": "nreq", "sampling_params": {
         "max_new_tokens": 8, "temperature": 1.0, "n": 4}})
     assert isinstance(out, list) and len(out) == 4
@@ -142,7 +144,7 @@ def test_n4_one_logical_rid_shared_prefix_and_abort(smol_server):
 # -- abort and disconnect ---------------------------------------------------------------------------------
 def test_abort_running_queued_and_all(servers):
     server = servers("tiny_overlap_chunked_retract")
-    long_sp = {"max_new_tokens": 3000, "temperature": 0, "ignore_eos": True}
+    long_sp = {"max_new_tokens": 1500, "temperature": 0, "ignore_eos": True}
     with ThreadPoolExecutor(6) as pool:
         futs = [pool.submit(server.generate, {"input_ids": [7 + i] * (200 if i == 0 else 10), "rid": f"ab-{i}",
                                               "sampling_params": long_sp}) for i in range(6)]
@@ -158,13 +160,13 @@ def test_abort_running_queued_and_all(servers):
         results = [f.result(30) for f in futs]
     for r in results:
         assert r["meta_info"]["finish_reason"]["type"] == "abort"
-        assert len(r["output_ids"]) == r["meta_info"]["completion_tokens"] < 3000
+        assert len(r["output_ids"]) == r["meta_info"]["completion_tokens"] < 1500
     _wait_idle(server)
     assert_no_leaks(server)
 
 
 def test_client_disconnect_aborts_streaming_and_non_streaming(tiny_server):
-    body = {"input_ids": [11] * 10, "sampling_params": {"max_new_tokens": 5000, "temperature": 0, "ignore_eos": True}}
+    body = {"input_ids": [11] * 10, "sampling_params": {"max_new_tokens": 1500, "temperature": 0, "ignore_eos": True}}
     resp = requests.post(tiny_server.url + "/generate", json={**body, "stream": True}, stream=True, timeout=60)
     lines = resp.iter_lines()
     next(lines)
