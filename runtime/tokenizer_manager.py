@@ -147,8 +147,9 @@ class TokenizerManager:
             raise RequestError(500, self.dead_reason)
         norm = normalize_generate_request(body, vocab_size=self.vocab_size, context_len=self.context_len,
                                           tokenize=self._tokenize)
+        running = {st.logical_rid for st in self.states.values()}
         for item in norm.items:
-            check_rid_free(item.rid, self.states.keys() | {r.rsplit("_", 1)[0] for r in self.states})
+            check_rid_free(item.rid, running)
         states: list[ReqState] = []
         indexed = norm.is_batch or any(item.sampling_params.n > 1 for item in norm.items)
         for item in norm.items:

@@ -64,6 +64,7 @@ class ForwardJob:
     input_logprob_tasks: list[InputLogprobTask] = field(default_factory=list)
     penalties: PenaltyInfo | None = None
     poison_rows: list[int] = field(default_factory=list)
+    follows_busy_step: bool = False  # the scheduler had work since the previous job: a gap before it is idling
 
 
 @dataclass
@@ -85,7 +86,8 @@ class ForwardWorker:
         self._counts: torch.Tensor | None = None  # [rows, V] output token counts, made on first use
         self._jobs: queue.Queue[tuple[ForwardJob, Future] | None] = queue.Queue()
         self._busy_s = 0.0
-        self._started = time.perf_counter()
+        self._idle_s = 0.0
+        self._last_end: float | None = None
         self._thread = threading.Thread(target=self._loop, name="tandem-forward", daemon=True)
         self._thread.start()
 
@@ -99,11 +101,13 @@ class ForwardWorker:
         self._thread.join(timeout=10)
 
     def idle_fraction(self) -> float:
-        wall = time.perf_counter() - self._started
-        return max(0.0, 1.0 - self._busy_s / wall) if wall > 0 else 0.0
+        """Share of time the device waited for the next step while the scheduler had work
+        (gaps after the server was idle do not count)."""
+        total = self._busy_s + self._idle_s
+        return self._idle_s / total if total > 0 else 0.0
 
-    def reset_idle_clock(self) -> None:
-        self._busy_s, self._started = 0.0, time.perf_counter()
+    def busy_idle_seconds(self) -> tuple[float, float]:
+        return self._busy_s, self._idle_s
 
     def _loop(self) -> None:
         while True:
@@ -112,11 +116,14 @@ class ForwardWorker:
                 return
             job, fut = item
             t0 = time.perf_counter()
+            if job.follows_busy_step and self._last_end is not None:
+                self._idle_s += t0 - self._last_end
             try:
                 fut.set_result(self.run(job))
             except BaseException as exc:  # surfaces in the scheduler thread via fut.result()
                 fut.set_exception(exc)
-            self._busy_s += time.perf_counter() - t0
+            self._last_end = time.perf_counter()
+            self._busy_s += self._last_end - t0
 
     @torch.inference_mode()
     def run(self, job: ForwardJob) -> GenerationBatchResult:

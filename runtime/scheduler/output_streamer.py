@@ -83,5 +83,5 @@ def _put(out: BatchTokenIDOutput, side: str, a: LogprobArrays | None) -> None:
     getattr(out, f"{side}_top_logprobs_val").append(None if a is None else a.top_vals)
     getattr(out, f"{side}_top_logprobs_idx").append(None if a is None else a.top_idx)
     getattr(out, f"{side}_token_ids_logprobs_val").append(None if a is None else a.ids_logprobs)
-    # the requested ids are the same at every position; repeat them so the wire shape is self-contained
+    # the requested ids are the request's token_ids_logprob, which the tokenizer manager already holds
     getattr(out, f"{side}_token_ids_logprobs_idx").append(None)

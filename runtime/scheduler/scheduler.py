@@ -64,6 +64,7 @@ class Scheduler:
     # -- the loop -----------------------------------------------------------------------------------
     def event_loop(self) -> None:
         in_flight: tuple[ScheduleBatch, Future] | None = None
+        busy = False
         parent = os.getppid()
         while True:
             idle = in_flight is None and not self.planner.has_work()
@@ -72,7 +73,10 @@ class Scheduler:
                 return  # the main process is gone: never linger as an orphan
             t0 = time.perf_counter()
             batch = self.planner.next_batch()
+            if batch is not None:
+                batch.job.follows_busy_step = busy
             launched = (batch, self.worker.submit(batch.job)) if batch is not None else None
+            busy = batch is not None or in_flight is not None
             waited = 0.0
             if in_flight is not None:
                 waited += self._process(*in_flight)
@@ -172,6 +176,8 @@ class Scheduler:
             "num_queue_reqs": len(self.planner.waiting),
             "overlap_schedule": self.overlap,
             "device_idle_fraction": round(self.worker.idle_fraction(), 4),
+            "device_busy_s": round(self.worker.busy_idle_seconds()[0], 4),
+            "device_idle_s": round(self.worker.busy_idle_seconds()[1], 4),
             "step_time_median_ms": median,
             "step_time_p99_ms": p99,
             "num_steps": self._steps,
