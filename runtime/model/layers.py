@@ -1,4 +1,4 @@
-"""Small torch building blocks: RMSNorm, rotary embedding, SiLU-and-mul."""
+"""Small building blocks: RMSNorm and rotary embedding; their math comes from the model's ops (torch or Triton)."""
 from __future__ import annotations
 
 import math
@@ -6,29 +6,27 @@ import math
 import torch
 from torch import nn
 
+from tandem.runtime.model.ops import TorchOps
+
 
 class RMSNorm(nn.Module):
+    ops = TorchOps()  # replaced per model by CausalLM.use_ops
+
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        if residual is not None:
-            x = x + residual
-            residual = x
-        x32 = x.float()
-        out = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
-        return out if residual is None else (out, residual)
-
-
-def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    gate, up = gate_up.chunk(2, dim=-1)
-    return nn.functional.silu(gate) * up
+        if residual is None:
+            return self.ops.rmsnorm(x, self.weight, self.eps)
+        return self.ops.add_rmsnorm(x, residual, self.weight, self.eps)
 
 
 class RotaryEmbedding(nn.Module):
     """Neox-style rotary embedding (rotate halves), as Llama/Qwen/Mistral checkpoints use."""
+
+    ops = TorchOps()
 
     def __init__(self, head_dim: int, max_position: int, base: float, rope_scaling: dict | None = None) -> None:
         super().__init__()
@@ -41,14 +39,7 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q: [T, Hq, D], k: [T, Hkv, D]."""
-        cos, sin = self.cos_sin[positions].chunk(2, dim=-1)
-        cos, sin = cos[:, None, :], sin[:, None, :]
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.float().chunk(2, dim=-1)
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+        return self.ops.rotary(positions, q, k, self.cos_sin)
 
 
 def _llama3_scale(inv_freq: torch.Tensor, cfg: dict) -> torch.Tensor:

@@ -10,7 +10,8 @@ from torch import nn
 from tandem.runtime.model.attention import AttentionBackend
 from tandem.runtime.model.config import ModelConfig
 from tandem.runtime.model.forward_batch import ForwardBatch
-from tandem.runtime.model.layers import RMSNorm, RotaryEmbedding, silu_and_mul
+from tandem.runtime.model.layers import RMSNorm, RotaryEmbedding
+from tandem.runtime.model.ops import TorchOps, TritonOps
 
 
 class Attention(nn.Module):
@@ -39,13 +40,15 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
+    ops = TorchOps()
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -76,6 +79,12 @@ class CausalLM(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position, cfg.rope_theta, cfg.rope_scaling)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    def use_ops(self, ops: TorchOps | TritonOps) -> None:
+        """Route RMSNorm, rotary and SiLU-and-mul through `ops` (the Triton kernels with the triton backend)."""
+        for module in self.modules():
+            if isinstance(module, (RMSNorm, RotaryEmbedding, MLP)):
+                module.ops = ops
 
     def hidden_states(self, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
         attn.init_forward(batch)

@@ -9,6 +9,7 @@ from tandem.runtime.cache.pools import KVPool, ReqToTokenPool, TokenAllocator
 from tandem.runtime.model.attention import create_attention_backend
 from tandem.runtime.model.forward_batch import ForwardBatch
 from tandem.runtime.model.loader import load_model, resolve_model_path
+from tandem.runtime.model.ops import create_ops
 from tandem.runtime.sampling.sampler import SamplingBatchInfo, sample
 from tandem.runtime.server_args import ServerArgs
 
@@ -35,8 +36,9 @@ class ModelRunner:
         self.allocator = TokenAllocator(self.max_total_tokens, self.device)
         self.kv_pool = KVPool(self.max_total_tokens, self.config.num_layers, self.config.num_kv_heads,
                               self.config.head_dim, self.dtype, self.device)
-        self.attn_backend = create_attention_backend(args.resolved_attention_backend(), self.kv_pool,
-                                                     self.req_to_token_pool)
+        backend = args.resolved_attention_backend()
+        self.attn_backend = create_attention_backend(backend, self.kv_pool, self.req_to_token_pool)
+        self.model.use_ops(create_ops(backend))
         logger.info("model %s loaded: %s, %d KV slots, context %d", self.model_path, self.config.arch,
                     self.max_total_tokens, self.context_len)
 

@@ -1,0 +1,302 @@
+"""`tandem bench offline`: offline throughput of tandem against its own bare model loop and transformers.
+
+The nano-vllm / mini-sglang method: N sequences with random token-id prompts, input and output
+lengths drawn (separately) uniform in [min_len, max_len], greedy with ignore_eos so every
+sequence produces exactly its output length; one warm-up; output tokens/s = the sum of output
+lengths over the wall time of one `generate` call holding every sequence. All systems run the
+same prompts, in one process run, with the same dtype:
+
+1. tandem Engine, overlap schedule on (the default; "tandem" in the ratios),
+2. tandem Engine, overlap schedule off,
+3. the bare model loop (tandem's model, no scheduler/IPC/detokenizer): static batches of up to
+   --max-running-requests, each decoded for the longest output in the batch,
+4. transformers `generate`: static left-padded batches of --hf-batch-size.
+
+(3) and (4) compute tokens past a shorter sequence's end (static batching pads them); only each
+sequence's own output length counts as useful, so their tok/s is what a user gets, and the
+waste shows in `*_useful_fraction`.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+FIRST_ORDINARY_ID = 17  # below this SmolLM2 keeps its special tokens; random prompts avoid them
+KV_SLACK_TOKENS = 256
+
+
+@dataclass
+class Workload:
+    prompts: list[list[int]]
+    output_lens: list[int]
+
+    @property
+    def output_tokens(self) -> int:
+        return sum(self.output_lens)
+
+
+@dataclass
+class SystemResult:
+    name: str
+    output_tokens: int  # useful tokens: each sequence's own output length
+    seconds: float
+    computed_tokens: int = 0  # tokens actually decoded, padding included (static batching)
+    idle_fraction: float | None = None
+    info: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def tok_s(self) -> float:
+        return self.output_tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+def make_workload(num_seqs: int, min_len: int, max_len: int, vocab: int, seed: int) -> Workload:
+    rng = random.Random(seed)
+    in_lens = [rng.randint(min_len, max_len) for _ in range(num_seqs)]
+    out_lens = [rng.randint(min_len, max_len) for _ in range(num_seqs)]
+    prompts = [[rng.randrange(FIRST_ORDINARY_ID, vocab) for _ in range(n)] for n in in_lens]
+    return Workload(prompts, out_lens)
+
+
+def batches(wl: Workload, size: int) -> list[tuple[list[list[int]], list[int]]]:
+    return [(wl.prompts[i:i + size], wl.output_lens[i:i + size]) for i in range(0, len(wl.prompts), size)]
+
+
+def _greedy(n: int) -> dict[str, Any]:
+    return {"max_new_tokens": n, "temperature": 0.0, "ignore_eos": True}
+
+
+# ---------------------------------------------------------------- the systems
+
+
+def run_engine(args: argparse.Namespace, wl: Workload, overlap: bool) -> SystemResult:
+    from tandem.runtime.engine import Engine
+
+    with Engine(args.model_path, dtype=args.dtype, max_total_tokens=args.max_total_tokens,
+                max_running_requests=args.max_running_requests, disable_overlap_schedule=not overlap,
+                log_level="warning") as engine:
+        engine.generate(input_ids=wl.prompts[:2], sampling_params=[_greedy(4)] * 2)  # warm-up
+        engine.flush_cache()  # the timed run must not hit the warm-up's prefixes
+        before = engine.server_info()
+        t0 = time.perf_counter()
+        outs = engine.generate(input_ids=wl.prompts, sampling_params=[_greedy(n) for n in wl.output_lens])
+        seconds = time.perf_counter() - t0
+        info = engine.server_info()
+    tokens = sum(o["meta_info"]["completion_tokens"] for o in outs)
+    if tokens != wl.output_tokens:
+        raise RuntimeError(f"engine produced {tokens} output tokens, expected {wl.output_tokens}")
+    keep = {k: info.get(k) for k in ("step_time_median_ms", "step_time_p99_ms", "num_steps", "num_retractions")}
+    name = "tandem (overlap on)" if overlap else "tandem (overlap off)"
+    return SystemResult(name, tokens, seconds, tokens, idle_in_window(before, info), keep)
+
+
+def idle_in_window(before: dict[str, Any], after: dict[str, Any]) -> float | None:
+    """Device idle share of the timed run alone, from the worker's cumulative busy/idle seconds.
+    The server's device_idle_fraction is cumulative since start (warm-up included); it is the
+    fallback when a server does not report the raw counters."""
+    try:
+        busy = after["device_busy_s"] - before["device_busy_s"]
+        idle = after["device_idle_s"] - before["device_idle_s"]
+    except KeyError:
+        return after.get("device_idle_fraction")
+    return round(idle / (busy + idle), 4) if busy + idle > 0 else 0.0
+
+
+def run_bare(args: argparse.Namespace, wl: Workload) -> SystemResult:
+    from tandem.runtime.model.bare_loop import BareLoop
+    from tandem.runtime.model.runner import ModelRunner
+    from tandem.runtime.server_args import ServerArgs
+
+    runner = ModelRunner(ServerArgs(model_path=args.model_path, dtype=args.dtype,
+                                    max_total_tokens=args.max_total_tokens,
+                                    max_running_requests=args.max_running_requests))
+    loop = BareLoop(runner)
+    loop.generate(wl.prompts[:2], 4)  # warm-up
+    computed = 0
+    t0 = time.perf_counter()
+    for prompts, out_lens in batches(wl, args.max_running_requests):
+        loop.generate(prompts, max(out_lens))
+        computed += len(prompts) * max(out_lens)
+    seconds = time.perf_counter() - t0
+    del loop, runner
+    gc.collect()
+    return SystemResult("bare model loop", wl.output_tokens, seconds, computed)
+
+
+def load_hf_model(model_path: str | None, dtype: str):
+    from transformers import AutoModelForCausalLM
+
+    from tandem.runtime.model.loader import resolve_model_path
+
+    path = resolve_model_path(model_path)
+    torch_dtype = getattr(torch, dtype)
+    if path.endswith(".gguf"):
+        return AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
+                                                    dtype=torch_dtype).eval()
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype).eval()
+
+
+def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):] = torch.tensor(p)
+        mask[i, width - len(p):] = 1
+    return ids, mask
+
+
+def _hf_generate(model, prompts: list[list[int]], new_tokens: int, pad_id: int) -> torch.Tensor:
+    ids, mask = left_pad(prompts, pad_id)
+    # min_new_tokens = max_new_tokens: EOS cannot end a row early, like ignore_eos on the tandem side
+    return model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=new_tokens,
+                          min_new_tokens=new_tokens, pad_token_id=pad_id, temperature=None, top_p=None, top_k=None)
+
+
+def run_transformers(args: argparse.Namespace, wl: Workload) -> SystemResult:
+    model = load_hf_model(args.model_path, args.dtype)
+    pad_id = model.generation_config.pad_token_id or model.generation_config.eos_token_id or 0
+    pad_id = pad_id[0] if isinstance(pad_id, list) else int(pad_id)
+    computed = 0
+    with torch.inference_mode():
+        _hf_generate(model, wl.prompts[:2], 4, pad_id)  # warm-up
+        t0 = time.perf_counter()
+        for prompts, out_lens in batches(wl, args.hf_batch_size):
+            out = _hf_generate(model, prompts, max(out_lens), pad_id)
+            if out.shape[1] - max(len(p) for p in prompts) != max(out_lens):
+                raise RuntimeError("transformers stopped before max_new_tokens")
+            computed += len(prompts) * max(out_lens)
+        seconds = time.perf_counter() - t0
+    del model
+    gc.collect()
+    return SystemResult("transformers generate", wl.output_tokens, seconds, computed)
+
+
+# ---------------------------------------------------------------- report
+
+
+def machine_info() -> dict[str, Any]:
+    model = "unknown"
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), model)
+    except OSError:
+        pass
+    return {"cpu_model": model, "cpu_cores": os.cpu_count() or 0, "torch_threads": torch.get_num_threads(),
+            "torch_version": torch.__version__}
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return round(a / b, 4) if a and b else None
+
+
+def build_report(args: argparse.Namespace, wl: Workload, res: dict[str, SystemResult]) -> dict[str, Any]:
+    on, off, bare, hf = (res.get(k) for k in ("overlap", "no_overlap", "bare", "transformers"))
+    report: dict[str, Any] = {
+        "tandem_overlap_tok_s": round(on.tok_s, 2),
+        "tandem_no_overlap_tok_s": round(off.tok_s, 2),
+        "bare_tok_s": round(bare.tok_s, 2),
+        "transformers_tok_s": round(hf.tok_s, 2) if hf else None,
+        "tandem_over_transformers": _ratio(on.tok_s, hf.tok_s if hf else None),
+        "tandem_over_bare": _ratio(on.tok_s, bare.tok_s),
+        "overlap_speedup": _ratio(on.tok_s, off.tok_s),
+        "idle_fraction_overlap": on.idle_fraction,
+        "idle_fraction_no_overlap": off.idle_fraction,
+        "dtype": args.dtype,
+        "num_seqs": len(wl.prompts),
+        "min_len": args.min_len,
+        "max_len": args.max_len,
+        "seed": args.seed,
+        "max_running_requests": args.max_running_requests,
+        "hf_batch_size": args.hf_batch_size,
+        "total_input_tokens": sum(len(p) for p in wl.prompts),
+        "total_output_tokens": wl.output_tokens,
+        "model_path": args.model_path or "default (SmolLM2-135M-Instruct GGUF)",
+    }
+    for key, r in res.items():
+        report[f"{key}_seconds"] = round(r.seconds, 4)
+        report[f"{key}_useful_fraction"] = round(r.output_tokens / r.computed_tokens, 4) if r.computed_tokens else None
+        report.update({f"{key}_{k}": v for k, v in r.info.items()})
+    return {**report, **machine_info()}
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def format_table(res: dict[str, SystemResult], report: dict[str, Any]) -> str:
+    lines = [f"{'system':<24} {'tok/s':>10} {'seconds':>9} {'useful':>7} {'device idle':>12}"]
+    for r in res.values():
+        useful = r.output_tokens / r.computed_tokens if r.computed_tokens else None
+        idle = None if r.idle_fraction is None else 100 * r.idle_fraction
+        lines.append(f"{r.name:<24} {r.tok_s:>10.1f} {r.seconds:>9.2f} {_fmt(useful, '.0%'):>7} "
+                     f"{_fmt(idle, '.1f') + ('%' if idle is not None else ''):>12}")
+    lines.append("")
+    lines.append(f"tandem / transformers   {_fmt(report['tandem_over_transformers'], '.2f')}x")
+    lines.append(f"tandem / bare           {_fmt(report['tandem_over_bare'], '.2f')}   (serving efficiency)")
+    lines.append(f"overlap on / off        {_fmt(report['overlap_speedup'], '.2f')}x")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- CLI
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="tandem bench offline", description=__doc__.split("\n")[0])
+    a = p.add_argument
+    a("--model-path", default=None, help="HF folder or .gguf; default the embedded SmolLM2-135M-Instruct")
+    a("--num-seqs", type=int, default=64)
+    a("--min-len", type=int, default=32, help="shortest input and output length")
+    a("--max-len", type=int, default=256, help="longest input and output length")
+    a("--seed", type=int, default=0)
+    a("--dtype", choices=["float32", "bfloat16"], default="float32")
+    a("--max-running-requests", type=int, default=64, help="engine batch cap; also the bare loop's batch size")
+    a("--max-total-tokens", type=int, default=None, help="KV slots; default fits every sequence at once")
+    a("--hf-batch-size", type=int, default=16)
+    a("--skip-transformers", action="store_true")
+    a("--output-file", default=None, help="write the result as JSON")
+    return p
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    args = build_parser().parse_args(argv)
+    if not 1 <= args.min_len <= args.max_len:
+        raise SystemExit("need 1 <= --min-len <= --max-len")
+    if args.num_seqs < 1 or args.max_running_requests < 1 or args.hf_batch_size < 1:
+        raise SystemExit("--num-seqs, --max-running-requests and --hf-batch-size must be >= 1")
+    if args.max_total_tokens is None:
+        args.max_total_tokens = args.num_seqs * args.max_len * 2 + KV_SLACK_TOKENS
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    from tandem.runtime.model.loader import load_config, resolve_model_path
+
+    vocab = load_config(resolve_model_path(args.model_path)).vocab_size
+    wl = make_workload(args.num_seqs, args.min_len, args.max_len, vocab, args.seed)
+    print(f"#seqs: {len(wl.prompts)}  #input tokens: {sum(map(len, wl.prompts))}  "
+          f"#output tokens: {wl.output_tokens}  dtype: {args.dtype}", flush=True)
+    res: dict[str, SystemResult] = {}
+    res["overlap"] = run_engine(args, wl, overlap=True)
+    res["no_overlap"] = run_engine(args, wl, overlap=False)
+    res["bare"] = run_bare(args, wl)
+    if not args.skip_transformers:
+        res["transformers"] = run_transformers(args, wl)
+    report = build_report(args, wl, res)
+    print(format_table(res, report), flush=True)
+    if args.output_file:
+        with open(args.output_file, "w", encoding="utf-8") as f:
+            json.dump(report, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

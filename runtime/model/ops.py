@@ -1,0 +1,63 @@
+"""The small fused ops behind one interface: torch on CPU, Triton kernels with the triton backend."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+class TorchOps:
+    name = "torch"
+
+    @staticmethod
+    def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        x32 = x.float()
+        return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * weight
+
+    def add_rmsnorm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                    eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        residual = x + residual
+        return self.rmsnorm(residual, weight, eps), residual
+
+    @staticmethod
+    def rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+               cos_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = cos_sin[positions].chunk(2, dim=-1)
+        cos, sin = cos[:, None, :], sin[:, None, :]
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+    @staticmethod
+    def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+
+
+class TritonOps:
+    name = "triton"
+
+    def __init__(self) -> None:
+        from tandem.kernels import activation, norm, rotary  # lazy: imports triton
+
+        self._norm, self._rotary, self._act = norm, rotary, activation
+
+    def rmsnorm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return self._norm.rmsnorm(x, weight, eps)
+
+    def add_rmsnorm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                    eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._norm.fused_add_rmsnorm(x, residual, weight, eps)
+
+    def rotary(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+               cos_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._rotary.apply_rotary_(positions, q, k, cos_sin)
+
+    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return self._act.silu_and_mul(gate_up)
+
+
+def create_ops(name: str) -> TorchOps | TritonOps:
+    return TritonOps() if name == "triton" else TorchOps()
