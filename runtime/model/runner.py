@@ -23,6 +23,8 @@ _GPU_KV_MEM_FRACTION = 0.85
 class ModelRunner:
     def __init__(self, args: ServerArgs) -> None:
         self.args = args
+        if args.tp_size != 1:
+            raise NotImplementedError(f"--tp-size {args.tp_size}: tensor parallelism is not implemented yet; use 1")
         self.device = torch.device(args.resolved_device())
         self.dtype = _DTYPES[args.resolved_dtype()]
         self.model_path = resolve_model_path(args.model_path)

@@ -18,6 +18,7 @@ from tandem.ipc.messages import (AbortReq, BatchTokenIDOutput, ChildError, Finis
                                  GetServerInfoReply, GetServerInfoReq, HealthCheckReq, ReadyMsg, TokenizedGenerateReq)
 from tandem.ipc.sockets import IPCAddresses, bind_pull, connect_push, recv_all_nowait, send
 from tandem.runtime.envs import envs
+from tandem.runtime.model.forward_batch import ForwardMode
 from tandem.runtime.model.runner import ModelRunner
 from tandem.runtime.scheduler.batch import ScheduleBatch
 from tandem.runtime.scheduler.forward_worker import ForwardWorker
@@ -185,18 +186,24 @@ class Scheduler:
         }
 
     def _maybe_log(self, batch: ScheduleBatch) -> None:
+        """SGLang-style batch lines: every prefill, and every 40th decode step."""
         self._steps += 1
+        used = self.runner.max_total_tokens - self.kv.available_tokens()
+        usage = used / self.runner.max_total_tokens
+        if batch.mode == ForwardMode.EXTEND:
+            logger.info("Prefill batch. #new-seq: %d, #new-token: %d, #cached-token: %d, token usage: %.2f, "
+                        "#running-req: %d, #queue-req: %d", len(batch.reqs), batch.num_tokens,
+                        sum(batch.job.prefix_lens), usage, len(self.planner.running), len(self.planner.waiting))
+            return
         if self._steps % _LOG_EVERY_STEPS:
             return
         now = time.perf_counter()
         rate = self._gen_tokens / max(now - self._last_log, 1e-9)
         self._gen_tokens, self._last_log = 0, now
-        used = self.runner.max_total_tokens - self.kv.available_tokens()
         median, p99 = _median_p99_ms(self._step_times)
-        logger.info("%s batch. #running-req: %d, #token: %d, token usage: %.2f, gen throughput (token/s): %.2f, "
+        logger.info("Decode batch. #running-req: %d, #token: %d, token usage: %.2f, gen throughput (token/s): %.2f, "
                     "#queue-req: %d, overlap: %s, device idle: %.1f%%, step (median/p99 ms): %.2f/%.2f",
-                    batch.mode.value.capitalize(), len(self.planner.running), used,
-                    used / self.runner.max_total_tokens, rate, len(self.planner.waiting), self.overlap,
+                    len(self.planner.running), used, usage, rate, len(self.planner.waiting), self.overlap,
                     100 * self.worker.idle_fraction(), median, p99)
 
 
