@@ -2,6 +2,10 @@
 
 A backend writes the new K/V of a layer into the KV pool at `out_cache_loc`, then attends each
 new query over its request's whole sequence read through the request-to-token table.
+
+Contract: in every layer, ALL new K/V of the batch are written before ANY request reads the
+pool. A request's cached prefix may be slots another request of the same batch is filling in
+this very pass (n>1 siblings and shared prompts admitted together reuse each other's prefill).
 """
 from __future__ import annotations
 
