@@ -231,6 +231,10 @@ def _fmt(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
+def _times(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}x"
+
+
 def format_table(res: dict[str, SystemResult], report: dict[str, Any]) -> str:
     lines = [f"{'system':<24} {'tok/s':>10} {'seconds':>9} {'useful':>7} {'device idle':>12}"]
     for r in res.values():
@@ -239,9 +243,9 @@ def format_table(res: dict[str, SystemResult], report: dict[str, Any]) -> str:
         lines.append(f"{r.name:<24} {r.tok_s:>10.1f} {r.seconds:>9.2f} {_fmt(useful, '.0%'):>7} "
                      f"{_fmt(idle, '.1f') + ('%' if idle is not None else ''):>12}")
     lines.append("")
-    lines.append(f"tandem / transformers   {_fmt(report['tandem_over_transformers'], '.2f')}x")
+    lines.append(f"tandem / transformers   {_times(report['tandem_over_transformers'])}")
     lines.append(f"tandem / bare           {_fmt(report['tandem_over_bare'], '.2f')}   (serving efficiency)")
-    lines.append(f"overlap on / off        {_fmt(report['overlap_speedup'], '.2f')}x")
+    lines.append(f"overlap on / off        {_times(report['overlap_speedup'])}")
     return "\n".join(lines)
 
 
@@ -276,12 +280,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+def model_vocab(model_path: str | None) -> int:
     from tandem.runtime.model.loader import load_config, resolve_model_path
 
-    vocab = load_config(resolve_model_path(args.model_path)).vocab_size
-    wl = make_workload(args.num_seqs, args.min_len, args.max_len, vocab, args.seed)
+    return load_config(resolve_model_path(model_path)).vocab_size
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    wl = make_workload(args.num_seqs, args.min_len, args.max_len, model_vocab(args.model_path), args.seed)
     print(f"#seqs: {len(wl.prompts)}  #input tokens: {sum(map(len, wl.prompts))}  "
           f"#output tokens: {wl.output_tokens}  dtype: {args.dtype}", flush=True)
     res: dict[str, SystemResult] = {}

@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from tandem.launch.bench_offline import FIRST_ORDINARY_ID, machine_info
+from tandem.launch.bench_offline import FIRST_ORDINARY_ID, machine_info, model_vocab
 
 KV_SLACK_TOKENS = 1024
 
@@ -189,10 +189,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from tandem.runtime.model.loader import load_config, resolve_model_path
-
-    vocab = load_config(resolve_model_path(args.model_path)).vocab_size
-    groups = make_groups(args.num_groups, args.prompts_per_group, args.prefix_len, args.question_len, vocab, args.seed)
+    groups = make_groups(args.num_groups, args.prompts_per_group, args.prefix_len, args.question_len,
+                         model_vocab(args.model_path), args.seed)
     print(f"#groups: {args.num_groups} x {args.prompts_per_group} prompts, prefix {args.prefix_len} + question "
           f"{args.question_len} tokens, output {args.output_len}, {'burst' if args.burst else 'group by group'}",
           flush=True)

@@ -1,0 +1,83 @@
+"""`tandem bench offline` on the tiny model: one run, every JSON key, ratios consistent with the tok/s."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tandem.launch.bench_offline import Workload, batches, left_pad, main, make_workload
+
+TOK_S_KEYS = ("tandem_overlap_tok_s", "tandem_no_overlap_tok_s", "bare_tok_s", "transformers_tok_s")
+
+
+def test_workload_is_seeded_and_in_range() -> None:
+    a, b = make_workload(10, 8, 24, 1000, seed=3), make_workload(10, 8, 24, 1000, seed=3)
+    assert a == b and a != make_workload(10, 8, 24, 1000, seed=4)
+    assert all(8 <= len(p) <= 24 for p in a.prompts) and all(8 <= n <= 24 for n in a.output_lens)
+    assert all(17 <= t < 1000 for p in a.prompts for t in p)
+    assert [len(ps) for ps, _ in batches(a, 4)] == [4, 4, 2]
+
+
+def test_left_pad_masks_the_padding() -> None:
+    ids, mask = left_pad([[5, 6, 7], [8]], pad_id=0)
+    assert ids.tolist() == [[5, 6, 7], [0, 0, 8]]
+    assert mask.tolist() == [[1, 1, 1], [0, 0, 1]]
+
+
+@pytest.mark.timeout(300)
+def test_main_writes_every_key(tiny_model_dir, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "offline.json"
+    argv = ["--model-path", tiny_model_dir("llama"), "--num-seqs", "8", "--min-len", "8", "--max-len", "24",
+            "--hf-batch-size", "4", "--output-file", str(out)]
+    assert main(argv) == 0
+    r = json.loads(out.read_text())
+    for key in TOK_S_KEYS + ("tandem_over_transformers", "tandem_over_bare", "overlap_speedup"):
+        assert r[key] > 0, key
+    # the ratios are the tok/s values divided (rounding aside)
+    assert r["tandem_over_transformers"] == pytest.approx(r["tandem_overlap_tok_s"] / r["transformers_tok_s"], rel=1e-2)
+    assert r["tandem_over_bare"] == pytest.approx(r["tandem_overlap_tok_s"] / r["bare_tok_s"], rel=1e-2)
+    assert r["overlap_speedup"] == pytest.approx(r["tandem_overlap_tok_s"] / r["tandem_no_overlap_tok_s"], rel=1e-2)
+    for key in ("idle_fraction_overlap", "idle_fraction_no_overlap"):
+        assert 0.0 <= r[key] <= 1.0, key
+    assert r["dtype"] == "float32" and r["num_seqs"] == 8
+    assert r["cpu_cores"] >= 1 and r["cpu_model"]
+    wl = make_workload(8, 8, 24, 49152, seed=0)
+    assert r["total_output_tokens"] == wl.output_tokens
+    # every system did the same useful work; static batching pads, the engine does not
+    for key in ("overlap", "no_overlap", "bare", "transformers"):
+        assert r[f"{key}_seconds"] > 0
+        assert 0 < r[f"{key}_useful_fraction"] <= 1
+    assert r["overlap_useful_fraction"] == 1.0
+    assert r["tandem_overlap_tok_s"] == pytest.approx(wl.output_tokens / r["overlap_seconds"], rel=1e-2)
+    table = capsys.readouterr().out
+    assert "tandem (overlap on)" in table and "transformers generate" in table and "tandem / bare" in table
+
+
+def test_skip_transformers_leaves_its_keys_null(monkeypatch, tmp_path: Path, capsys) -> None:
+    """The report side alone: the systems are stubbed, so nothing starts."""
+    from tandem.launch import bench_offline as bo
+
+    def result(name: str, seconds: float, wl: Workload, idle: float | None = None) -> bo.SystemResult:
+        return bo.SystemResult(name, wl.output_tokens, seconds, wl.output_tokens, idle)
+
+    monkeypatch.setattr(bo, "model_vocab", lambda path: 1000)
+    monkeypatch.setattr(bo, "run_engine", lambda args, wl, overlap: result("e", 1.0 if overlap else 2.0, wl, 0.25))
+    monkeypatch.setattr(bo, "run_bare", lambda args, wl: result("bare", 0.5, wl))
+    monkeypatch.setattr(bo, "run_transformers", lambda args, wl: pytest.fail("transformers ran"))
+    out = tmp_path / "r.json"
+    assert bo.main(["--skip-transformers", "--num-seqs", "4", "--output-file", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert r["transformers_tok_s"] is None and r["tandem_over_transformers"] is None
+    assert r["overlap_speedup"] == 2.0 and r["tandem_over_bare"] == 0.5
+    assert r["idle_fraction_overlap"] == 0.25
+    assert "tandem / transformers   -\n" in capsys.readouterr().out
+
+
+def test_idle_window_uses_the_counter_deltas() -> None:
+    from tandem.launch.bench_offline import idle_in_window
+
+    before = {"device_busy_s": 10.0, "device_idle_s": 5.0, "device_idle_fraction": 0.33}
+    after = {"device_busy_s": 19.0, "device_idle_s": 6.0, "device_idle_fraction": 0.24}
+    assert idle_in_window(before, after) == 0.1
+    assert idle_in_window({}, {"device_idle_fraction": 0.2}) == 0.2

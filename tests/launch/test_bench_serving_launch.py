@@ -1,0 +1,57 @@
+"""`tandem bench serving --launch` against a real tandem server on the tiny model."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tandem.launch import bench_serving
+
+RESULT_KEYS = (
+    "backend", "dataset_name", "request_rate", "num_prompts", "duration", "duration_s", "completed", "failed",
+    "total_input_tokens", "total_output_tokens", "total_cached_tokens", "cache_hit_rate", "request_throughput",
+    "input_throughput", "output_throughput", "total_throughput", "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms",
+    "mean_itl_ms", "mean_tpot_ms", "mean_e2e_latency_ms", "errors",
+)
+
+
+@pytest.mark.timeout(300)
+def test_launch_runs_against_a_real_server(tiny_model_dir, tmp_path: Path, monkeypatch) -> None:
+    # away from the repo root: its kernels/ folder would shadow the PyPI package transformers probes
+    monkeypatch.chdir(tmp_path)
+    started: list[subprocess.Popen] = []
+    real_popen = subprocess.Popen
+
+    def recording_popen(*args, **kwargs):
+        proc = real_popen(*args, **kwargs)
+        started.append(proc)
+        return proc
+
+    monkeypatch.setattr(bench_serving.subprocess, "Popen", recording_popen)
+    out = tmp_path / "serving.json"
+    server_args = f"--model-path {tiny_model_dir('llama')} --max-total-tokens 4000 --log-level warning"
+    try:
+        rc = bench_serving.main(["--launch", "--server-args", server_args, "--num-prompts", "8",
+                                 "--random-input-len", "16", "--random-output-len", "8", "--random-range-ratio", "1.0",
+                                 "--disable-tqdm",
+                                 "--output-file", str(out)])
+        assert len(started) == 1
+        assert started[0].poll() is not None, "bench_serving left its server running"
+    finally:
+        for proc in started:  # belt and braces: never leave a server behind a failed assertion
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(10)
+    assert rc == 0
+    r = json.loads(out.read_text())
+    missing = [k for k in RESULT_KEYS if k not in r]
+    assert not missing, missing
+    assert r["completed"] == 8 and r["failed"] == 0 and r["errors"] == []
+    assert r["total_input_tokens"] == 8 * 16 and r["total_output_tokens"] == 8 * 8  # exact lengths, ignore_eos
+    for key in ("duration_s", "request_throughput", "output_throughput", "mean_ttft_ms", "mean_e2e_latency_ms"):
+        assert r[key] > 0, key
+    assert r["mean_ttft_ms"] <= r["mean_e2e_latency_ms"]
