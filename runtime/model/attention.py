@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from tandem.runtime.cache.pools import KVPool, ReqToTokenPool
-from tandem.runtime.model.forward_batch import ForwardBatch
+from tandem.runtime.model.forward_batch import ForwardBatch, ForwardMode
 
 
 class AttentionBackend(Protocol):
@@ -29,60 +29,80 @@ class AttentionBackend(Protocol):
 
 
 @dataclass
-class _PaddedMeta:
+class _DecodeMeta:
     kv_slots: torch.Tensor  # [bs, max_seq] slot per key position (0 = padding)
-    mask: torch.Tensor  # [bs, 1, max_ext, max_seq] True where a query may attend
-    q_dest: torch.Tensor  # [T] flat index into [bs * max_ext] of each new token
-    max_ext: int
+    mask: torch.Tensor  # [bs, 1, 1, max_seq] True where the query may attend
+
+
+@dataclass
+class _ExtendSpan:
+    q_start: int
+    q_end: int
+    kv_slots: torch.Tensor | None  # slots of the whole sequence; None without a cached prefix
+    mask: torch.Tensor | None  # [ext, seq] causal mask shifted by the prefix; None = plain causal
 
 
 class TorchAttnBackend:
-    """Pads the batch to [bs, max_ext] queries x [bs, max_seq] keys and runs one SDPA per layer."""
+    """Decode: one SDPA per layer over keys gathered into [bs, max_seq] (one query each, so padding
+    costs little). Extend: one SDPA per request, so ragged prefills never compute padded queries, and
+    a request without a cached prefix attends straight over its new K/V without any gather."""
 
     def __init__(self, kv_pool: KVPool, req_to_token_pool: ReqToTokenPool) -> None:
         self.kv_pool = kv_pool
         self.req_to_token = req_to_token_pool.req_to_token
 
     def init_forward(self, batch: ForwardBatch) -> None:
+        if batch.mode == ForwardMode.DECODE:
+            batch.attn_metadata = self._decode_meta(batch)
+        else:
+            batch.attn_metadata = self._extend_spans(batch)
+
+    def _decode_meta(self, batch: ForwardBatch) -> _DecodeMeta:
         device = batch.input_ids.device
         seq = torch.tensor(batch.seq_lens_cpu, dtype=torch.int64, device=device)
-        pre = torch.tensor(batch.prefix_lens_cpu, dtype=torch.int64, device=device)
-        ext = torch.tensor(batch.extend_lens_cpu, dtype=torch.int64, device=device)
-        max_seq, max_ext = max(batch.seq_lens_cpu), max(batch.extend_lens_cpu)
-        key_pos = torch.arange(max_seq, device=device)
-        rows = self.req_to_token[batch.req_pool_indices, :max_seq]
-        kv_slots = torch.where(key_pos[None, :] < seq[:, None], rows, torch.zeros_like(rows))
-        q_pos = pre[:, None] + torch.arange(max_ext, device=device)[None, :]  # absolute position of each query
-        mask = (key_pos[None, None, :] <= q_pos[:, :, None]) & (key_pos[None, None, :] < seq[:, None, None])
-        starts = torch.arange(len(batch.seq_lens_cpu), device=device) * max_ext
-        q_dest = torch.repeat_interleave(starts, ext) + _ragged_arange(ext)
-        batch.attn_metadata = _PaddedMeta(kv_slots, mask[:, None], q_dest, max_ext)
+        key_pos = torch.arange(max(batch.seq_lens_cpu), device=device)
+        rows = self.req_to_token[batch.req_pool_indices, :len(key_pos)]
+        valid = key_pos[None, :] < seq[:, None]
+        return _DecodeMeta(torch.where(valid, rows, torch.zeros_like(rows)), valid[:, None, None, :])
+
+    def _extend_spans(self, batch: ForwardBatch) -> list[_ExtendSpan]:
+        spans, start = [], 0
+        device = batch.input_ids.device
+        for i, (pre, ext) in enumerate(zip(batch.prefix_lens_cpu, batch.extend_lens_cpu)):
+            slots = mask = None
+            if pre:
+                slots = self.req_to_token[batch.req_pool_indices[i], :pre + ext]
+                mask = torch.ones((ext, pre + ext), dtype=torch.bool, device=device).tril(diagonal=pre)
+            spans.append(_ExtendSpan(start, start + ext, slots, mask))
+            start += ext
+        return spans
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
                 batch: ForwardBatch, scale: float) -> torch.Tensor:
+        # the whole batch's K/V first: a prefix read below may be slots this pass is filling
         self.kv_pool.set_kv(layer_id, batch.out_cache_loc, k, v)
-        meta: _PaddedMeta = batch.attn_metadata  # type: ignore[assignment]
-        bs, (num_tokens, hq, d) = batch.batch_size, q.shape
-        if bs == 1 and meta.max_ext == num_tokens and num_tokens == batch.seq_lens_cpu[0]:
-            # plain prefill of one request: no gather and no padding
-            out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
-                                                 v.transpose(0, 1)[None], is_causal=True, scale=scale,
-                                                 enable_gqa=True)
-            return out[0].transpose(0, 1)
-        q_pad = q.new_zeros((bs * meta.max_ext, hq, d))
-        q_pad[meta.q_dest] = q
-        q_pad = q_pad.view(bs, meta.max_ext, hq, d).transpose(1, 2)
+        if batch.mode == ForwardMode.DECODE:
+            return self._decode(q, layer_id, batch.attn_metadata, scale)  # type: ignore[arg-type]
+        out = torch.empty_like(q)
+        k_pool, v_pool = self.kv_pool.k_buffer[layer_id], self.kv_pool.v_buffer[layer_id]
+        for span in batch.attn_metadata:  # type: ignore[union-attr]
+            qs = q[span.q_start:span.q_end].transpose(0, 1)[None]
+            if span.kv_slots is None:
+                ks, vs = k[span.q_start:span.q_end], v[span.q_start:span.q_end]
+            else:
+                ks, vs = k_pool[span.kv_slots], v_pool[span.kv_slots]
+            o = F.scaled_dot_product_attention(qs, ks.transpose(0, 1)[None], vs.transpose(0, 1)[None],
+                                               attn_mask=span.mask, is_causal=span.mask is None, scale=scale,
+                                               enable_gqa=True)
+            out[span.q_start:span.q_end] = o[0].transpose(0, 1)
+        return out
+
+    def _decode(self, q: torch.Tensor, layer_id: int, meta: _DecodeMeta, scale: float) -> torch.Tensor:
         k_all = self.kv_pool.k_buffer[layer_id][meta.kv_slots].transpose(1, 2)  # [bs, Hkv, max_seq, D]
         v_all = self.kv_pool.v_buffer[layer_id][meta.kv_slots].transpose(1, 2)
-        out = F.scaled_dot_product_attention(q_pad, k_all, v_all, attn_mask=meta.mask, scale=scale, enable_gqa=True)
-        return out.transpose(1, 2).reshape(bs * meta.max_ext, hq, d)[meta.q_dest]
-
-
-def _ragged_arange(lens: torch.Tensor) -> torch.Tensor:
-    """[0..l0), [0..l1), ... concatenated."""
-    total = int(lens.sum())
-    starts = torch.repeat_interleave(lens.cumsum(0) - lens, lens)
-    return torch.arange(total, device=lens.device) - starts
+        out = F.scaled_dot_product_attention(q[:, :, None, :], k_all, v_all, attn_mask=meta.mask, scale=scale,
+                                             enable_gqa=True)
+        return out[:, :, 0, :]
 
 
 def create_attention_backend(name: str, kv_pool: KVPool, req_to_token_pool: ReqToTokenPool) -> AttentionBackend:
