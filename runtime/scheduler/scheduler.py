@@ -15,7 +15,7 @@ from concurrent.futures import Future
 import zmq
 
 from tandem.ipc.messages import (AbortReq, BatchTokenIDOutput, ChildError, FinishReason, FlushCacheReply, FlushCacheReq,
-                                 GetServerInfoReply, GetServerInfoReq, HealthCheckReq, ReadyMsg, TokenizedGenerateReq)
+                                 GetServerInfoReply, GetServerInfoReq, ReadyMsg, TokenizedGenerateReq)
 from tandem.ipc.sockets import IPCAddresses, bind_pull, connect_push, recv_all_nowait, send
 from tandem.runtime.envs import envs
 from tandem.runtime.model.forward_batch import ForwardMode
@@ -112,8 +112,6 @@ class Scheduler:
             send(self.reply_sock, FlushCacheReply(success=ok, message="" if ok else "requests are still running"))
         elif isinstance(msg, GetServerInfoReq):
             send(self.reply_sock, GetServerInfoReply(info=self.server_info()))
-        elif isinstance(msg, HealthCheckReq):
-            send(self.reply_sock, GetServerInfoReply(info={"health": msg.rid}))
 
     def _add_request(self, msg: TokenizedGenerateReq) -> None:
         self._arrivals += 1

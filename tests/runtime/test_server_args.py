@@ -1,0 +1,35 @@
+"""CLI flags and TOML presets build the same frozen ServerArgs; bad values name the argument."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+import pytest
+
+from tandem.runtime.server_args import DEFAULT_CONFIG, ServerArgs
+
+
+def _cli(argv: list[str]) -> ServerArgs:
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    return ServerArgs.from_cli_args(parser.parse_args(argv))
+
+
+def test_cli_and_toml_build_the_same_args(tmp_path):
+    toml = tmp_path / "preset.toml"
+    toml.write_text('[model]\ndtype = "float32"\n[server]\nport = 31234\nchunked_prefill_size = 64\n'
+                    'disable_radix_cache = true\nschedule_policy = "lpm"\n')
+    from_cli = _cli(["--dtype", "float32", "--port", "31234", "--chunked-prefill-size", "64",
+                     "--disable-radix-cache", "--schedule-policy", "lpm"])
+    assert ServerArgs.from_toml(toml) == from_cli
+    assert _cli(["--config", str(toml), "--port", "1"]).port == 1  # flags override the preset
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        from_cli.port = 2  # type: ignore[misc]
+
+
+def test_default_preset_loads_and_bad_values_name_the_argument():
+    assert ServerArgs.from_toml(DEFAULT_CONFIG).port == 30000
+    with pytest.raises(ValueError, match="schedule_policy"):
+        ServerArgs(schedule_policy="random")
+    with pytest.raises(ValueError, match="not_a_flag"):
+        ServerArgs.from_dict({"not_a_flag": 1})
