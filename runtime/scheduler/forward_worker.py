@@ -110,6 +110,9 @@ class ForwardWorker:
         return self._busy_s, self._idle_s
 
     def _loop(self) -> None:
+        if self.runner.device.type == "cuda":
+            # forwards get their own stream; the host waits only where it reads results (.tolist())
+            torch.cuda.set_stream(torch.cuda.Stream(self.runner.device))
         while True:
             item = self._jobs.get()
             if item is None:
