@@ -110,9 +110,9 @@ class ForwardWorker:
         return self._busy_s, self._idle_s
 
     def _loop(self) -> None:
-        if self.runner.device.type == "cuda":
-            # forwards get their own stream; the host waits only where it reads results (.tolist())
-            torch.cuda.set_stream(torch.cuda.Stream(self.runner.device))
+        # On CUDA the worker deliberately stays on the default stream: the scheduler thread writes
+        # req_to_token rows and slot indices there before submitting a job, and one stream orders
+        # those writes before the job's kernels without any event bookkeeping.
         while True:
             item = self._jobs.get()
             if item is None:
