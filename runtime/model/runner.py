@@ -34,7 +34,9 @@ class ModelRunner:
         self.context_len = min(args.context_length or self.config.max_position, self.config.max_position)
         self.max_total_tokens = self._kv_capacity()
         self.max_running_requests = args.max_running_requests
-        self.req_to_token_pool = ReqToTokenPool(self.max_running_requests + 1, self.context_len + 8, self.device)
+        # twice the running limit: rows of finished requests are reused only once the step in
+        # flight has been processed, so a full batch can turn over without stalling admission
+        self.req_to_token_pool = ReqToTokenPool(2 * self.max_running_requests + 1, self.context_len + 8, self.device)
         self.allocator = TokenAllocator(self.max_total_tokens, self.device)
         self.kv_pool = KVPool(self.max_total_tokens, self.config.num_layers, self.config.num_kv_heads,
                               self.config.head_dim, self.dtype, self.device)

@@ -1,7 +1,7 @@
 """ScheduleBatch: the requests of one planned step and the ForwardJob that runs it."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -18,6 +18,7 @@ class ScheduleBatch:
     sampling_reqs: list[Req]  # the subset whose pass samples a token, in job order
     job: ForwardJob
     input_logprob_reqs: list[Req]  # indexed by InputLogprobTask.req_index
+    rows_to_free: list[int] = field(default_factory=list)  # released before launch; free once processed
 
     @property
     def num_tokens(self) -> int:

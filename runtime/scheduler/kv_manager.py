@@ -19,6 +19,9 @@ class KVManager:
         self.req_to_token = req_to_token_pool.req_to_token
         self.allocator = allocator
         self.tree = RadixCache(allocator, disabled=disable_radix_cache)
+        # rows of released requests: a step already in flight may still read them, so they are
+        # handed out again only after that step was processed (see Scheduler.event_loop)
+        self.deferred_rows: list[int] = []
 
     # -- capacity ---------------------------------------------------------------------------------
     def available_tokens(self) -> int:
@@ -79,10 +82,12 @@ class KVManager:
 
     # -- release --------------------------------------------------------------------------------------
     def release(self, req: Req) -> None:
-        """Hand the request's KV to the tree (positions whose token is known) and free the rest and its row.
+        """Hand the request's KV to the tree (positions whose token is known), free the rest, and
+        defer its row.
 
         Slots still being written by an in-flight step are safe to hand out again: every later
-        step runs after that one on the same worker, in order.
+        step runs after that one on the same worker, in order. The row is not: the scheduler
+        writes a new request's table row on its own thread, before the in-flight step may have read it.
         """
         row = req.req_pool_idx
         if row is None:
@@ -93,14 +98,23 @@ class KVManager:
         self.tree.cache_finished_req(ids[:keep], slots[:keep], req.last_node or self.tree.root, req.extra_key)
         if req.kv_alloc_len > keep:
             self.allocator.free(slots[keep:])
-        self.req_to_token_pool.free(row)
+        self.deferred_rows.append(row)
         req.req_pool_idx, req.kv_alloc_len, req.last_node = None, 0, None
+
+    def take_deferred_rows(self) -> list[int]:
+        rows, self.deferred_rows = self.deferred_rows, []
+        return rows
+
+    def free_rows(self, rows: list[int]) -> None:
+        for row in rows:
+            self.req_to_token_pool.free(row)
 
     def _row(self, req: Req, n: int) -> torch.Tensor:
         return self.req_to_token[req.req_pool_idx, :n].to("cpu").clone()
 
     # -- stats ------------------------------------------------------------------------------------------
     def flush(self) -> None:
+        self.deferred_rows = []
         self.tree.reset()
         self.allocator.clear()
         self.req_to_token_pool.clear()

@@ -76,6 +76,7 @@ class Scheduler:
             batch = self.planner.next_batch()
             if batch is not None:
                 batch.job.follows_busy_step = busy
+                batch.rows_to_free = self.kv.take_deferred_rows()
             launched = (batch, self.worker.submit(batch.job)) if batch is not None else None
             busy = batch is not None or in_flight is not None
             waited = 0.0
@@ -85,6 +86,8 @@ class Scheduler:
             if not self.overlap and in_flight is not None:
                 waited += self._process(*in_flight)
                 in_flight = None
+            if in_flight is None:  # nothing can read a released row any more
+                self.kv.free_rows(self.kv.take_deferred_rows())
             self._flush_outputs()
             if batch is not None:  # CPU time of this iteration, not counting waits for the device
                 self._step_times.append(time.perf_counter() - t0 - waited)
@@ -129,6 +132,7 @@ class Scheduler:
         t0 = time.perf_counter()
         result = fut.result()
         waited = time.perf_counter() - t0
+        self.kv.free_rows(batch.rows_to_free)  # rows released before this step launched
         for req_index, first_row, chunk in result.input_logprob_chunks:
             req = batch.input_logprob_reqs[req_index]
             if not req.finished:
