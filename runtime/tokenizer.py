@@ -1,14 +1,12 @@
 """Tokenizer and chat template through transformers' AutoTokenizer (HF folders and GGUF files alike)."""
 from __future__ import annotations
 
-import hashlib
 import os
 from functools import lru_cache
-from pathlib import Path
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from tandem.runtime.model.loader import cache_dir, is_gguf, resolve_model_path
+from tandem.runtime.model.loader import cache_dir, file_cache_key, is_gguf, resolve_model_path
 
 
 @lru_cache(maxsize=4)
@@ -17,9 +15,7 @@ def load_tokenizer(model_path: str | None) -> PreTrainedTokenizerBase:
     path = resolve_model_path(model_path)
     if not is_gguf(path):
         return AutoTokenizer.from_pretrained(path)
-    stat = Path(path).stat()
-    key = hashlib.sha1(f"{Path(path).resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
-    saved = cache_dir() / f"tokenizer-{key}"
+    saved = cache_dir() / f"tokenizer-{file_cache_key(path)}"
     if (saved / "tokenizer_config.json").is_file():
         return AutoTokenizer.from_pretrained(str(saved))
     tok = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))

@@ -161,9 +161,7 @@ def _cached_gguf_weights(path: str, cfg: ModelConfig) -> dict[str, torch.Tensor]
     """Dequantizing a GGUF takes ~15 s in numpy; keep the float32 result as safetensors beside the cache."""
     from safetensors.torch import load_file, save_file
 
-    stat = Path(path).stat()
-    key = hashlib.sha1(f"{Path(path).resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
-    cache_file = cache_dir() / f"gguf-{key}.safetensors"
+    cache_file = cache_dir() / f"gguf-{file_cache_key(path)}.safetensors"
     if cache_file.is_file():
         return load_file(str(cache_file))
     weights = _gguf_weights(path, cfg)
@@ -174,6 +172,12 @@ def _cached_gguf_weights(path: str, cfg: ModelConfig) -> dict[str, torch.Tensor]
     except OSError:
         pass  # a read-only cache only costs load time
     return weights
+
+
+def file_cache_key(path: str) -> str:
+    """Identifies one version of a file: a new download or an edit gets a new key."""
+    stat = Path(path).stat()
+    return hashlib.sha1(f"{Path(path).resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
 
 
 def cache_dir() -> Path:

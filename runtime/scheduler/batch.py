@@ -54,7 +54,7 @@ def _penalties(reqs: list[Req], outputs_before: list[int], reset: list[bool], vo
         repetition=torch.tensor([p.repetition_penalty for p in sps], **f32),
         logit_bias=bias,
         min_tokens_mask=torch.tensor(min_mask, dtype=torch.bool, device=device) if any(min_mask) else None,
-        banned_ids=banned, eos_ids=[], counts_active=counts_active,
+        banned_ids=banned, counts_active=counts_active,
         reset_rows=[(r.req_pool_idx, list(r.output_ids)) for r, rs in zip(reqs, reset) if rs and r.sampling_params.has_penalties],
     )
 

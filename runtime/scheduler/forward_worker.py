@@ -42,8 +42,7 @@ class PenaltyInfo:
     repetition: torch.Tensor
     logit_bias: torch.Tensor | None
     min_tokens_mask: torch.Tensor | None
-    banned_ids: list[list[int]]
-    eos_ids: list[int]
+    banned_ids: list[list[int]]  # per row: stop_token_ids, plus EOS unless ignore_eos
     counts_active: bool
     reset_rows: list[tuple[int, list[int]]]  # (row, output ids so far) for rows starting a count
 
@@ -160,7 +159,7 @@ class ForwardWorker:
                 counts = self._penalty_counts(pen.reset_rows)[sample_rows]
             logits = apply_penalties(logits, counts, pen.frequency, pen.presence, pen.repetition,
                                      logit_bias=pen.logit_bias, min_tokens_mask=pen.min_tokens_mask,
-                                     eos_ids=pen.eos_ids, banned_ids=pen.banned_ids)
+                                     banned_ids=pen.banned_ids)
         positions = torch.tensor(job.sample_positions, dtype=torch.int64, device=logits.device)
         next_ids = sample(logits, job.sampling, positions)  # type: ignore[arg-type]
         if self._counts is not None:

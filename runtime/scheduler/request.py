@@ -37,7 +37,6 @@ class Req:
     kv_alloc_len: int = 0
     last_node: object | None = None  # locked radix node covering the cached prefix
     cached_tokens: int = 0  # prompt tokens served from the radix cache (first prefill)
-    prefilled: bool = False  # first prefill finished at least once (cached_tokens is final)
     retract_count: int = 0
     created_monotonic: float = field(default_factory=time.monotonic)
 

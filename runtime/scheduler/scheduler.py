@@ -141,7 +141,6 @@ class Scheduler:
             if req.finished:  # finished or aborted while this step was in flight
                 continue
             lp = result.output_logprobs[j] if result.output_logprobs else None
-            req.prefilled = True
             done = apply_new_tokens(req, [result.next_token_ids[j]], [lp] if lp is not None else None, self.checker)
             self._gen_tokens += 1
             if done:

@@ -168,7 +168,7 @@ def test_state_merge_into_empty_counts_keeps_other_rows_exact() -> None:
     assert torch.equal(out[0], _logits()[0]) and out[1, 0] == 1.0
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="compares CUDA against CPU; runs on GPU machines only")
 def test_state_on_cuda_matches_cpu() -> None:
     first = SamplingParams(
         frequency_penalty=0.5, repetition_penalty=1.3, min_new_tokens=3, logit_bias={1: 2.0}
