@@ -9,9 +9,9 @@ codec's msgpack extension (see ``tandem.ipc.codec``). The aliases below only doc
 expected dtype/rank; the sender is responsible for producing that dtype. Decoded arrays are
 read-only views of the receive buffer: copy before mutating.
 
-Batch outputs are column-wise: every per-request list is aligned with ``rids``. The logprob
-lists are either empty (no request in this batch asked for logprobs) or aligned with ``rids``
-with ``None`` for requests that did not ask.
+Batch outputs are column-wise: every per-request list is aligned with ``rids``. The optional
+columns (logprobs, hidden states) are either empty (no request in this batch asked for them)
+or aligned with ``rids`` with ``None`` for requests that have nothing new.
 """
 from __future__ import annotations
 
@@ -24,6 +24,8 @@ from tandem.runtime.sampling.params import SamplingParams
 
 __all__ = [
     "FinishReason",
+    "LogprobParams",
+    "LogprobArrays",
     "TokenizedGenerateReq",
     "AbortReq",
     "BatchTokenIDOutput",
@@ -32,7 +34,6 @@ __all__ = [
     "FlushCacheReply",
     "GetServerInfoReq",
     "GetServerInfoReply",
-    "HealthCheckReq",
     "ReadyMsg",
     "ChildError",
     "Message",
@@ -81,17 +82,58 @@ class FinishReason(msgspec.Struct, kw_only=True, gc=False, omit_defaults=True):
         }
 
 
+class LogprobParams(msgspec.Struct, kw_only=True, frozen=True, gc=False, omit_defaults=True):
+    """The request-side logprob options of one request, validated once (tokenizer manager) and
+    carried as one value to the scheduler."""
+
+    return_logprob: bool = False
+    logprob_start_len: int = -1  # first prompt position reported; -1 = output tokens only
+    top_logprobs_num: int = 0
+    token_ids_logprob: tuple[int, ...] | None = None
+
+    @property
+    def wants_input(self) -> bool:
+        return self.return_logprob and self.logprob_start_len >= 0
+
+
+class LogprobArrays(msgspec.Struct, kw_only=True, gc=False, array_like=True):
+    """One side (prompt or output) of one request's logprobs for a run of positions.
+
+    Rows in the leading `null_prefix` have no value (the first prompt position has no token
+    before it): their floats are NaN and their top ids -1. `ids_logprobs` holds one column
+    per id of the request's `token_ids_logprob`, in that order.
+    """
+
+    token_logprobs: F32Array  # [M]; NaN in the null prefix
+    token_ids: I32Array  # [M]; the token at each position (always valid)
+    top_vals: F32Array2D  # [M, k]
+    top_idx: I32Array2D  # [M, k]
+    ids_logprobs: F32Array2D  # [M, len(token_ids_logprob)]
+    null_prefix: int = 0
+
+    def __len__(self) -> int:
+        return int(self.token_ids.shape[0])
+
+    @classmethod
+    def empty(cls, top_logprobs_num: int = 0, num_ids: int = 0) -> "LogprobArrays":
+        return cls(token_logprobs=np.zeros(0, np.float32), token_ids=np.zeros(0, np.int32),
+                   top_vals=np.zeros((0, top_logprobs_num), np.float32),
+                   top_idx=np.zeros((0, top_logprobs_num), np.int32),
+                   ids_logprobs=np.zeros((0, num_ids), np.float32))
+
+
 class TokenizedGenerateReq(_Msg, kw_only=True):
-    """Tokenizer manager -> scheduler: one generation request (one per sample when n > 1)."""
+    """Tokenizer manager -> scheduler: one choice of a generation request.
+
+    `rid` is internal (`{group}_{choice}`); the user's rid never leaves the tokenizer manager.
+    """
 
     rid: str
     input_ids: I32Array
     sampling_params: SamplingParams
     stream: bool
-    return_logprob: bool = False
-    logprob_start_len: int = -1
-    top_logprobs_num: int = 0
-    token_ids_logprob: list[int] | None = None
+    logprob: LogprobParams = LogprobParams()
+    return_hidden_states: bool = False
     priority: int | None = None
     extra_key: str | None = None
     created_time: float
@@ -106,15 +148,14 @@ class TokenizedGenerateReq(_Msg, kw_only=True):
 
 
 class AbortReq(_Msg, kw_only=True):
-    """Abort by rid (prefix match) or everything. Sent both ways.
+    """Main -> scheduler: abort every choice of one logical request, or everything.
 
-    Main -> scheduler: a user/client abort. Scheduler -> main: a scheduler-initiated abort
-    notice (e.g. request too long), with ``finished_reason`` carrying status code + message.
+    `group_prefix` is `"{group}_"` for an internal group id; group ids are random and of one
+    fixed length, so the prefix matches that group's choices and nothing else.
     """
 
-    rid: str = ""
+    group_prefix: str = ""
     abort_all: bool = False
-    finished_reason: dict[str, Any] | None = None
 
 
 class _BatchOutputBase(_Msg, kw_only=True):
@@ -131,20 +172,12 @@ class _BatchOutputBase(_Msg, kw_only=True):
     spaces_between_special_tokens: list[bool]
     no_stop_trim: list[bool]
     stop_strings: list[list[str]]
-    # output-side logprobs, aligned with new_token_ids of the same request
-    output_token_logprobs_val: list[F32Array | None] = []
-    output_token_logprobs_idx: list[I32Array | None] = []
-    output_top_logprobs_val: list[F32Array2D | None] = []
-    output_top_logprobs_idx: list[I32Array2D | None] = []
-    output_token_ids_logprobs_val: list[F32Array2D | None] = []
-    output_token_ids_logprobs_idx: list[I32Array2D | None] = []
-    # input-side logprobs: sent once, in the first output of a request
-    input_token_logprobs_val: list[F32Array | None] = []
-    input_token_logprobs_idx: list[I32Array | None] = []
-    input_top_logprobs_val: list[F32Array2D | None] = []
-    input_top_logprobs_idx: list[I32Array2D | None] = []
-    input_token_ids_logprobs_val: list[F32Array2D | None] = []
-    input_token_ids_logprobs_idx: list[I32Array2D | None] = []
+    # Empty when no request of the step asked for them; otherwise aligned with rids, None for
+    # a request with nothing new. Output logprobs are aligned with new_token_ids; input
+    # logprobs come once, whole; hidden states are rows new since the last output.
+    output_logprobs: list[LogprobArrays | None] = []
+    input_logprobs: list[LogprobArrays | None] = []
+    hidden_states: list[F32Array2D | None] = []
 
 
 class BatchTokenIDOutput(_BatchOutputBase, kw_only=True):
@@ -173,12 +206,6 @@ class GetServerInfoReq(_Msg, kw_only=True):
 
 class GetServerInfoReply(_Msg, kw_only=True):
     info: dict[str, Any]  # JSON-able scheduler stats
-
-
-class HealthCheckReq(_Msg, kw_only=True):
-    """Main -> scheduler liveness probe; deep health checks use a real generate request."""
-
-    rid: str
 
 
 class ReadyMsg(_Msg, kw_only=True):
@@ -211,7 +238,6 @@ Message = Union[
     FlushCacheReply,
     GetServerInfoReq,
     GetServerInfoReply,
-    HealthCheckReq,
     ReadyMsg,
     ChildError,
 ]

@@ -133,7 +133,7 @@ def run_bare(args: argparse.Namespace, wl: Workload) -> SystemResult:
 def load_hf_model(model_path: str | None, dtype: str):
     from transformers import AutoModelForCausalLM
 
-    from tandem.runtime.model.loader import resolve_model_path
+    from tandem.runtime.model_files import resolve_model_path
 
     path = resolve_model_path(model_path)
     torch_dtype = getattr(torch, dtype)
@@ -281,7 +281,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def model_vocab(model_path: str | None) -> int:
-    from tandem.runtime.model.loader import load_config, resolve_model_path
+    from tandem.runtime.model.loader import load_config
+    from tandem.runtime.model_files import resolve_model_path
 
     return load_config(resolve_model_path(model_path)).vocab_size
 

@@ -124,6 +124,7 @@ class Engine:
             fut.cancel()
 
     def abort(self, rid: str = "", abort_all: bool = False) -> None:
+        """Abort the request with exactly this rid (every choice of it), or every request."""
         self._loop.call_soon_threadsafe(self.tm.abort, rid, abort_all)  # type: ignore[union-attr]
 
     def flush_cache(self) -> bool:

@@ -10,14 +10,24 @@ from tandem.runtime.server_args import ServerArgs
 READY_TIMEOUT_S = 600.0
 
 
-def spawn_children(args: ServerArgs, addrs: IPCAddresses) -> list[BaseProcess]:
-    from tandem.runtime.detokenizer import run_detokenizer_process
+def _scheduler_main(args: ServerArgs, addrs: IPCAddresses) -> None:
+    # imported in the child only: the main process never imports torch or model code
     from tandem.runtime.scheduler.scheduler import run_scheduler_process
 
+    run_scheduler_process(args, addrs)
+
+
+def _detokenizer_main(args: ServerArgs, addrs: IPCAddresses) -> None:
+    from tandem.runtime.detokenizer import run_detokenizer_process
+
+    run_detokenizer_process(args, addrs)
+
+
+def spawn_children(args: ServerArgs, addrs: IPCAddresses) -> list[BaseProcess]:
     ctx = mp.get_context("spawn")
     procs = [
-        ctx.Process(target=run_scheduler_process, args=(args, addrs), name="tandem-scheduler", daemon=True),
-        ctx.Process(target=run_detokenizer_process, args=(args, addrs), name="tandem-detokenizer", daemon=True),
+        ctx.Process(target=_scheduler_main, args=(args, addrs), name="tandem-scheduler", daemon=True),
+        ctx.Process(target=_detokenizer_main, args=(args, addrs), name="tandem-detokenizer", daemon=True),
     ]
     for p in procs:
         p.start()

@@ -39,7 +39,6 @@ class ServerArgs:
     log_level: str = "info"
     random_seed: int = 0
     served_model_name: str | None = None
-    skip_tokenizer_init: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:

@@ -1,28 +1,51 @@
-"""Tokenizer and chat template through transformers' AutoTokenizer (HF folders and GGUF files alike)."""
+"""Tokenizer loading, the same in every process: transformers' fast tokenizer over tokenizer.json.
+
+`PreTrainedTokenizerFast` is used rather than `AutoTokenizer` because AutoTokenizer imports
+transformers' configuration code, which imports torch, and the HTTP / tokenizer-manager process
+stays torch-free. A GGUF file's tokenizer is converted once by transformers' GGUF reader (which
+does need torch) in a short-lived helper process and cached as a tokenizer folder.
+"""
 from __future__ import annotations
 
+import multiprocessing as mp
 import os
 from functools import lru_cache
+from pathlib import Path
 
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from transformers.tokenization_utils_tokenizers import PreTrainedTokenizerFast
 
-from tandem.runtime.model.loader import cache_dir, file_cache_key, is_gguf, resolve_model_path
+from tandem.runtime.model_files import cache_dir, file_cache_key, is_gguf, resolve_model_path
 
 
 @lru_cache(maxsize=4)
-def load_tokenizer(model_path: str | None) -> PreTrainedTokenizerBase:
-    """Converting a GGUF tokenizer takes seconds; the converted one is saved once in the cache dir."""
+def load_tokenizer(model_path: str | None) -> PreTrainedTokenizerFast:
     path = resolve_model_path(model_path)
     if not is_gguf(path):
-        return AutoTokenizer.from_pretrained(path)
+        return PreTrainedTokenizerFast.from_pretrained(path)
     saved = cache_dir() / f"tokenizer-{file_cache_key(path)}"
-    if (saved / "tokenizer_config.json").is_file():
-        return AutoTokenizer.from_pretrained(str(saved))
-    tok = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
-    tmp = saved.with_name(f"{saved.name}.tmp{os.getpid()}")
+    if not (saved / "tokenizer_config.json").is_file():
+        _convert_in_helper(path, saved)
+    return PreTrainedTokenizerFast.from_pretrained(str(saved))
+
+
+def _convert_in_helper(gguf_path: str, saved: Path) -> None:
+    proc = mp.get_context("spawn").Process(target=_convert_gguf_tokenizer, args=(gguf_path, str(saved)),
+                                           name="tandem-tokenizer-convert", daemon=True)
+    proc.start()
+    proc.join()
+    if proc.exitcode != 0 or not (saved / "tokenizer_config.json").is_file():
+        raise RuntimeError(f"converting the tokenizer of {gguf_path} failed (exit code {proc.exitcode}); "
+                           f"is {saved.parent} writable?")
+
+
+def _convert_gguf_tokenizer(gguf_path: str, saved: str) -> None:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(os.path.dirname(gguf_path), gguf_file=os.path.basename(gguf_path))
+    tmp = f"{saved}.tmp{os.getpid()}"
+    tok.save_pretrained(tmp)
     try:
-        tok.save_pretrained(str(tmp))
-        os.replace(tmp, saved)
+        os.replace(tmp, saved)  # atomic; a concurrent converter that won the race wrote the same files
     except OSError:
-        pass  # another process won the race, or the cache is read-only
-    return tok
+        if not os.path.isdir(saved):
+            raise

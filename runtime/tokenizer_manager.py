@@ -1,9 +1,17 @@
 """TokenizerManager (main process, asyncio): validates and tokenizes requests, sends them to the
-scheduler, and assembles SGLang-shaped responses from the detokenizer's outputs."""
+scheduler, and assembles SGLang-shaped responses from the detokenizer's outputs.
+
+Request ids: the user's `rid` is a logical id that lives only here and in responses. Each
+logical request gets a random internal group id of 16 hex digits; the scheduler and the
+detokenizer only see `{group}_{i}`, one per choice. Abort by user rid is an exact lookup of the
+logical rid, then one AbortReq with the group prefix. Every group ends when its handler ends,
+whatever happened to it: unfinished choices are aborted once and their state is dropped.
+"""
 from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable
@@ -15,15 +23,17 @@ import zmq.asyncio
 
 from tandem.ipc.messages import (AbortReq, BatchStrOutput, ChildError, FinishReason, FlushCacheReply, FlushCacheReq,
                                  GetServerInfoReply, GetServerInfoReq, ReadyMsg, TokenizedGenerateReq)
+from tandem.ipc.sockets import IPCAddresses, async_recv, bind_pull, connect_push, send
 from tandem.runtime.envs import envs
 from tandem.runtime.launcher import READY_TIMEOUT_S, dead_child, spawn_children, stop_children
+from tandem.runtime.sampling.logprob_format import LogprobFormatOptions, LogprobFormatter
+from tandem.runtime.sampling.params import INT64_MAX, INT64_MIN
+from tandem.runtime.server.validation import GenerateItem, check_rids_free, normalize_generate_request
 from tandem.runtime.server_args import ServerArgs
 from tandem.runtime.tokenizer import load_tokenizer
-from tandem.ipc.sockets import IPCAddresses, async_recv, bind_pull, connect_push, send
-from tandem.runtime.sampling.logprob_format import LogprobArrays, LogprobFormatOptions, LogprobFormatter
-from tandem.runtime.server.validation import GenerateItem, ValidationError, check_rid_free, normalize_generate_request
 
 logger = logging.getLogger("tandem.tokenizer_manager")
+DISCONNECT_POLL_S = 0.5
 
 
 class RequestError(Exception):
@@ -35,22 +45,26 @@ class RequestError(Exception):
         self.message = message
 
 
+class ClientDisconnected(Exception):
+    """The HTTP client went away before its request finished (the request was aborted)."""
+
+
 @dataclass(eq=False)
-class ReqState:
-    rid: str
-    logical_rid: str
-    index: int
-    indexed: bool  # the response carries "index" (batch or n>1)
+class ChoiceState:
+    """One choice (`{group}_{i}`) of a logical request, as the response will show it."""
+
+    rid: str  # internal
+    group: RequestGroup
+    index: int  # position in the response list
     prompt_tokens: int
     formatter: LogprobFormatter | None
-    created: float = field(default_factory=time.perf_counter)
+    hidden_states: list[list[float]] | None  # None: not asked for
     text: str = ""
     output_ids: list[int] = field(default_factory=list)
     completion_tokens: int = 0
     cached_tokens: int = 0
     finish_reason: FinishReason | None = None
-    event: asyncio.Event = field(default_factory=asyncio.Event)
-    version: int = 0
+    version: int = 0  # bumped on every update; streaming sends each version once
 
     @property
     def finished(self) -> bool:
@@ -58,17 +72,19 @@ class ReqState:
 
     def result(self) -> dict[str, Any]:
         meta: dict[str, Any] = {
-            "id": self.logical_rid,
+            "id": self.group.logical_rid,
             "finish_reason": self.finish_reason.to_json() if self.finish_reason else None,
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
             "cached_tokens": self.cached_tokens,
-            "e2e_latency": round(time.perf_counter() - self.created, 6),
+            "e2e_latency": round(time.perf_counter() - self.group.created, 6),
         }
         if self.formatter is not None:
             meta.update(self.formatter.meta_info())
+        if self.hidden_states is not None:
+            meta["hidden_states"] = list(self.hidden_states)
         out: dict[str, Any] = {"text": self.text, "output_ids": list(self.output_ids), "meta_info": meta}
-        if self.indexed:
+        if self.group.call.indexed:
             out["index"] = self.index
         return out
 
@@ -77,6 +93,42 @@ class ReqState:
         if fr is not None and fr.type == "abort" and fr.status_code not in (None, 200):
             return RequestError(fr.status_code, fr.message or "request failed")
         return None
+
+
+@dataclass(eq=False)
+class RequestGroup:
+    """One logical request: the user's rid, its random internal group id, and its choices."""
+
+    logical_rid: str
+    group_id: str
+    call: Call
+    choices: list[ChoiceState] = field(default_factory=list)
+    created: float = field(default_factory=time.perf_counter)
+
+    @property
+    def prefix(self) -> str:
+        return f"{self.group_id}_"
+
+    @property
+    def finished(self) -> bool:
+        return all(c.finished for c in self.choices)
+
+
+@dataclass(eq=False)
+class Call:
+    """One /generate call (or Engine.generate): its groups, in request order."""
+
+    is_batch: bool
+    indexed: bool  # the response items carry "index" (batch or n>1)
+    groups: list[RequestGroup] = field(default_factory=list)
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @property
+    def choices(self) -> list[ChoiceState]:
+        return [c for g in self.groups for c in g.choices]
+
+    def first_error(self) -> RequestError | None:
+        return next((err for c in self.choices if (err := c.error()) is not None), None)
 
 
 class TokenizerManager:
@@ -93,7 +145,9 @@ class TokenizerManager:
         self.to_scheduler = connect_push(self.ctx, self.addrs.tokenizer_to_scheduler)
         self.procs: list = []
         self.model_info: dict[str, Any] = {}
-        self.states: dict[str, ReqState] = {}
+        self.groups: dict[str, RequestGroup] = {}  # live logical rid -> its group
+        self.choices: dict[str, ChoiceState] = {}  # internal rid -> choice, until it finishes
+        self._group_seq = 0
         self._replies: asyncio.Queue = asyncio.Queue()
         self._control_lock = asyncio.Lock()
         self._tasks: list[asyncio.Task] = []
@@ -142,110 +196,123 @@ class TokenizerManager:
     def _tokenize(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
-    def _submit(self, body: Any) -> tuple[bool, list[ReqState]]:
+    def _submit(self, body: Any) -> Call:
+        """Validate the whole call, check its rids, then register and send every choice."""
         if self.dead_reason:
             raise RequestError(500, self.dead_reason)
         norm = normalize_generate_request(body, vocab_size=self.vocab_size, context_len=self.context_len,
                                           tokenize=self._tokenize)
-        running = {st.logical_rid for st in self.states.values()}
+        check_rids_free(norm.items, self.groups)
+        call = Call(is_batch=norm.is_batch,
+                    indexed=norm.is_batch or any(item.sampling_params.n > 1 for item in norm.items))
         for item in norm.items:
-            check_rid_free(item.rid, running)
-        states: list[ReqState] = []
-        indexed = norm.is_batch or any(item.sampling_params.n > 1 for item in norm.items)
-        for item in norm.items:
-            for i in range(item.sampling_params.n):
-                states.append(self._send(item, i, len(states), indexed))
-        return norm.is_batch, states
+            call.groups.append(self._start_group(call, item))
+        return call
 
-    def _send(self, item: GenerateItem, choice: int, index: int, indexed: bool) -> ReqState:
+    def _new_group_id(self) -> str:
+        """Random (nothing about it can be derived from a user's rid), and unique within this
+        process through a sequence number in its low half."""
+        self._group_seq = (self._group_seq + 1) & 0xFFFFFFFF
+        return f"{secrets.token_hex(4)}{self._group_seq:08x}"
+
+    def _start_group(self, call: Call, item: GenerateItem) -> RequestGroup:
+        group = RequestGroup(logical_rid=item.rid, group_id=self._new_group_id(), call=call)
+        self.groups[item.rid] = group
         sp = item.sampling_params
-        n = sp.n
-        rid = item.rid if n == 1 else f"{item.rid}_{choice}"
-        if n > 1:
-            sp = msgspec.structs.replace(sp, n=1, sampling_seed=None if sp.sampling_seed is None else sp.sampling_seed + choice)
-        formatter = None
-        if item.return_logprob:
-            options = LogprobFormatOptions(
-                top_logprobs_num=item.top_logprobs_num,
-                token_ids_logprob=tuple(item.token_ids_logprob) if item.token_ids_logprob else None,
-                return_text_in_logprobs=item.return_text_in_logprobs,
-                flat_input_top=item.return_flat_raw_top_logprobs,
-                flat_output_top=item.return_flat_raw_output_top_logprobs,
-                flat_b64=item.return_flat_raw_top_logprobs_b64)
-            formatter = LogprobFormatter(options, self._decode_tokens, rid)
-        state = ReqState(rid=rid, logical_rid=item.rid, index=index, indexed=indexed,
-                         prompt_tokens=len(item.input_ids), formatter=formatter)
-        self.states[rid] = state
-        send(self.to_scheduler, TokenizedGenerateReq(
-            rid=rid, input_ids=np.asarray(item.input_ids, dtype=np.int32), sampling_params=sp, stream=item.stream,
-            return_logprob=item.return_logprob, logprob_start_len=item.logprob_start_len,
-            top_logprobs_num=item.top_logprobs_num, token_ids_logprob=item.token_ids_logprob,
-            priority=item.priority, extra_key=item.extra_key, created_time=time.time()))
-        return state
+        for i in range(sp.n):
+            choice = ChoiceState(rid=f"{group.prefix}{i}", group=group, index=len(call.choices) + len(group.choices),
+                                 prompt_tokens=len(item.input_ids), formatter=self._formatter(item, i),
+                                 hidden_states=[] if item.return_hidden_states else None)
+            group.choices.append(choice)
+            self.choices[choice.rid] = choice
+            send(self.to_scheduler, TokenizedGenerateReq(
+                rid=choice.rid, input_ids=np.asarray(item.input_ids, dtype=np.int32),
+                sampling_params=_choice_params(sp, i), stream=item.stream, logprob=item.logprob,
+                return_hidden_states=item.return_hidden_states, priority=item.priority, extra_key=item.extra_key,
+                created_time=time.time()))
+        return group
+
+    def _formatter(self, item: GenerateItem, choice: int) -> LogprobFormatter | None:
+        lp = item.logprob
+        if not lp.return_logprob:
+            return None
+        options = LogprobFormatOptions(
+            top_logprobs_num=lp.top_logprobs_num, token_ids_logprob=lp.token_ids_logprob,
+            return_text_in_logprobs=item.return_text_in_logprobs, flat_input_top=item.return_flat_raw_top_logprobs,
+            flat_output_top=item.return_flat_raw_output_top_logprobs, flat_b64=item.return_flat_raw_top_logprobs_b64)
+        return LogprobFormatter(options, self._decode_tokens, f"{item.rid}[{choice}]")
 
     def _decode_tokens(self, ids: list[int]) -> list[str]:
         return self.tokenizer.batch_decode([[i] for i in ids])
 
     # -- the two response shapes ----------------------------------------------------------------------------
     async def generate(self, body: Any, is_disconnected: Callable[[], Any] | None = None) -> dict | list[dict]:
-        """Non-streaming: the finished result (a list for batch input or n > 1)."""
-        is_batch, states = self._submit(body)
+        """Non-streaming: the finished result (a list for batch input or n > 1). The first choice
+        that fails ends the whole call with its error (its siblings are aborted)."""
+        call = self._submit(body)
+        next_poll = time.monotonic() + DISCONNECT_POLL_S
         try:
-            for st in states:
-                while not st.finished:
-                    try:
-                        await asyncio.wait_for(st.event.wait(), timeout=0.5)
-                    except asyncio.TimeoutError:
-                        pass
-                    st.event.clear()
-                    if not st.finished and is_disconnected is not None and await is_disconnected():
-                        self.abort(st.logical_rid)
-        except asyncio.CancelledError:
-            self._abort_unfinished(states)
-            raise
-        for st in states:
-            if (err := st.error()) is not None:
+            while not all(g.finished for g in call.groups):
+                if (err := call.first_error()) is not None:
+                    raise err
+                try:
+                    await asyncio.wait_for(call.changed.wait(), timeout=DISCONNECT_POLL_S)
+                except asyncio.TimeoutError:
+                    pass
+                call.changed.clear()
+                if is_disconnected is not None and time.monotonic() >= next_poll:
+                    next_poll = time.monotonic() + DISCONNECT_POLL_S
+                    if await is_disconnected():
+                        raise ClientDisconnected()
+            if (err := call.first_error()) is not None:
                 raise err
-        results = [st.result() for st in states]
-        return results if (is_batch or len(results) > 1) else results[0]
+        finally:
+            self._end_call(call)
+        results = [c.result() for c in call.choices]
+        return results if (call.is_batch or len(results) > 1) else results[0]
 
     def generate_stream(self, body: Any) -> AsyncIterator[dict]:
         """Streaming: cumulative results as they grow; ends when every choice has finished.
         Validation runs now, before any byte of the stream is sent (so bad input is still a 400);
-        a scheduler-initiated error becomes a final {"error": ...} event."""
-        _, states = self._submit(body)
-        return self._stream(states)
+        an error (scheduler-initiated, or a dead child) becomes a final {"error": ...} event and
+        ends the stream, aborting the other choices."""
+        return self._stream(self._submit(body))
 
-    async def _stream(self, states: list[ReqState]) -> AsyncIterator[dict]:
-        sent = {id(st): 0 for st in states}  # version 0: nothing received yet
+    async def _stream(self, call: Call) -> AsyncIterator[dict]:
+        sent = {id(c): 0 for c in call.choices}  # version 0: nothing received yet
         try:
             while True:
-                pending = [st for st in states if not (st.finished and sent[id(st)] == st.version)]
-                if not pending:
-                    return
-                for st in states:
-                    if sent[id(st)] != st.version:
-                        sent[id(st)] = st.version
-                        if (err := st.error()) is not None:
+                for c in call.choices:
+                    if sent[id(c)] != c.version:
+                        sent[id(c)] = c.version
+                        if (err := c.error()) is not None:
                             yield {"error": {"message": err.message, "code": err.status_code}}
-                            continue
-                        yield st.result()
-                waiting = [st for st in states if not st.finished and sent[id(st)] == st.version]
-                if waiting:
-                    await asyncio.wait([asyncio.ensure_future(st.event.wait()) for st in waiting],
-                                       return_when=asyncio.FIRST_COMPLETED)
-                    for st in waiting:
-                        st.event.clear()
+                            return
+                        yield c.result()
+                if all(c.finished and sent[id(c)] == c.version for c in call.choices):
+                    return
+                await call.changed.wait()
+                call.changed.clear()
         finally:
-            self._abort_unfinished(states)  # client went away (or the consumer stopped early)
+            self._end_call(call)  # finished, failed, client gone, or the consumer stopped early
 
-    def _abort_unfinished(self, states: list[ReqState]) -> None:
-        for st in states:
-            if not st.finished:
-                self.abort(st.rid)
+    def _end_call(self, call: Call) -> None:
+        """Abort what is unfinished (one message per group) and drop every state of the call."""
+        for group in call.groups:
+            unfinished = [c for c in group.choices if not c.finished]
+            if unfinished and not self.dead_reason:
+                send(self.to_scheduler, AbortReq(group_prefix=group.prefix))
+            for c in unfinished:
+                self.choices.pop(c.rid, None)
+            if self.groups.get(group.logical_rid) is group:
+                del self.groups[group.logical_rid]
 
     def abort(self, rid: str = "", abort_all: bool = False) -> None:
-        send(self.to_scheduler, AbortReq(rid=rid, abort_all=abort_all))
+        """Abort one logical request by its exact rid (an unknown rid aborts nothing), or all."""
+        if abort_all:
+            send(self.to_scheduler, AbortReq(abort_all=True))
+        elif (group := self.groups.get(rid)) is not None:
+            send(self.to_scheduler, AbortReq(group_prefix=group.prefix))
 
     # -- receiving ------------------------------------------------------------------------------------------------
     async def _detok_loop(self) -> None:
@@ -255,22 +322,26 @@ class TokenizerManager:
                 self._apply(msg)
 
     def _apply(self, msg: BatchStrOutput) -> None:
-        has_lp = bool(msg.output_token_logprobs_val) or bool(msg.input_token_logprobs_val)
         for i, rid in enumerate(msg.rids):
-            st = self.states.get(rid)
-            if st is None:
-                continue
-            st.text += msg.texts[i]
-            st.output_ids.extend(msg.new_token_ids[i].tolist())
-            st.completion_tokens = msg.completion_tokens[i]
-            st.cached_tokens = msg.cached_tokens[i]
-            if has_lp and st.formatter is not None:
-                _extend_logprobs(st.formatter, msg, i)
+            c = self.choices.get(rid)
+            if c is None:
+                continue  # its call already ended
+            c.text += msg.texts[i]
+            c.output_ids.extend(msg.new_token_ids[i].tolist())
+            c.completion_tokens = msg.completion_tokens[i]
+            c.cached_tokens = msg.cached_tokens[i]
+            if c.formatter is not None:
+                if msg.input_logprobs and (lp := msg.input_logprobs[i]) is not None:
+                    c.formatter.extend_input(lp)
+                if msg.output_logprobs and (lp := msg.output_logprobs[i]) is not None:
+                    c.formatter.extend_output(lp)
+            if c.hidden_states is not None and msg.hidden_states and (rows := msg.hidden_states[i]) is not None:
+                c.hidden_states.extend(rows.tolist())
             if msg.finished_reasons[i] is not None:
-                st.finish_reason = msg.finished_reasons[i]
-                del self.states[rid]
-            st.version += 1
-            st.event.set()
+                c.finish_reason = msg.finished_reasons[i]
+                del self.choices[rid]
+            c.version += 1
+            c.group.call.changed.set()
 
     async def _control_loop(self, sock: zmq.asyncio.Socket) -> None:
         while True:
@@ -298,11 +369,11 @@ class TokenizerManager:
     def fail_all(self, reason: str) -> None:
         """A child died: every in-flight request ends with an error now, and new ones are refused."""
         self.dead_reason = reason
-        for st in list(self.states.values()):
-            st.finish_reason = FinishReason(type="abort", status_code=500, err_type="InternalServerError", message=reason)
-            st.version += 1
-            st.event.set()
-        self.states.clear()
+        for c in list(self.choices.values()):
+            c.finish_reason = FinishReason(type="abort", status_code=500, err_type="InternalServerError", message=reason)
+            c.version += 1
+            c.group.call.changed.set()
+        self.choices.clear()
 
     def close(self) -> None:
         for task in self._tasks:
@@ -312,15 +383,12 @@ class TokenizerManager:
         self.addrs.cleanup()
 
 
-def _extend_logprobs(fmt: LogprobFormatter, msg: BatchStrOutput, i: int) -> None:
-    for side, extend in (("output", fmt.extend_output), ("input", fmt.extend_input)):
-        vals = getattr(msg, f"{side}_token_logprobs_val")
-        if not vals or vals[i] is None:
-            continue
-        tok = vals[i]
-        null = int(np.argmax(~np.isnan(tok))) if len(tok) and np.isnan(tok[0]) else 0
-        if null == 0 and len(tok) and np.isnan(tok).all():
-            null = len(tok)
-        extend(LogprobArrays(tok, getattr(msg, f"{side}_token_logprobs_idx")[i],
-                             getattr(msg, f"{side}_top_logprobs_val")[i], getattr(msg, f"{side}_top_logprobs_idx")[i],
-                             getattr(msg, f"{side}_token_ids_logprobs_val")[i], null))
+def _choice_params(sp, choice: int):
+    """Choice i of an n>1 request: n=1, and a seeded request uses seed + i (wrapped to int64) so
+    the choices differ and stay reproducible."""
+    if sp.n == 1:
+        return sp
+    seed = sp.sampling_seed
+    if seed is not None:
+        seed = (seed + choice - INT64_MIN) % (INT64_MAX - INT64_MIN + 1) + INT64_MIN
+    return msgspec.structs.replace(sp, n=1, sampling_seed=seed)

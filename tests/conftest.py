@@ -46,7 +46,7 @@ def hf_smol():
 
     from transformers import AutoModelForCausalLM
 
-    from tandem.runtime.model.loader import default_model_path
+    from tandem.runtime.model_files import default_model_path
 
     path = default_model_path()
     return AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),

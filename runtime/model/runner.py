@@ -8,7 +8,8 @@ import torch
 from tandem.runtime.cache.pools import KVPool, ReqToTokenPool, TokenAllocator
 from tandem.runtime.model.attention import create_attention_backend
 from tandem.runtime.model.forward_batch import ForwardBatch
-from tandem.runtime.model.loader import load_model, resolve_model_path
+from tandem.runtime.model.loader import load_model
+from tandem.runtime.model_files import resolve_model_path
 from tandem.runtime.model.ops import create_ops
 from tandem.runtime.sampling.sampler import SamplingBatchInfo, sample
 from tandem.runtime.server_args import ServerArgs

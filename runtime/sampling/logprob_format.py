@@ -11,8 +11,8 @@ Two output shapes, with SGLang's exact key names:
   With b64, `_val_flat_b64` / `_idx_flat_b64` (little-endian float32 / int32, base64)
   plus `_val_flat_b64_dtype` / `_idx_flat_b64_dtype` replace the plain flat lists.
 
-Null representation (shared with runtime/sampling/logprobs.py): a `LogprobArrays` block has
-`null_prefix` leading rows without a value; their float entries are NaN and top ids are -1.
+Null representation (`tandem.ipc.messages.LogprobArrays`, shared with logprobs.py): a block
+has `null_prefix` leading rows without a value; their float entries are NaN and top ids -1.
 Only a leading run of null rows is representable flat; anything else falls back to nested.
 """
 from __future__ import annotations
@@ -28,33 +28,12 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 import numpy as np
 import orjson
 
+from tandem.ipc.messages import LogprobArrays
+
 logger = logging.getLogger(__name__)
 
 DecodeTokens = Callable[[list[int]], list[str]]
 SIDES = ("input", "output")
-
-
-@dataclass
-class LogprobArrays:
-    """One side (prompt or output) of a request's logprobs for a run of positions."""
-
-    token_logprobs: np.ndarray  # float32 [M]; NaN in the null prefix
-    token_ids: np.ndarray  # int32 [M]; the token at each position (always valid)
-    top_vals: np.ndarray  # float32 [M, k]; NaN rows in the null prefix
-    top_idx: np.ndarray  # int32 [M, k]; -1 rows in the null prefix
-    ids_logprobs: np.ndarray  # float32 [M, n] for the request's token_ids_logprob
-    null_prefix: int = 0
-
-    def __len__(self) -> int:
-        return int(self.token_ids.shape[0])
-
-    @classmethod
-    def empty(cls, top_k: int = 0, num_ids: int = 0) -> LogprobArrays:
-        return cls(
-            np.zeros(0, np.float32), np.zeros(0, np.int32),
-            np.zeros((0, top_k), np.float32), np.zeros((0, top_k), np.int32),
-            np.zeros((0, num_ids), np.float32),
-        )
 
 
 class FlatFormatError(ValueError):
@@ -74,45 +53,6 @@ class LogprobFormatOptions:
     # Leave numpy arrays in the plain flat fields: smaller JSON (shortest float32 repr) but
     # the encoder must be orjson with OPT_SERIALIZE_NUMPY (see encode_json).
     json_arrays: bool = False
-
-    @classmethod
-    def from_request(cls, body: Mapping[str, Any], stream: bool = False) -> LogprobFormatOptions:
-        """Parse top-level request fields; ValueError names the offending field (-> HTTP 400)."""
-        k = body.get("top_logprobs_num") or 0
-        if isinstance(k, bool) or not isinstance(k, int) or k < 0:
-            raise ValueError("top_logprobs_num must be a non-negative integer")
-        ids = body.get("token_ids_logprob")
-        if ids is not None and (
-            not isinstance(ids, (list, tuple))
-            or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids)
-        ):
-            raise ValueError("token_ids_logprob must be a list of non-negative integers")
-        flat_in = _flag(body, "return_flat_raw_top_logprobs")
-        flat_out = _flag(body, "return_flat_raw_output_top_logprobs")
-        b64 = _flag(body, "return_flat_raw_top_logprobs_b64")
-        if b64 and not (flat_in or flat_out):
-            raise ValueError(
-                "return_flat_raw_top_logprobs_b64 requires return_flat_raw_top_logprobs "
-                "or return_flat_raw_output_top_logprobs"
-            )
-        if flat_out and stream:
-            # The output flat arrays are built once on the finished response.
-            raise ValueError("return_flat_raw_output_top_logprobs is not supported with stream")
-        return cls(
-            top_logprobs_num=k,
-            token_ids_logprob=None if ids is None else tuple(ids),
-            return_text_in_logprobs=_flag(body, "return_text_in_logprobs"),
-            flat_input_top=flat_in, flat_output_top=flat_out, flat_b64=b64,
-        )
-
-
-def _flag(body: Mapping[str, Any], name: str) -> bool:
-    value = body.get(name, False)
-    if value is None:
-        return False
-    if not isinstance(value, bool):
-        raise ValueError(f"{name} must be a boolean")
-    return value
 
 
 def encode_json(obj: Any) -> bytes:
@@ -213,9 +153,9 @@ def concat_parts(parts: Sequence[LogprobArrays]) -> LogprobArrays:
             break
     cat = np.concatenate
     return LogprobArrays(
-        cat([p.token_logprobs for p in parts]), cat([p.token_ids for p in parts]),
-        cat([p.top_vals for p in parts]), cat([p.top_idx for p in parts]),
-        cat([p.ids_logprobs for p in parts]), prefix,
+        token_logprobs=cat([p.token_logprobs for p in parts]), token_ids=cat([p.token_ids for p in parts]),
+        top_vals=cat([p.top_vals for p in parts]), top_idx=cat([p.top_idx for p in parts]),
+        ids_logprobs=cat([p.ids_logprobs for p in parts]), null_prefix=prefix,
     )
 
 

@@ -6,7 +6,7 @@ O(chunk_size x vocab) whatever the number of positions: an 8k-token prompt with 
 never holds an [8k x 49k] log-softmax. `compute_logprobs_from_hidden` also bounds the logits
 themselves by projecting hidden states through the LM head one chunk at a time.
 
-Null representation (shared with logprob_format.LogprobArrays): a block of positions has a
+Null representation (shared with tandem.ipc.messages.LogprobArrays): a block of positions has a
 `null_prefix` count of leading positions without a value; their float entries are NaN and
 their top ids -1. For prompt logprobs that is the first prompt position, which has no
 preceding token to predict it.
@@ -19,7 +19,7 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
-from tandem.runtime.sampling.logprob_format import LogprobArrays
+from tandem.ipc.messages import LogprobArrays
 
 # 512 rows x 49k vocab x 4 B = 100 MB per float32 chunk (plus logsumexp/topk temporaries).
 DEFAULT_CHUNK_SIZE = 512
@@ -53,7 +53,8 @@ class LogprobChunk:
         tok, vals, idx, ids_lp = self.to_numpy()
         if null_prefix > 0:  # CPU tensors share memory with .numpy(): blank copies instead
             tok, vals, idx, ids_lp = tok.copy(), vals.copy(), idx.copy(), ids_lp.copy()
-        arrays = LogprobArrays(tok, np.asarray(token_ids, np.int32), vals, idx, ids_lp)
+        arrays = LogprobArrays(token_logprobs=tok, token_ids=np.asarray(token_ids, np.int32), top_vals=vals,
+                               top_idx=idx, ids_logprobs=ids_lp)
         return with_null_prefix(arrays, null_prefix)
 
 
@@ -75,16 +76,16 @@ def with_null_prefix(arrays: LogprobArrays, null_prefix: int) -> LogprobArrays:
 def compute_logprobs(
     logits: torch.Tensor,
     token_ids: torch.Tensor | None,
-    top_k: int,
+    top_logprobs_num: int,
     token_ids_logprob: Sequence[int] | None = None,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
 ) -> LogprobChunk:
     """Logprobs for each row of `logits` [N, V] (any float dtype).
 
-    token_ids [N]: the token whose logprob row i reports (None -> NaN). top_k is clamped to V.
+    token_ids [N]: the token whose logprob row i reports (None -> NaN). top_logprobs_num is clamped to V.
     """
     return compute_logprobs_from_hidden(
-        logits, _identity, token_ids, top_k, token_ids_logprob, chunk_size
+        logits, _identity, token_ids, top_logprobs_num, token_ids_logprob, chunk_size
     )
 
 
@@ -92,7 +93,7 @@ def compute_logprobs_from_hidden(
     hidden: torch.Tensor,
     lm_head: Callable[[torch.Tensor], torch.Tensor],
     token_ids: torch.Tensor | None,
-    top_k: int,
+    top_logprobs_num: int,
     token_ids_logprob: Sequence[int] | None = None,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
 ) -> LogprobChunk:
@@ -109,12 +110,12 @@ def compute_logprobs_from_hidden(
         stop = min(start + chunk_size, n)
         x = lm_head(hidden[start:stop]).float()
         if out is None:
-            out = _allocate(n, max(0, min(top_k, x.shape[1])), len(token_ids_logprob or ()), dev)
+            out = _allocate(n, max(0, min(top_logprobs_num, x.shape[1])), len(token_ids_logprob or ()), dev)
             _check_ids(req_ids, x.shape[1])
         ids = None if token_ids is None else token_ids[start:stop].to(dev, torch.long)
         _fill_rows(out, start, stop, x, ids, req_ids)
     if out is None:  # no rows: the vocab size is unknown, so k cannot be clamped
-        out = _allocate(0, max(0, top_k), len(token_ids_logprob or ()), dev)
+        out = _allocate(0, max(0, top_logprobs_num), len(token_ids_logprob or ()), dev)
     return out
 
 
@@ -153,7 +154,7 @@ def _fill_rows(out: LogprobChunk, start: int, stop: int, x: torch.Tensor,
 def batch_output_logprobs(
     logits: torch.Tensor,
     token_ids: torch.Tensor,
-    top_ks: Sequence[int],
+    top_logprobs_nums: Sequence[int],
     token_ids_logprobs: Sequence[Sequence[int] | None],
     chunk_size: int = DEFAULT_CHUNK_SIZE,
 ) -> list[LogprobArrays]:
@@ -163,15 +164,15 @@ def batch_output_logprobs(
     row is cut down to its own k and ids. Returns a one-position block per row.
     """
     union = sorted({t for ids in token_ids_logprobs if ids for t in ids})
-    chunk = compute_logprobs(logits, token_ids, max(top_ks, default=0), union, chunk_size)
+    chunk = compute_logprobs(logits, token_ids, max(top_logprobs_nums, default=0), union, chunk_size)
     tok, vals, idx, ids_lp = chunk.to_numpy()
     sampled = token_ids.cpu().numpy().astype(np.int32)
     col = {t: c for c, t in enumerate(union)}
     out = []
-    for r, (k, ids) in enumerate(zip(top_ks, token_ids_logprobs)):
+    for r, (k, ids) in enumerate(zip(top_logprobs_nums, token_ids_logprobs)):
         cols = [col[t] for t in ids] if ids else []
-        out.append(LogprobArrays(tok[r:r + 1], sampled[r:r + 1], vals[r:r + 1, :k],
-                                 idx[r:r + 1, :k], ids_lp[r:r + 1, cols]))
+        out.append(LogprobArrays(token_logprobs=tok[r:r + 1], token_ids=sampled[r:r + 1], top_vals=vals[r:r + 1, :k],
+                                 top_idx=idx[r:r + 1, :k], ids_logprobs=ids_lp[r:r + 1, cols]))
     return out
 
 
@@ -187,12 +188,12 @@ class InputLogprobAccumulator:
     """
 
     def __init__(self, prompt_ids: Sequence[int] | np.ndarray, logprob_start_len: int,
-                 top_k: int, token_ids_logprob: Sequence[int] | None = None,
+                 top_logprobs_num: int, token_ids_logprob: Sequence[int] | None = None,
                  chunk_size: int = DEFAULT_CHUNK_SIZE) -> None:
         self.prompt = np.asarray(prompt_ids, dtype=np.int64)
         p = len(self.prompt)
         self.start = p if logprob_start_len < 0 else min(logprob_start_len, p)
-        self.top_k = top_k
+        self.top_logprobs_num = top_logprobs_num
         self.token_ids_logprob = list(token_ids_logprob) if token_ids_logprob else None
         self.chunk_size = chunk_size
         self.rows_needed = range(max(self.start - 1, 0), max(p - 1, 0))
@@ -203,13 +204,18 @@ class InputLogprobAccumulator:
     def done(self) -> bool:
         return self._next_row >= self.rows_needed.stop
 
+    @property
+    def next_row(self) -> int:
+        """The first logits row still to come (= the prompt position whose hidden row it is)."""
+        return self._next_row
+
     def add_logits(self, logits: torch.Tensor, first_row: int) -> None:
         """logits [n, V] for prompt rows [first_row, first_row + n) of one prefill pass."""
         lo, hi = self._clip(first_row, logits.shape[0])
         if lo >= hi:
             return
         nxt = torch.from_numpy(self.prompt[lo + 1:hi + 1])
-        chunk = compute_logprobs(logits[lo - first_row:hi - first_row], nxt, self.top_k,
+        chunk = compute_logprobs(logits[lo - first_row:hi - first_row], nxt, self.top_logprobs_num,
                                  self.token_ids_logprob, self.chunk_size)
         self._append(chunk, lo, hi)
 
@@ -237,7 +243,7 @@ class InputLogprobAccumulator:
         if not self.done:
             raise ValueError(f"prompt logprobs incomplete: next row {self._next_row} of "
                              f"{self.rows_needed.stop}")
-        k, n_ids = self.top_k, len(self.token_ids_logprob or ())
+        k, n_ids = self.top_logprobs_num, len(self.token_ids_logprob or ())
         null = 1 if self.start == 0 and len(self.prompt) > 0 else 0
         if self._chunks:
             tok, vals, idx, ids_lp = LogprobChunk.cat(self._chunks).to_numpy()
@@ -246,10 +252,10 @@ class InputLogprobAccumulator:
             tok, vals, idx = np.zeros(0, np.float32), np.zeros((0, k), np.float32), np.zeros((0, k), np.int32)
             ids_lp = np.zeros((0, n_ids), np.float32)
         arrays = LogprobArrays(
-            np.concatenate([np.zeros(null, np.float32), tok]),
-            self.prompt[self.start:].astype(np.int32),
-            np.concatenate([np.zeros((null, k), np.float32), vals]),
-            np.concatenate([np.zeros((null, k), np.int32), idx]),
-            np.concatenate([np.zeros((null, n_ids), np.float32), ids_lp]),
+            token_logprobs=np.concatenate([np.zeros(null, np.float32), tok]),
+            token_ids=self.prompt[self.start:].astype(np.int32),
+            top_vals=np.concatenate([np.zeros((null, k), np.float32), vals]),
+            top_idx=np.concatenate([np.zeros((null, k), np.int32), idx]),
+            ids_logprobs=np.concatenate([np.zeros((null, n_ids), np.float32), ids_lp]),
         )
         return with_null_prefix(arrays, null)

@@ -11,7 +11,6 @@ import re
 from typing import Any
 
 import msgspec
-import orjson
 
 # Limits shared with the HTTP layer; SGLang uses the same ranges.
 MAX_STOP_STRINGS = 32
@@ -56,9 +55,6 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     n: int = 1
     sampling_seed: int | None = None
     stream_interval: int | None = None
-    json_schema: str | None = None
-    regex: str | None = None
-    ebnf: str | None = None
 
     @property
     def is_greedy(self) -> bool:
@@ -131,7 +127,8 @@ _BOOL_FIELDS = (
     "spaces_between_special_tokens",
     "no_stop_trim",
 )
-_GRAMMAR_FIELDS = ("json_schema", "regex", "ebnf")
+# SGLang's guided-decoding fields: a 400 until guided decoding lands, never silently ignored
+GUIDED_FIELDS = ("json_schema", "regex", "ebnf", "structural_tag", "choice")
 _ALIASES = {"seed": "sampling_seed"}
 _KNOWN = set(SamplingParams.__struct_fields__) | set(_ALIASES)
 
@@ -150,6 +147,10 @@ class _Checker:
 
     def build(self) -> SamplingParams:
         for key in self.d:
+            if key in GUIDED_FIELDS:
+                if self.d[key] is None:
+                    continue
+                raise self.fail(key, "needs guided decoding, which is not available on this server")
             if key not in _KNOWN:
                 raise self.fail(key_name(key), "is not a known sampling parameter")
         self._scalars()
@@ -157,7 +158,6 @@ class _Checker:
         self._stop()
         self._logit_bias()
         self._seed()
-        self._grammar()
         return SamplingParams(**self.out)
 
     def _present(self, name: str) -> bool:
@@ -280,19 +280,6 @@ class _Checker:
         if not is_int(v) or not fits_int64(v):
             raise self.fail(given[0], f"must be a 64-bit integer, got {short(v)}")
         self.out["sampling_seed"] = v
-
-    def _grammar(self) -> None:
-        given = [k for k in _GRAMMAR_FIELDS if self._present(k)]
-        if len(given) > 1:
-            others = ", ".join(_GRAMMAR_FIELDS)
-            raise self.fail(given[1], f"cannot be combined with {given[0]}; give one of {others}")
-        for name in given:
-            v = self.d[name]
-            if name == "json_schema" and isinstance(v, dict):
-                v = orjson.dumps(v).decode()  # accept an inline schema object for convenience
-            if not isinstance(v, str):
-                raise self.fail(name, f"must be a string, got {_type_name(v)}")
-            self.out[name] = v
 
 
 _INT_KEY = re.compile(r"-?[0-9]{1,19}")

@@ -13,7 +13,7 @@ that also hit the prompt would punish the model for echoing names and code from 
 
 Rows with default settings (frequency = presence = 0, repetition = 1, no bias, no ban) come
 out unchanged, so one dense pass over the batch is correct for mixed batches; callers skip
-the call entirely when `PenaltyState.active` is False.
+the call entirely when no row of the batch uses any of them.
 """
 
 from __future__ import annotations
@@ -23,9 +23,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from tandem.runtime.sampling.params import SamplingParams
 
-__all__ = ["PenaltyState", "apply_penalties", "ban_index"]
+__all__ = ["PenaltyCounts", "apply_penalties", "ban_index"]
 
 
 def apply_penalties(
@@ -102,130 +101,33 @@ def _ban(
     return logits.masked_fill(mask, float("-inf"))
 
 
-class PenaltyState:
-    """Per-batch penalty tensors the scheduler keeps next to a running batch.
+class PenaltyCounts:
+    """Output-token counts per request row, [rows, vocab] int32 on the device, made on first use.
 
-    Counts live on the device and are updated from the sampled-token tensor with
-    `scatter_add_`, so the overlap loop never has to copy tokens to the host. The [B, V]
-    count matrix is only allocated when some row uses a count-based penalty; rows that do not
-    use one are unaffected by their (zero) counts, which is what makes lazy allocation safe.
+    A row's counts are reset when the row is handed to a request (`reset_row`, from the
+    scheduler thread, by the row owner) and grow after every sampling step (`add`, from the
+    forward worker). Both touch disjoint rows: a row is handed out again only after every step
+    that used it was processed. Rows of requests without count-based penalties are never read.
     """
 
-    def __init__(
-        self,
-        params: Sequence[SamplingParams],
-        vocab_size: int,
-        *,
-        eos_ids: Sequence[int] = (),
-        output_ids: Sequence[Sequence[int]] | None = None,
-        device: torch.device | str = "cpu",
-    ) -> None:
+    def __init__(self, num_rows: int, vocab_size: int, device: torch.device | str = "cpu") -> None:
+        self.num_rows = num_rows
         self.vocab_size = vocab_size
-        self.device = torch.device(device)
-        b = len(params)
-        outs = output_ids if output_ids is not None else [()] * b
-        f32 = dict(dtype=torch.float32, device=self.device)
-        self.frequency = torch.tensor([p.frequency_penalty for p in params], **f32)
-        self.presence = torch.tensor([p.presence_penalty for p in params], **f32)
-        self.repetition = torch.tensor([p.repetition_penalty for p in params], **f32)
-        i64 = dict(dtype=torch.int64, device=self.device)
-        self.min_new_tokens = torch.tensor([p.min_new_tokens for p in params], **i64)
-        self.output_len = torch.tensor([len(o) for o in outs], **i64)
-        self.banned = ban_index([list(p.stop_token_ids) for p in params], eos_ids, self.device)
-        # Host-side flag: asking the device tensor would force a sync every step. It may stay
-        # True after the rows that needed it leave, which only costs a no-op masking pass.
-        self.has_min_tokens = any(p.min_new_tokens > 0 for p in params)
+        self.device = device
         self.counts: Tensor | None = None
-        if any(p.has_penalties for p in params):
-            self.counts = self._counts_from(outs)
-        self.logit_bias = self._bias_from(params)
 
-    @property
-    def batch_size(self) -> int:
-        return self.frequency.shape[0]
+    def reset_row(self, row: int, output_ids: Sequence[int]) -> None:
+        if self.counts is None:
+            self.counts = torch.zeros((self.num_rows, self.vocab_size), dtype=torch.int32, device=self.device)
+        self.counts[row].zero_()
+        if output_ids:
+            ids = torch.tensor(list(output_ids), dtype=torch.int64, device=self.counts.device)
+            self.counts[row].index_add_(0, ids, torch.ones_like(ids, dtype=torch.int32))
 
-    @property
-    def active(self) -> bool:
-        """False when `apply` would be a no-op for every row (the common case)."""
-        return self.counts is not None or self.logit_bias is not None or self.has_min_tokens
+    def gather(self, rows: Tensor) -> Tensor:
+        assert self.counts is not None, "penalty counts read before any row was reset"
+        return self.counts[rows]
 
-    def _counts_from(self, outs: Sequence[Sequence[int]]) -> Tensor:
-        counts = torch.zeros((len(outs), self.vocab_size), dtype=torch.int32, device=self.device)
-        for i, ids in enumerate(outs):
-            if ids:
-                t = torch.as_tensor(list(ids), dtype=torch.int64, device=self.device)
-                counts[i].scatter_add_(0, t, torch.ones_like(t, dtype=torch.int32))
-        return counts
-
-    def _bias_from(self, params: Sequence[SamplingParams]) -> Tensor | None:
-        if not any(p.logit_bias for p in params):
-            return None
-        bias = torch.zeros((len(params), self.vocab_size), dtype=torch.float32)
-        for i, p in enumerate(params):
-            for tid, value in (p.logit_bias or {}).items():
-                bias[i, tid] = value
-        return bias.to(self.device)
-
-    def update(self, new_tokens: Tensor) -> None:
-        """Count freshly sampled tokens: [B] (one per row) or [B, T] padded with -1."""
-        tokens = new_tokens.to(self.device, torch.int64)
-        if tokens.dim() == 1:
-            tokens = tokens.unsqueeze(1)
-        valid = tokens >= 0
-        self.output_len += valid.sum(dim=1)
+    def add(self, rows: Tensor, token_ids: Tensor) -> None:
         if self.counts is not None:
-            safe = torch.where(valid, tokens, torch.zeros_like(tokens))
-            self.counts.scatter_add_(1, safe, valid.to(self.counts.dtype))
-
-    def apply(self, logits: Tensor) -> Tensor:
-        if not self.active:
-            return logits
-        return apply_penalties(
-            logits,
-            self.counts,
-            self.frequency,
-            self.presence,
-            self.repetition,
-            logit_bias=self.logit_bias,
-            min_tokens_mask=self.output_len < self.min_new_tokens if self.has_min_tokens else None,
-            banned_ids=self.banned,
-        )
-
-    def filter(self, keep: Sequence[int] | Tensor) -> None:
-        """Keep only rows `keep` (in that order), e.g. after finished requests leave."""
-        idx = torch.as_tensor(keep, dtype=torch.int64, device=self.device)
-        for name in ("frequency", "presence", "repetition", "min_new_tokens", "output_len"):
-            setattr(self, name, getattr(self, name)[idx])
-        self.banned = self.banned[idx]
-        self.counts = None if self.counts is None else self.counts[idx]
-        self.logit_bias = None if self.logit_bias is None else self.logit_bias[idx]
-
-    def merge(self, other: PenaltyState) -> None:
-        """Append `other`'s rows after ours (e.g. a prefilled batch joining the decode batch)."""
-        for name in ("frequency", "presence", "repetition", "min_new_tokens", "output_len"):
-            setattr(self, name, torch.cat([getattr(self, name), getattr(other, name)]))
-        self.banned = _cat_padded(self.banned, other.banned)
-        self.has_min_tokens = self.has_min_tokens or other.has_min_tokens
-        b1, b2 = self.batch_size - other.batch_size, other.batch_size
-        self.counts = _cat_optional(self.counts, other.counts, b1, b2, self.vocab_size, torch.int32)
-        self.logit_bias = _cat_optional(
-            self.logit_bias, other.logit_bias, b1, b2, self.vocab_size, torch.float32
-        )
-
-
-def _cat_padded(a: Tensor, b: Tensor) -> Tensor:
-    k = max(a.shape[1], b.shape[1])
-    pad = lambda t: torch.nn.functional.pad(t, (0, k - t.shape[1]), value=-1)  # noqa: E731
-    return torch.cat([pad(a), pad(b)])
-
-
-def _cat_optional(
-    a: Tensor | None, b: Tensor | None, rows_a: int, rows_b: int, v: int, dtype: torch.dtype
-) -> Tensor | None:
-    """Concatenate two lazily allocated [B, V] tensors; a missing side is zeros (a no-op)."""
-    if a is None and b is None:
-        return None
-    ref = a if a is not None else b
-    a = a if a is not None else torch.zeros((rows_a, v), dtype=dtype, device=ref.device)
-    b = b if b is not None else torch.zeros((rows_b, v), dtype=dtype, device=ref.device)
-    return torch.cat([a, b])
+            self.counts[rows, token_ids] += 1

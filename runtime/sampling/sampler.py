@@ -19,7 +19,7 @@ class SamplingBatchInfo:
     top_ps: torch.Tensor  # [B] float32
     top_ks: torch.Tensor  # [B] int64, vocab size where unset
     min_ps: torch.Tensor  # [B] float32
-    seeds: torch.Tensor  # [B] int64 (32-bit values)
+    seeds: torch.Tensor  # [B] int64, the whole 64-bit seed
     is_greedy: torch.Tensor  # [B] bool
     all_greedy: bool
     need_top_p_k: bool
@@ -35,7 +35,7 @@ class SamplingBatchInfo:
             top_ps=torch.tensor(top_ps, dtype=torch.float32, device=device),
             top_ks=torch.tensor(ks, dtype=torch.int64, device=device),
             min_ps=torch.tensor(min_ps, dtype=torch.float32, device=device),
-            seeds=torch.tensor([s & _MASK32 for s in seeds], dtype=torch.int64, device=device),
+            seeds=torch.tensor(seeds, dtype=torch.int64, device=device),
             is_greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
             all_greedy=all(greedy),
             need_top_p_k=any(p < 1.0 for p in top_ps) or any(k < vocab_size for k in ks),
@@ -81,7 +81,9 @@ def _fmix32(h: torch.Tensor) -> torch.Tensor:
 
 def _exponential_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
     """Exp(1) noise per (row, token); argmax(p / noise) samples from p (the exponential race)."""
-    row_key = _fmix32(_fmix32(seeds ^ 0x5BD1E995) ^ (positions.to(torch.int64) & _MASK32))
+    # both halves of the 64-bit seed feed the key: seeds that differ only above bit 31 differ
+    seed_key = _fmix32(_fmix32((seeds & _MASK32) ^ 0x5BD1E995) ^ ((seeds >> 32) & _MASK32))
+    row_key = _fmix32(seed_key ^ (positions.to(torch.int64) & _MASK32))
     token_ids = torch.arange(vocab, device=seeds.device, dtype=torch.int64)
     bits = _fmix32(row_key[:, None] ^ ((token_ids[None, :] * 0x27D4EB2F) & _MASK32))
     uniform = (bits.to(torch.float64) + 0.5) / 4294967296.0

@@ -4,6 +4,10 @@ After each forward the worker stashes a RelayPayload: the sampled "bonus" token 
 plain decoding, or the next draft input (draft tokens + accept lengths) for speculative
 decoding, or nothing when the step sampled nothing (a middle prefill chunk). Step N+1 gathers
 its input tokens from here on the device when it launches, so the CPU never waits for step N.
+
+Debug mode (TANDEM_DEBUG_FUTURE_MAP) fills the buffers with POISON, poisons a row when it is
+freed, and consumes entries on read: every gather must follow a stash for the same row, and a
+gather of a poisoned entry fails an on-device assertion (no host sync).
 """
 from __future__ import annotations
 
@@ -24,10 +28,6 @@ class RelayPayload:
     @property
     def is_speculative(self) -> bool:
         return self.draft_tokens is not None
-
-
-class FutureMapError(RuntimeError):
-    pass
 
 
 class FutureMap:
@@ -52,13 +52,15 @@ class FutureMap:
     def gather_bonus(self, rows: torch.Tensor) -> torch.Tensor:
         tokens = self.bonus[rows]
         if self.debug:
-            self._check(tokens, rows, "bonus token")
+            self._check(tokens, "bonus token")
+            self.bonus[rows] = POISON
         return tokens
 
     def gather_draft(self, rows: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         drafts = self.draft[rows, :k]
         if self.debug:
-            self._check(drafts, rows, "draft tokens")
+            self._check(drafts, "draft tokens")
+            self.draft[rows] = POISON
         return drafts, self.accept_lens[rows]
 
     def poison(self, rows: list[int]) -> None:
@@ -69,8 +71,6 @@ class FutureMap:
             self.draft[idx] = POISON
 
     @staticmethod
-    def _check(values: torch.Tensor, rows: torch.Tensor, what: str) -> None:
-        bad = (values == POISON)
-        if bad.any():  # a host sync, acceptable in debug mode only
-            rows_bad = rows[bad.reshape(len(rows), -1).any(dim=1)].tolist()
-            raise FutureMapError(f"future map: {what} of rows {rows_bad} gathered before any step wrote them")
+    def _check(values: torch.Tensor, what: str) -> None:
+        # raises at once on CPU; a device-side assert on GPUs (no host sync on the hot path)
+        torch._assert_async((values != POISON).all(), f"future map: {what} gathered before a step wrote it")

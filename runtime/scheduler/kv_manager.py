@@ -2,26 +2,24 @@
 
 Ownership: every KV slot is free, owned by the radix tree, or owned by one request's row. A
 request's row holds `kv_alloc_len` valid slots: the tree's (matched or inserted prefix, locked
-through `req.last_node`) followed by its own.
+through `req.last_node`) followed by its own. Rows themselves come from and go back to ReqRows.
 """
 from __future__ import annotations
 
 import torch
 
-from tandem.runtime.cache.pools import ReqToTokenPool, TokenAllocator
+from tandem.runtime.cache.pools import TokenAllocator
 from tandem.runtime.cache.radix import RadixCache
+from tandem.runtime.scheduler.req_rows import ReqRows
 from tandem.runtime.scheduler.request import Req
 
 
 class KVManager:
-    def __init__(self, req_to_token_pool: ReqToTokenPool, allocator: TokenAllocator, disable_radix_cache: bool) -> None:
-        self.req_to_token_pool = req_to_token_pool
-        self.req_to_token = req_to_token_pool.req_to_token
+    def __init__(self, rows: ReqRows, allocator: TokenAllocator, disable_radix_cache: bool) -> None:
+        self.rows = rows
+        self.req_to_token = rows.pool.req_to_token
         self.allocator = allocator
         self.tree = RadixCache(allocator, disabled=disable_radix_cache)
-        # rows of released requests: a step already in flight may still read them, so they are
-        # handed out again only after that step was processed (see Scheduler.event_loop)
-        self.deferred_rows: list[int] = []
 
     # -- capacity ---------------------------------------------------------------------------------
     def available_tokens(self) -> int:
@@ -37,18 +35,15 @@ class KVManager:
 
     # -- admission ----------------------------------------------------------------------------------
     def match_prefix(self, req: Req) -> tuple[torch.Tensor, object]:
-        """Longest cached prefix of the request's tokens, leaving at least one token to compute
-        (its logits sample the next token) and every prompt position whose logprobs were asked for."""
+        """Longest cached prefix of the request's tokens that leaves every position the request
+        must compute (`Req.first_uncacheable_position`) to be computed."""
         ids = req.all_ids()
-        limit = len(ids) - 1
-        if req.needs_input_logprobs:
-            limit = min(limit, req.input_logprobs.rows_needed.start)  # type: ignore[union-attr]
-        slots, node = self.tree.match_prefix(ids[:limit], req.extra_key)
+        slots, node = self.tree.match_prefix(ids[:req.first_uncacheable_position()], req.extra_key)
         return slots, node
 
     def start(self, req: Req, prefix_slots: torch.Tensor, node: object) -> bool:
         """Give the request a row holding its cached prefix; the prefix stays locked while it runs."""
-        row = self.req_to_token_pool.alloc()
+        row = self.rows.alloc(req.sampling_params, req.output_ids)
         if row is None:
             return False
         req.req_pool_idx = row
@@ -83,11 +78,10 @@ class KVManager:
     # -- release --------------------------------------------------------------------------------------
     def release(self, req: Req) -> None:
         """Hand the request's KV to the tree (positions whose token is known), free the rest, and
-        defer its row.
+        give its row back to ReqRows (which defers reuse past the steps in flight).
 
         Slots still being written by an in-flight step are safe to hand out again: every later
-        step runs after that one on the same worker, in order. The row is not: the scheduler
-        writes a new request's table row on its own thread, before the in-flight step may have read it.
+        step runs after that one on the same worker, in order.
         """
         row = req.req_pool_idx
         if row is None:
@@ -98,23 +92,18 @@ class KVManager:
         self.tree.cache_finished_req(ids[:keep], slots[:keep], req.last_node or self.tree.root, req.extra_key)
         if req.kv_alloc_len > keep:
             self.allocator.free(slots[keep:])
-        self.deferred_rows.append(row)
+        self.rows.release(row)
         req.req_pool_idx, req.kv_alloc_len, req.last_node = None, 0, None
 
-    def take_deferred_rows(self) -> list[int]:
-        rows, self.deferred_rows = self.deferred_rows, []
-        return rows
-
-    def free_rows(self, rows: list[int]) -> None:
-        for row in rows:
-            self.req_to_token_pool.free(row)
+    def row_slots(self, req: Req, start: int, stop: int) -> torch.Tensor:
+        """The KV slots of positions [start, stop) of the request (a copy)."""
+        return self.req_to_token[req.req_pool_idx, start:stop].clone()
 
     def _row(self, req: Req, n: int) -> torch.Tensor:
         return self.req_to_token[req.req_pool_idx, :n].to("cpu").clone()
 
-    # -- stats ------------------------------------------------------------------------------------------
     def flush(self) -> None:
-        self.deferred_rows = []
+        """Drop the whole cache; only legal with no request running and no step in flight."""
+        self.rows.reset()
         self.tree.reset()
         self.allocator.clear()
-        self.req_to_token_pool.clear()

@@ -1,7 +1,8 @@
 """Builds one BatchTokenIDOutput per step from the requests that have news.
 
-Two cursors per request, tokens sent and output logprobs sent, move together: every token
-sent carries exactly one output logprob, across retraction and for prefill-only requests.
+Per request, cursors for tokens, output logprob blocks and hidden-state blocks move together:
+every token sent carries exactly one output logprob (and one hidden row when asked), across
+retraction and for prefill-only requests.
 """
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import numpy as np
 
 from tandem.ipc.messages import BatchTokenIDOutput
 from tandem.runtime.envs import envs
-from tandem.runtime.sampling.logprob_format import LogprobArrays, concat_parts
+from tandem.runtime.sampling.logprob_format import concat_parts
 from tandem.runtime.scheduler.request import Req
 
 
@@ -31,8 +32,8 @@ class OutputStreamer:
             return False
         if req.stream:
             return new >= (req.sampling_params.stream_interval or self.default_stream_interval)
-        # non-streaming logprob requests still ship in pieces so nothing is rebuilt at the end
-        return req.return_logprob and new >= self.force_stream_interval
+        # non-streaming logprob / hidden-state requests still ship in pieces so nothing is rebuilt at the end
+        return (req.return_logprob or req.return_hidden_states) and new >= self.force_stream_interval
 
     def build(self) -> BatchTokenIDOutput | None:
         reqs = [r for r in self._pending.values() if self.should_send(r)]
@@ -44,11 +45,17 @@ class OutputStreamer:
             cached_tokens=[], skip_special_tokens=[], spaces_between_special_tokens=[], no_stop_trim=[],
             stop_strings=[])
         any_lp = any(r.return_logprob for r in reqs)
+        any_hidden = any(r.return_hidden_states for r in reqs)
         for r in reqs:
-            self._append(out, r, any_lp)
+            self._append(out, r)
+            if any_lp:
+                self._append_logprobs(out, r)
+            if any_hidden:
+                self._append_hidden(out, r)
         return out
 
-    def _append(self, out: BatchTokenIDOutput, r: Req, any_lp: bool) -> None:
+    @staticmethod
+    def _append(out: BatchTokenIDOutput, r: Req) -> None:
         sp = r.sampling_params
         out.rids.append(r.rid)
         out.finished_reasons.append(r.finished_reason)
@@ -61,10 +68,9 @@ class OutputStreamer:
         out.no_stop_trim.append(sp.no_stop_trim)
         out.stop_strings.append(list(sp.stop))
         r.sent_token_len = len(r.output_ids)
-        if any_lp:
-            self._append_logprobs(out, r)
 
-    def _append_logprobs(self, out: BatchTokenIDOutput, r: Req) -> None:
+    @staticmethod
+    def _append_logprobs(out: BatchTokenIDOutput, r: Req) -> None:
         outputs = inputs = None
         if r.return_logprob:
             if r.sent_logprob_len < len(r.output_logprobs):
@@ -73,15 +79,13 @@ class OutputStreamer:
             if r.input_logprobs is not None and r.input_logprobs.done and not r.input_logprobs_sent:
                 inputs = r.input_logprobs.finalize()
                 r.input_logprobs_sent = True
-        _put(out, "output", outputs)
-        _put(out, "input", inputs)
+        out.output_logprobs.append(outputs)
+        out.input_logprobs.append(inputs)
 
-
-def _put(out: BatchTokenIDOutput, side: str, a: LogprobArrays | None) -> None:
-    getattr(out, f"{side}_token_logprobs_val").append(None if a is None else a.token_logprobs)
-    getattr(out, f"{side}_token_logprobs_idx").append(None if a is None else a.token_ids)
-    getattr(out, f"{side}_top_logprobs_val").append(None if a is None else a.top_vals)
-    getattr(out, f"{side}_top_logprobs_idx").append(None if a is None else a.top_idx)
-    getattr(out, f"{side}_token_ids_logprobs_val").append(None if a is None else a.ids_logprobs)
-    # the requested ids are the request's token_ids_logprob, which the tokenizer manager already holds
-    getattr(out, f"{side}_token_ids_logprobs_idx").append(None)
+    @staticmethod
+    def _append_hidden(out: BatchTokenIDOutput, r: Req) -> None:
+        rows = None
+        if r.return_hidden_states and r.sent_hidden_len < len(r.hidden_states):
+            rows = np.concatenate(r.hidden_states[r.sent_hidden_len:])
+            r.sent_hidden_len = len(r.hidden_states)
+        out.hidden_states.append(rows)

@@ -1,4 +1,10 @@
-"""Req: the scheduler's view of one generation request (one choice of an n>1 request)."""
+"""Req: the scheduler's view of one choice of a generation request.
+
+Its `rid` is internal (`{group}_{choice}`). Output state grows only through
+`result_processor.apply_new_tokens`; memory state (`req_pool_idx`, `kv_alloc_len`,
+`last_node`) changes only through the KVManager; the streaming cursors only through the
+OutputStreamer.
+"""
 from __future__ import annotations
 
 import random
@@ -7,8 +13,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from tandem.ipc.messages import FinishReason, TokenizedGenerateReq
-from tandem.runtime.sampling.logprob_format import LogprobArrays
+from tandem.ipc.messages import FinishReason, LogprobArrays, LogprobParams, TokenizedGenerateReq
 from tandem.runtime.sampling.logprobs import InputLogprobAccumulator
 from tandem.runtime.sampling.params import SamplingParams
 
@@ -21,16 +26,13 @@ class Req:
     stream: bool
     seed: int
     arrival_seq: int
+    logprob: LogprobParams = field(default_factory=LogprobParams)
+    return_hidden_states: bool = False
     priority: int = 0
     extra_key: str | None = None
-    return_logprob: bool = False
-    logprob_start_len: int = -1
-    top_logprobs_num: int = 0
-    token_ids_logprob: list[int] | None = None
 
     output_ids: list[int] = field(default_factory=list)
     finished_reason: FinishReason | None = None
-    pending_abort: FinishReason | None = None  # set by an abort; applied at the next processing
 
     # memory: the row in ReqToTokenPool and how many of its positions hold allocated KV slots
     req_pool_idx: int | None = None
@@ -40,27 +42,34 @@ class Req:
     retract_count: int = 0
     created_monotonic: float = field(default_factory=time.monotonic)
 
-    # logprobs: input side accumulated over chunks; output side one block per sampled token
+    # logprobs: input side accumulated over chunks; output side one block per kept token
     input_logprobs: InputLogprobAccumulator | None = None
     input_logprobs_sent: bool = False
     output_logprobs: list[LogprobArrays] = field(default_factory=list)
+    # hidden states: [n, H] float32 blocks in position order, prompt rows first (positions
+    # [logprob_start_len, P-1) when asked), then one row per kept output token
+    hidden_states: list[np.ndarray] = field(default_factory=list)
+    prompt_hidden_next: int = 0  # next prompt position whose hidden row is still to come
 
-    # streaming cursors: tokens and output logprobs already sent to the detokenizer
+    # streaming cursors: tokens, output logprob blocks and hidden-state blocks already sent
     sent_token_len: int = 0
     sent_logprob_len: int = 0
+    sent_hidden_len: int = 0
 
     @staticmethod
     def from_message(msg: TokenizedGenerateReq, arrival_seq: int) -> "Req":
         sp = msg.sampling_params
-        seed = sp.sampling_seed if sp.sampling_seed is not None else random.getrandbits(32)
+        seed = sp.sampling_seed if sp.sampling_seed is not None else random.getrandbits(63)
         req = Req(rid=msg.rid, origin_input_ids=np.asarray(msg.input_ids).tolist(), sampling_params=sp,
-                  stream=msg.stream, seed=seed, arrival_seq=arrival_seq, priority=msg.priority or 0,
-                  extra_key=msg.extra_key, return_logprob=msg.return_logprob,
-                  logprob_start_len=msg.logprob_start_len, top_logprobs_num=msg.top_logprobs_num,
-                  token_ids_logprob=msg.token_ids_logprob)
-        if req.return_logprob and req.logprob_start_len >= 0:
-            req.input_logprobs = InputLogprobAccumulator(req.origin_input_ids, req.logprob_start_len,
-                                                         req.top_logprobs_num, req.token_ids_logprob)
+                  stream=msg.stream, seed=seed, arrival_seq=arrival_seq, logprob=msg.logprob,
+                  return_hidden_states=msg.return_hidden_states, priority=msg.priority or 0,
+                  extra_key=msg.extra_key)
+        lp = msg.logprob
+        if lp.wants_input:
+            req.input_logprobs = InputLogprobAccumulator(req.origin_input_ids, lp.logprob_start_len,
+                                                         lp.top_logprobs_num, lp.token_ids_logprob)
+        start = lp.logprob_start_len
+        req.prompt_hidden_next = req.prompt_hidden_stop if start < 0 else min(start, req.prompt_hidden_stop)
         return req
 
     # -- derived views ----------------------------------------------------------------------------
@@ -76,8 +85,32 @@ class Req:
         return self.origin_input_ids + self.output_ids
 
     @property
+    def return_logprob(self) -> bool:
+        return self.logprob.return_logprob
+
+    @property
     def needs_input_logprobs(self) -> bool:
         return self.input_logprobs is not None and not self.input_logprobs.done
+
+    @property
+    def prompt_hidden_stop(self) -> int:
+        """Prompt hidden rows end before the last prompt position, whose row is output row 0."""
+        return max(len(self.origin_input_ids) - 1, 0)
+
+    @property
+    def needs_prompt_hidden(self) -> bool:
+        return self.return_hidden_states and self.prompt_hidden_next < self.prompt_hidden_stop
+
+    def first_uncacheable_position(self) -> int:
+        """Positions from here on must be computed, not served from the prefix cache: at least
+        the last token (its logits sample the next one), and every prompt position whose
+        logprobs or hidden state were asked for and have not been computed yet."""
+        limit = self.seq_len - 1
+        if self.needs_input_logprobs:
+            limit = min(limit, self.input_logprobs.next_row)  # type: ignore[union-attr]
+        if self.needs_prompt_hidden:
+            limit = min(limit, self.prompt_hidden_next)
+        return limit
 
     def max_total_len(self) -> int:
         return len(self.origin_input_ids) + self.sampling_params.max_new_tokens

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from typing import Callable, Sequence
 
-from tandem.ipc.messages import FinishReason
-from tandem.runtime.sampling.logprob_format import LogprobArrays
+import numpy as np
+
+from tandem.ipc.messages import FinishReason, LogprobArrays
 from tandem.runtime.scheduler.request import Req
 
 _STOP_TAIL_TOKENS = 2  # extra tokens decoded around a stop string so one split across tokens is seen
@@ -44,16 +45,21 @@ class FinishChecker:
 
 
 def apply_new_tokens(req: Req, new_tokens: list[int], logprobs: list[LogprobArrays] | None,
-                     checker: FinishChecker) -> bool:
-    """Append the request's accepted tokens (and their logprobs); True when it finished."""
+                     hidden: list[np.ndarray] | None, checker: FinishChecker) -> bool:
+    """Append the request's accepted tokens with their logprobs and hidden rows (one each per
+    kept token); True when it finished."""
     keep, reason = checker.finished_len(req, new_tokens)
-    if req.sampling_params.max_new_tokens == 0 and logprobs:
-        # prefill-only: no token is kept, but the first output position's logprob is (SGLang does the same)
-        req.output_logprobs.extend(logprobs[:1])
+    if req.sampling_params.max_new_tokens == 0:
+        # prefill-only: no token is kept, but the first output position's logprob and hidden
+        # row are (SGLang does the same)
+        keep_extras = 1
     else:
         req.output_ids.extend(new_tokens[:keep])
-        if logprobs:
-            req.output_logprobs.extend(logprobs[:keep])
+        keep_extras = keep
+    if logprobs:
+        req.output_logprobs.extend(logprobs[:keep_extras])
+    if hidden:
+        req.hidden_states.extend(hidden[:keep_extras])
     if reason is not None:
         req.finished_reason = reason
     return reason is not None

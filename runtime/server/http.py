@@ -12,7 +12,7 @@ from fastapi.responses import PlainTextResponse, Response, StreamingResponse
 
 from tandem.runtime.server.validation import ValidationError
 from tandem.runtime.server_args import ServerArgs
-from tandem.runtime.tokenizer_manager import RequestError, TokenizerManager
+from tandem.runtime.tokenizer_manager import ClientDisconnected, RequestError, TokenizerManager
 
 logger = logging.getLogger("tandem.http")
 VERSION = "0.1.0"
@@ -64,6 +64,10 @@ def create_app(args: ServerArgs, on_child_death: Callable[[str], None] | None = 
     @app.exception_handler(RequestError)
     async def _request_error(_: Request, exc: RequestError) -> Response:
         return _error(exc.status_code, exc.message)
+
+    @app.exception_handler(ClientDisconnected)
+    async def _client_gone(_: Request, exc: ClientDisconnected) -> Response:
+        return Response(status_code=499)  # nobody reads it; the request was aborted
 
     @app.post("/generate")
     async def generate(request: Request) -> Response:
@@ -131,7 +135,7 @@ def create_app(args: ServerArgs, on_child_death: Callable[[str], None] | None = 
             raise ValidationError("rid", "must be a string")
         if not isinstance(abort_all, bool):
             raise ValidationError("abort_all", "must be a boolean")
-        if rid or abort_all:  # an empty rid without abort_all aborts nothing
+        if rid or abort_all:  # exact rid; an unknown or empty rid aborts nothing
             holder["tm"].abort(rid, abort_all)
         return Response(status_code=200)
 

@@ -5,10 +5,11 @@ every field checked; any problem is a `ValidationError` whose text names the fie
 `n > 1` is not expanded here: it stays in `sampling_params.n` for the tokenizer manager.
 
 Top-level keys: the ones below are handled; a small allowlist of other SGLang fields
-(`IGNORED_KEYS`: LoRA, disaggregation, DP routing, logging, hidden states, ...) is accepted and
-dropped, so SGLang clients and the SGLang Model Gateway work unchanged; media and session
-inputs (`MEDIA_KEYS`) are accepted only when empty, because silently dropping an image would
-change the answer; anything else is a 400 naming the key, which catches typos like `max_tokens`.
+(`IGNORED_KEYS`: disaggregation, DP routing, logging, tracing) is accepted and dropped, so
+SGLang clients and the SGLang Model Gateway work unchanged; inputs and outputs this server does
+not have (`MEDIA_KEYS`: media, sessions, LoRA, custom logit processors, ...) are accepted only
+when empty, because silently dropping one would change the answer; anything else is a 400
+naming the key, which catches typos like `max_tokens`.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Any
 
 import msgspec
 
+from tandem.ipc.messages import LogprobParams
 from tandem.runtime.sampling.params import (
     SamplingParams,
     ValidationError,
@@ -33,7 +35,7 @@ __all__ = [
     "GenerateItem",
     "NormalizedBatch",
     "ValidationError",
-    "check_rid_free",
+    "check_rids_free",
     "normalize_generate_request",
 ]
 
@@ -43,21 +45,27 @@ HANDLED_KEYS = frozenset(
         "logprob_start_len", "top_logprobs_num", "token_ids_logprob", "return_text_in_logprobs",
         "priority", "extra_key", "return_flat_raw_top_logprobs",
         "return_flat_raw_output_top_logprobs", "return_flat_raw_top_logprobs_b64",
+        "return_hidden_states",
     }
 )  # fmt: skip
+# Routing, disaggregation, logging and tracing fields: they do not change the answer.
 IGNORED_KEYS = frozenset(
     {
-        "lora_path", "lora_id", "return_hidden_states", "return_routed_experts",
-        "custom_logit_processor", "bootstrap_host", "bootstrap_port", "bootstrap_room",
-        "bootstrap_pair_key", "decode_tp_size", "data_parallel_rank", "routed_dp_rank",
-        "disagg_prefill_dp_rank", "log_metrics", "no_logs", "custom_labels", "conversation_id",
-        "routing_key", "received_time", "external_trace_header", "return_entropy",
-        "return_sampling_mask", "modalities",
+        "bootstrap_host", "bootstrap_port", "bootstrap_room", "bootstrap_pair_key",
+        "decode_tp_size", "data_parallel_rank", "routed_dp_rank", "disagg_prefill_dp_rank",
+        "log_metrics", "no_logs", "custom_labels", "conversation_id", "routing_key",
+        "received_time", "external_trace_header", "modalities",
     }
 )  # fmt: skip
+# Inputs and outputs this server does not have: accepted only when empty (or false), because
+# silently dropping an image, an adapter or a requested output would change the answer.
 MEDIA_KEYS = frozenset(
-    {"image_data", "video_data", "audio_data", "input_embeds", "session_params"}
-)
+    {
+        "image_data", "video_data", "audio_data", "input_embeds", "session_params", "lora_path",
+        "lora_id", "custom_logit_processor", "return_routed_experts", "return_entropy",
+        "return_sampling_mask",
+    }
+)  # fmt: skip
 FLAT_FLAGS = ("return_flat_raw_top_logprobs", "return_flat_raw_output_top_logprobs")
 
 
@@ -69,10 +77,8 @@ class GenerateItem(msgspec.Struct, kw_only=True):
     text: str | None
     sampling_params: SamplingParams
     stream: bool = False
-    return_logprob: bool = False
-    logprob_start_len: int = -1
-    top_logprobs_num: int = 0
-    token_ids_logprob: list[int] | None = None
+    logprob: LogprobParams = LogprobParams()
+    return_hidden_states: bool = False
     return_text_in_logprobs: bool = False
     priority: int | None = None
     extra_key: str | None = None
@@ -88,10 +94,13 @@ class NormalizedBatch(msgspec.Struct, kw_only=True):
     items: list[GenerateItem]
 
 
-def check_rid_free(rid: str, running: Collection[str]) -> None:
-    """The tokenizer manager calls this: a rid may not be reused while it is still running."""
-    if rid in running:
-        raise ValidationError("rid", f"{rid!r} is already used by a running request")
+def check_rids_free(items: list[GenerateItem], running: Collection[str]) -> None:
+    """A rid may not be reused while a request with it is still running (the tokenizer manager
+    checks every item of a batch before it sends any)."""
+    for i, item in enumerate(items):
+        if item.rid in running:
+            field = "rid" if len(items) == 1 else f"rid[{i}]"
+            raise ValidationError(field, f"{short(item.rid)} is already used by a running request")
 
 
 def normalize_generate_request(
@@ -114,25 +123,30 @@ def normalize_generate_request(
     top_nums = _per_item(body, "top_logprobs_num", n, is_batch, 0, _top_num(vocab_size))
     token_lists = _token_ids_logprob(body.get("token_ids_logprob"), n, is_batch, vocab_size)
     extra_keys = _per_item(body, "extra_key", n, is_batch, None, _extra_key)
+    hidden = _per_item(body, "return_hidden_states", n, is_batch, False, _bool)
     items = []
     for i, (field, prompt) in enumerate(prompts):
         ids, text = _prompt_ids(field, prompt, tokenize, vocab_size)
         sp_field, sp = params[i]
         _fit_context(field, len(ids), sp_field, sp, _explicit_max_new(body, i), context_len)
         start_field, start = start_lens[i]
-        if return_logprob[i][1] and start > len(ids):
+        if (return_logprob[i][1] or hidden[i][1]) and start > len(ids):
             msg = f"must be <= the prompt length ({len(ids)} tokens), got {start}"
             raise ValidationError(start_field, msg)
+        token_ids = token_lists[i]
         items.append(
             GenerateItem(
                 rid=rids[i],
                 input_ids=ids,
                 text=text,
                 sampling_params=sp,
-                return_logprob=return_logprob[i][1],
-                logprob_start_len=start,
-                top_logprobs_num=top_nums[i][1],
-                token_ids_logprob=token_lists[i],
+                logprob=LogprobParams(
+                    return_logprob=return_logprob[i][1],
+                    logprob_start_len=start,
+                    top_logprobs_num=top_nums[i][1],
+                    token_ids_logprob=None if token_ids is None else tuple(token_ids),
+                ),
+                return_hidden_states=hidden[i][1],
                 extra_key=extra_keys[i][1],
                 **shared,
             )
@@ -151,18 +165,18 @@ def _check_keys(body: dict) -> None:
         if key in MEDIA_KEYS:
             if _is_empty(value):
                 continue
-            raise ValidationError(key, "is not supported by this server (text-only)")
+            raise ValidationError(key, "is not supported by this server")
         raise ValidationError(key_name(key), "is not a known /generate field")
 
 
 def _is_empty(v: Any) -> bool:
-    """None, "", {} or (nested) lists of those; iterative so deep nesting cannot recurse."""
+    """None, False, "", {} or (nested) lists of those; iterative so deep nesting cannot recurse."""
     stack = [v]
     while stack:
         x = stack.pop()
         if isinstance(x, list):
             stack.extend(x)
-        elif not (x is None or x == {} or x == ""):
+        elif not (x is None or x is False or x == {} or x == ""):
             return False
     return True
 

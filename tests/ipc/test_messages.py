@@ -38,12 +38,12 @@ def test_every_message_is_keyword_only(cls: type) -> None:
 
 def test_union_lists_each_message_once() -> None:
     names = [t.__name__ for t in m.MESSAGE_TYPES]
-    assert len(names) == len(set(names)) == 11
+    assert len(names) == len(set(names)) == 10
     assert "FinishReason" not in names  # nested only, never top-level
 
 
 def test_gc_free_instances_are_not_tracked() -> None:
-    assert not gc.is_tracked(m.AbortReq(rid="x"))
+    assert not gc.is_tracked(m.AbortReq(group_prefix="x_"))
 
 
 def test_sampling_params_is_the_runtime_struct() -> None:
@@ -72,15 +72,16 @@ def test_2d_input_ids_are_rejected_on_build_and_decode() -> None:
 
 def test_defaults() -> None:
     a = m.AbortReq()
-    assert (a.rid, a.abort_all, a.finished_reason) == ("", False, None)
+    assert (a.group_prefix, a.abort_all) == ("", False)
     r = _req()
-    assert (r.return_logprob, r.logprob_start_len, r.top_logprobs_num) == (False, -1, 0)
-    assert r.token_ids_logprob is None and r.priority is None and r.extra_key is None
+    assert r.logprob == m.LogprobParams() and not r.logprob.wants_input and not r.return_hidden_states
+    assert (r.logprob.return_logprob, r.logprob.logprob_start_len, r.logprob.top_logprobs_num) == (False, -1, 0)
+    assert r.logprob.token_ids_logprob is None and r.priority is None and r.extra_key is None
     ready = m.ReadyMsg(role="detokenizer", pid=1)
     assert ready.max_total_tokens == ready.context_len == ready.vocab_size == 0
 
 
-def test_empty_logprob_columns_are_not_on_the_wire() -> None:
+def test_empty_optional_columns_are_not_on_the_wire() -> None:
     out = m.BatchTokenIDOutput(
         rids=["a"], finished_reasons=[None], new_token_ids=[np.array([1], dtype="<i4")],
         prompt_tokens=[1], completion_tokens=[1], cached_tokens=[0],
@@ -88,8 +89,8 @@ def test_empty_logprob_columns_are_not_on_the_wire() -> None:
         no_stop_trim=[False], stop_strings=[[]],
     )
     buf = encode(out)
-    assert b"logprobs" not in buf
-    assert decode(buf).output_top_logprobs_val == []
+    assert b"logprobs" not in buf and b"hidden" not in buf
+    assert decode(buf).output_logprobs == [] and decode(buf).hidden_states == []
 
 
 def test_str_output_is_not_a_token_output() -> None:

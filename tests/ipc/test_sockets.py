@@ -11,7 +11,7 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from tandem.ipc.messages import AbortReq, BatchTokenIDOutput, HealthCheckReq
+from tandem.ipc.messages import AbortReq, BatchTokenIDOutput, FlushCacheReply
 from tandem.ipc.sockets import (
     IPCAddresses,
     async_recv,
@@ -103,13 +103,13 @@ def test_nonblocking_recv_and_drain(addrs: IPCAddresses, ctx: zmq.Context) -> No
     assert recv(pull, block=False) is None
     assert recv_all_nowait(pull) == []
     for i in range(5):
-        send(push, AbortReq(rid=f"r{i}"))
+        send(push, AbortReq(group_prefix=f"r{i}"))
     assert pull.poll(RECV_TIMEOUT_MS)
     got: list = []
     # all five are in flight; drain until they have arrived
     while len(got) < 5 and pull.poll(RECV_TIMEOUT_MS):
         got.extend(recv_all_nowait(pull))
-    assert [g.rid for g in got] == [f"r{i}" for i in range(5)]
+    assert [g.group_prefix for g in got] == [f"r{i}" for i in range(5)]
     push.close()
     pull.close()
 
@@ -117,10 +117,10 @@ def test_nonblocking_recv_and_drain(addrs: IPCAddresses, ctx: zmq.Context) -> No
 def test_send_before_receiver_binds_is_delivered(addrs: IPCAddresses, ctx: zmq.Context) -> None:
     # children may start pushing before the main process has bound; nothing may be lost
     push = connect_push(ctx, addrs.scheduler_to_tokenizer)
-    send(push, HealthCheckReq(rid="early"))
+    send(push, FlushCacheReply(success=True, message="early"))
     pull = bind_pull(ctx, addrs.scheduler_to_tokenizer)
     assert pull.poll(RECV_TIMEOUT_MS)
-    assert recv(pull) == HealthCheckReq(rid="early")
+    assert recv(pull) == FlushCacheReply(success=True, message="early")
     push.close()
     pull.close()
 
@@ -131,10 +131,10 @@ def test_asyncio_round_trip(addrs: IPCAddresses) -> None:
         try:
             pull = bind_pull(actx, addrs.detokenizer_to_tokenizer)
             push = connect_push(actx, addrs.detokenizer_to_tokenizer)
-            await async_send(push, AbortReq(rid="a"))
+            await async_send(push, AbortReq(group_prefix="a"))
             send_sync_ctx = zmq.Context()
             sync_push = connect_push(send_sync_ctx, addrs.detokenizer_to_tokenizer)
-            send(sync_push, AbortReq(rid="b"))
+            send(sync_push, AbortReq(group_prefix="b"))
             got = [await asyncio.wait_for(async_recv(pull), 5) for _ in range(2)]
             sync_push.close()
             send_sync_ctx.term()
@@ -145,4 +145,4 @@ def test_asyncio_round_trip(addrs: IPCAddresses) -> None:
             actx.term()
 
     got = asyncio.run(main())
-    assert sorted(g.rid for g in got) == ["a", "b"]
+    assert sorted(g.group_prefix for g in got) == ["a", "b"]

@@ -8,8 +8,8 @@ import numpy as np
 import orjson
 import pytest
 
+from tandem.ipc.messages import LogprobArrays
 from tandem.runtime.sampling.logprob_format import (
-    LogprobArrays,
     LogprobFormatOptions,
     LogprobFormatter,
     decode_flat_top,
@@ -22,9 +22,9 @@ def _arrays(m: int, k: int = 2, null_prefix: int = 0, seed: int = 0, n_ids: int 
     rng = np.random.default_rng(seed)
     vals = -np.sort(rng.random((m, k), dtype=np.float32) * 5, axis=1)
     arrays = LogprobArrays(
-        vals[:, 0].copy(), rng.integers(0, 1000, m).astype(np.int32), vals,
-        rng.integers(0, 1000, (m, k)).astype(np.int32),
-        -rng.random((m, n_ids), dtype=np.float32), null_prefix,
+        token_logprobs=vals[:, 0].copy(), token_ids=rng.integers(0, 1000, m).astype(np.int32), top_vals=vals,
+        top_idx=rng.integers(0, 1000, (m, k)).astype(np.int32),
+        ids_logprobs=-rng.random((m, n_ids), dtype=np.float32), null_prefix=null_prefix,
     )
     arrays.token_logprobs[:null_prefix] = np.nan
     arrays.top_vals[:null_prefix] = np.nan
@@ -178,19 +178,3 @@ def test_streaming_cache_appends_and_reuses() -> None:
     for o in outs:
         one_shot.extend_output(o)
     assert orjson.dumps(one_shot.meta_info()) == orjson.dumps(third)
-
-
-def test_options_from_request_validation() -> None:
-    opts = LogprobFormatOptions.from_request(
-        {"top_logprobs_num": 3, "token_ids_logprob": [1, 2], "return_flat_raw_top_logprobs": True,
-         "return_flat_raw_top_logprobs_b64": True, "return_text_in_logprobs": True})
-    assert opts.flat_input_top and opts.flat_b64 and opts.token_ids_logprob == (1, 2)
-    with pytest.raises(ValueError, match="return_flat_raw_top_logprobs_b64"):
-        LogprobFormatOptions.from_request({"return_flat_raw_top_logprobs_b64": True})
-    with pytest.raises(ValueError, match="return_flat_raw_output_top_logprobs"):
-        LogprobFormatOptions.from_request({"return_flat_raw_output_top_logprobs": True}, stream=True)
-    with pytest.raises(ValueError, match="top_logprobs_num"):
-        LogprobFormatOptions.from_request({"top_logprobs_num": -1})
-    with pytest.raises(ValueError, match="token_ids_logprob"):
-        LogprobFormatOptions.from_request({"token_ids_logprob": ["a"]})
-    assert LogprobFormatOptions.from_request({}) == LogprobFormatOptions()

@@ -1,12 +1,10 @@
-"""Penalties, logit bias and min-new-tokens bans, plus the batch PenaltyState."""
+"""Penalties, logit bias and min-new-tokens bans, plus the per-row output counts."""
 
 from __future__ import annotations
 
-import pytest
 import torch
 
-from tandem.runtime.sampling.params import SamplingParams
-from tandem.runtime.sampling.penalties import PenaltyState, apply_penalties, ban_index
+from tandem.runtime.sampling.penalties import PenaltyCounts, apply_penalties, ban_index
 
 V = 8
 
@@ -103,80 +101,25 @@ def test_tensor_banned_ids_match_list_form() -> None:
     assert torch.equal(a, b)
 
 
-# ---- PenaltyState ------------------------------------------------------------------------
+# ---- PenaltyCounts -----------------------------------------------------------------------
 
 
-def test_state_inactive_for_default_params_and_returns_logits_as_is() -> None:
-    st = PenaltyState([SamplingParams(), SamplingParams()], V)
-    logits = _logits()
-    assert not st.active and st.counts is None and st.apply(logits) is logits
+def test_counts_are_made_on_first_reset_and_reset_per_row() -> None:
+    counts = PenaltyCounts(num_rows=3, vocab_size=V)
+    assert counts.counts is None
+    counts.add(torch.tensor([0]), torch.tensor([1]))  # nothing to count into yet: a no-op
+    counts.reset_row(1, [0, 0, 5])
+    assert counts.gather(torch.tensor([1])).tolist()[0][:6] == [2, 0, 0, 0, 0, 1]
+    counts.add(torch.tensor([1, 2]), torch.tensor([5, 3]))
+    assert counts.counts[1, 5] == 2 and counts.counts[2, 3] == 1
+    counts.reset_row(1, [])  # the row goes to a new request: the old counts must not leak
+    assert counts.counts[1].sum() == 0 and counts.counts[2, 3] == 1
 
 
-def test_state_counts_from_output_and_updates() -> None:
-    params = [SamplingParams(frequency_penalty=1.0), SamplingParams()]
-    st = PenaltyState(params, V, output_ids=[[0, 0], [5]])
-    assert st.active and st.counts is not None
-    assert st.counts[0, 0] == 2 and st.counts[1, 5] == 1
-    st.update(torch.tensor([0, 2]))
-    assert st.counts[0, 0] == 3 and st.counts[1, 2] == 1
-    st.update(torch.tensor([[1, -1], [3, 4]]))  # speculative: padded with -1
-    assert st.counts[0].sum() == 4 and st.counts[1].sum() == 4
-    assert st.output_len.tolist() == [4, 4]
-    out = st.apply(_logits())
-    assert out[0, 0] == 2.0 - 3 and torch.equal(out[1], _logits()[1])
-
-
-def test_state_min_new_tokens_lifts_after_enough_tokens() -> None:
-    params = [SamplingParams(min_new_tokens=2, stop_token_ids=[3]), SamplingParams()]
-    st = PenaltyState(params, V, eos_ids=[6])
-    assert st.active and st.counts is None
-    out = st.apply(_logits())
-    assert out[0, 6] == float("-inf") and out[0, 3] == float("-inf")
-    assert out[1, 6] == 3.0
-    st.update(torch.tensor([1, 1]))
-    st.update(torch.tensor([1, 1]))
-    assert torch.equal(st.apply(_logits()), _logits())
-
-
-def test_state_logit_bias() -> None:
-    st = PenaltyState([SamplingParams(logit_bias={2: 50.0}), SamplingParams()], V)
-    out = st.apply(_logits())
-    assert out[0].argmax() == 2 and out[1].argmax() == 6
-
-
-def test_state_filter_and_merge() -> None:
-    a = PenaltyState([SamplingParams(), SamplingParams(presence_penalty=1.0)], V,
-                     output_ids=[[1], [0]])  # fmt: skip
-    b = PenaltyState([SamplingParams(logit_bias={4: 9.0}, min_new_tokens=1)], V, eos_ids=[6])
-    a.merge(b)
-    assert a.batch_size == 3 and a.counts is not None and a.logit_bias is not None
-    assert a.counts.shape == (3, V) and a.banned.shape[0] == 3
-    a.filter([2, 1])
-    assert a.batch_size == 2
-    logits = torch.stack([_logits()[0]] * 2)
-    out = a.apply(logits)
-    assert out[0, 4] == -1.0 + 9.0 and out[0, 6] == float("-inf")  # old b row
-    assert out[1, 0] == 2.0 - 1.0  # old a row 1: presence on token 0
-    assert a.presence.tolist() == [0.0, 1.0]
-
-
-def test_state_merge_into_empty_counts_keeps_other_rows_exact() -> None:
-    a = PenaltyState([SamplingParams()], V)
-    b = PenaltyState([SamplingParams(repetition_penalty=2.0)], V, output_ids=[[0]])
-    a.merge(b)
-    out = a.apply(_logits())
-    assert torch.equal(out[0], _logits()[0]) and out[1, 0] == 1.0
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="compares CUDA against CPU; runs on GPU machines only")
-def test_state_on_cuda_matches_cpu() -> None:
-    first = SamplingParams(
-        frequency_penalty=0.5, repetition_penalty=1.3, min_new_tokens=3, logit_bias={1: 2.0}
-    )
-    params = [first, SamplingParams(presence_penalty=-1.0)]
-    cpu = PenaltyState(params, V, eos_ids=[6], output_ids=[[0, 2], [2]])
-    gpu = PenaltyState(params, V, eos_ids=[6], output_ids=[[0, 2], [2]], device="cuda")
-    for st in (cpu, gpu):
-        st.update(torch.tensor([5, 0], device=st.device))
-    out = gpu.apply(_logits().cuda())
-    assert out.is_cuda and torch.allclose(out.cpu(), cpu.apply(_logits()))
+def test_counts_drive_frequency_penalty() -> None:
+    counts = PenaltyCounts(num_rows=2, vocab_size=V)
+    counts.reset_row(0, [0, 0])
+    rows = torch.tensor([0, 1])
+    counts.reset_row(1, [])
+    out = apply_penalties(_logits(), counts.gather(rows), torch.tensor([1.0, 1.0]), None, None)
+    assert out[0, 0] == _logits()[0, 0] - 2 and torch.equal(out[1], _logits()[1])

@@ -1,10 +1,11 @@
-"""FutureMap: stash and gather by pool row; the debug poison catches a gather nobody wrote."""
+"""FutureMap: stash and gather by pool row; debug mode catches a gather nobody wrote, a stale
+read of a freed row, and a second read of one stash."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from tandem.runtime.scheduler.future_map import FutureMap, FutureMapError, RelayPayload
+from tandem.runtime.scheduler.future_map import FutureMap, RelayPayload
 
 
 def test_stash_then_gather_by_row():
@@ -16,15 +17,19 @@ def test_stash_then_gather_by_row():
     assert fm.gather_bonus(torch.tensor([5, 2])).tolist() == [50, 21]
 
 
-def test_debug_poison_catches_unwritten_gather():
+def test_debug_catches_unwritten_poisoned_and_reread_entries():
     fm = FutureMap(8, "cpu", debug=True)
-    fm.stash(RelayPayload(rows=torch.tensor([1]), bonus_tokens=torch.tensor([7])))
+    fm.stash(RelayPayload(rows=torch.tensor([1, 2]), bonus_tokens=torch.tensor([7, 8])))
     assert fm.gather_bonus(torch.tensor([1])).tolist() == [7]
-    with pytest.raises(FutureMapError, match=r"rows \[3\]"):
-        fm.gather_bonus(torch.tensor([1, 3]))
-    fm.poison([1])  # the request on row 1 left; a later step must not read its token
-    with pytest.raises(FutureMapError):
-        fm.gather_bonus(torch.tensor([1]))
+    with pytest.raises(RuntimeError, match="bonus token gathered before a step wrote it"):
+        fm.gather_bonus(torch.tensor([1]))  # consumed on read: a second gather needs a new stash
+    with pytest.raises(RuntimeError):
+        fm.gather_bonus(torch.tensor([3]))  # never written
+    fm.poison([2])  # the request on row 2 left; a later step must not read its token
+    with pytest.raises(RuntimeError):
+        fm.gather_bonus(torch.tensor([2]))
+    fm.stash(RelayPayload(rows=torch.tensor([2]), bonus_tokens=torch.tensor([9])))
+    assert fm.gather_bonus(torch.tensor([2])).tolist() == [9]
 
 
 def test_multi_token_speculative_payload():
@@ -35,5 +40,5 @@ def test_multi_token_speculative_payload():
     fm.stash(payload)
     drafts, accepted = fm.gather_draft(torch.tensor([3, 0]), 3)
     assert drafts.tolist() == [[4, 5, 6], [1, 2, 3]] and accepted.tolist() == [3, 2]
-    with pytest.raises(FutureMapError):
+    with pytest.raises(RuntimeError):
         fm.gather_draft(torch.tensor([1]), 3)

@@ -4,10 +4,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from tandem.ipc.messages import TokenizedGenerateReq
+from tandem.ipc.messages import LogprobArrays, LogprobParams, TokenizedGenerateReq
 from tandem.runtime.cache.pools import TokenAllocator
 from tandem.runtime.cache.radix import RadixCache
-from tandem.runtime.sampling.logprob_format import LogprobArrays
 from tandem.runtime.sampling.params import SamplingParams
 from tandem.runtime.scheduler.output_streamer import OutputStreamer
 from tandem.runtime.scheduler.policy import SchedulePolicy
@@ -17,7 +16,8 @@ from tandem.runtime.scheduler.result_processor import FinishChecker, apply_new_t
 
 def _req(seq: int, ids=(1, 2, 3), priority: int = 0, stream: bool = False, **sp) -> Req:
     msg = TokenizedGenerateReq(rid=f"r{seq}", input_ids=np.asarray(ids, np.int32), sampling_params=SamplingParams(**sp),
-                               stream=stream, priority=priority, created_time=0.0, return_logprob=True)
+                               stream=stream, priority=priority, created_time=0.0,
+                               logprob=LogprobParams(return_logprob=True))
     return Req.from_message(msg, seq)
 
 
@@ -38,22 +38,23 @@ def test_fcfs_priority_and_lpm_ordering():
 def test_finish_checks_length_stop_token_and_trimming():
     checker = FinishChecker([2], lambda ids: "".join(chr(97 + i % 26) for i in ids))
     r = _req(1, max_new_tokens=3)
-    assert not apply_new_tokens(r, [5], None, checker)
-    assert apply_new_tokens(r, [6, 7, 8], None, checker)  # a multi-token run is trimmed at the limit
+    assert not apply_new_tokens(r, [5], None, None, checker)
+    assert apply_new_tokens(r, [6, 7, 8], None, None, checker)  # a multi-token run is trimmed at the limit
     assert r.output_ids == [5, 6, 7] and r.finished_reason.type == "length"
     r = _req(2, max_new_tokens=10)
-    assert apply_new_tokens(r, [4, 2, 9], None, checker)
+    assert apply_new_tokens(r, [4, 2, 9], None, None, checker)
     assert r.output_ids == [4, 2] and r.finished_reason.matched == 2
     r = _req(3, max_new_tokens=10, ignore_eos=True, stop=["cd"])
-    assert apply_new_tokens(r, [0, 1, 2, 3, 4], None, checker) and r.output_ids == [0, 1, 2, 3]
+    assert apply_new_tokens(r, [0, 1, 2, 3, 4], None, None, checker) and r.output_ids == [0, 1, 2, 3]
     assert r.finished_reason.matched == "cd"
     r = _req(4, max_new_tokens=10, min_new_tokens=3)
-    assert not apply_new_tokens(r, [2], None, checker)  # eos before min_new_tokens does not stop
+    assert not apply_new_tokens(r, [2], None, None, checker)  # eos before min_new_tokens does not stop
 
 
 def _lp(token: int) -> LogprobArrays:
-    return LogprobArrays(np.array([-0.5], np.float32), np.array([token], np.int32), np.zeros((1, 0), np.float32),
-                         np.zeros((1, 0), np.int32), np.zeros((1, 0), np.float32))
+    return LogprobArrays(token_logprobs=np.array([-0.5], np.float32), token_ids=np.array([token], np.int32),
+                         top_vals=np.zeros((1, 0), np.float32), top_idx=np.zeros((1, 0), np.int32),
+                         ids_logprobs=np.zeros((1, 0), np.float32))
 
 
 def test_streamer_cursors_stay_aligned_across_retraction_and_prefill_only():
@@ -64,14 +65,14 @@ def test_streamer_cursors_stay_aligned_across_retraction_and_prefill_only():
     streamer.add(retracted)
     assert streamer.build() is None
     assert (retracted.sent_token_len, retracted.sent_logprob_len) == (0, 0)
-    apply_new_tokens(retracted, [9], [_lp(9)], checker)
+    apply_new_tokens(retracted, [9], [_lp(9)], None, checker)
     streamer.add(retracted)
     out = streamer.build()
-    assert out.new_token_ids[0].tolist() == [9] and out.output_token_logprobs_idx[0].tolist() == [9]
+    assert out.new_token_ids[0].tolist() == [9] and out.output_logprobs[0].token_ids.tolist() == [9]
     assert (retracted.sent_token_len, retracted.sent_logprob_len) == (1, 1)
     prefill_only = _req(2, max_new_tokens=0)
-    assert apply_new_tokens(prefill_only, [11], [_lp(11)], checker)
+    assert apply_new_tokens(prefill_only, [11], [_lp(11)], None, checker)
     streamer.add(prefill_only)
     out = streamer.build()
-    assert out.new_token_ids[0].tolist() == [] and out.output_token_logprobs_val[0].tolist() == [-0.5]
+    assert out.new_token_ids[0].tolist() == [] and out.output_logprobs[0].token_logprobs.tolist() == [-0.5]
     assert (prefill_only.sent_token_len, prefill_only.sent_logprob_len) == (0, 1)

@@ -24,6 +24,9 @@ def servers(tmp_path_factory, tiny_model_dir):
                                                     {"TANDEM_TEST_RETRACT": "1", "TANDEM_DEBUG_FUTURE_MAP": "1"}),
                 "tiny_overlap_chunked_retract": (["--model-path", tiny, *TINY_ARGS, "--chunked-prefill-size", "16"],
                                                  {"TANDEM_TEST_RETRACT": "1", "TANDEM_DEBUG_FUTURE_MAP": "1"}),
+                "tiny_retract_8": (["--model-path", tiny, "--max-total-tokens", "12000", "--max-running-requests", "8"],
+                                   {"TANDEM_TEST_RETRACT": "1", "TANDEM_DEBUG_FUTURE_MAP": "1",
+                                    "TANDEM_FORCE_STREAM_INTERVAL": "3"}),
                 "smol": (["--max-total-tokens", "20000", "--max-running-requests", "32"], None),
             }
             args, env = configs[name]

@@ -119,6 +119,17 @@ def test_seeded_sampling_is_reproducible_across_batches(smol_server):
     assert len(unseeded) > 1
 
 
+def test_the_whole_64_bit_seed_counts(smol_server):
+    sp = {"max_new_tokens": 16, "temperature": 1.0, "ignore_eos": True}
+    low = _gen(smol_server, {**sp, "sampling_seed": 7})["output_ids"]
+    high = _gen(smol_server, {**sp, "sampling_seed": 7 + 2**32})["output_ids"]
+    assert low != high  # a seed masked to 32 bits would sample the same tokens
+    top = {**sp, "sampling_seed": 2**63 - 1, "n": 2}  # choice 1 wraps to -2**63, still an int64
+    first, again = _gen(smol_server, top), _gen(smol_server, top)
+    assert [o["output_ids"] for o in first] == [o["output_ids"] for o in again]
+    assert first[0]["output_ids"] != first[1]["output_ids"]
+
+
 def test_n4_one_logical_rid_shared_prefix_and_abort(smol_server):
     _wait_idle(smol_server)
     assert smol_server.post("/flush_cache").status_code == 200  # earlier tests cached PROMPT
@@ -200,11 +211,12 @@ def test_priority_orders_admission_when_full(tmp_path, tiny_model_dir):
                 order.append(rid)
 
         with ThreadPoolExecutor(4) as pool:
-            pool.submit(run, "blocker", 0, 150)
+            pool.submit(run, "blocker", 0, 1500)
             _wait_running(server, 1)
             for rid, prio in (("low", 1), ("high", 10), ("mid", 5)):
                 pool.submit(run, rid, prio, 4)
-                time.sleep(0.2)
+            _wait_running(server, 4)  # all three queued behind the blocker, whatever the machine's speed
+            server.post("/abort_request", {"rid": "blocker"})
         assert order == ["blocker", "high", "mid", "low"]
     finally:
         server.stop()

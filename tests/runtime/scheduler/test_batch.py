@@ -1,0 +1,76 @@
+"""Batch building without processes: input ids, which spans sample, the prompt rows each extend
+pass must report (input logprobs, hidden states), penalties, and what the prefix cache may skip."""
+from __future__ import annotations
+
+from scheduler_core import EOS, make_core
+
+from tandem.ipc.messages import LogprobParams
+
+
+def test_prompt_logprob_and_hidden_rows_are_split_over_chunks():
+    core = make_core(chunked_prefill_size=4)
+    lp = LogprobParams(return_logprob=True, logprob_start_len=3, top_logprobs_num=2, token_ids_logprob=(7,))
+    req = core.add("r", 10, logprob=lp, return_hidden_states=True)
+    prompt = req.origin_input_ids
+    chunks = []
+    while (batch := core.plan()) is not None and batch.job.input_ids is not None:
+        chunks.append(batch)
+        core.rows.on_processed(batch.step_id)  # rows only; the prompt-row cursors move at processing
+    lp_tasks = [(t.first_pos, t.n, t.token_offset, t.next_ids) for b in chunks for t in b.job.input_logprob_tasks]
+    # logits row i predicts prompt token i + 1: rows [2, 9) report positions [3, 10)
+    assert lp_tasks == [(2, 2, 2, prompt[3:5]), (4, 4, 0, prompt[5:9]), (8, 1, 0, prompt[9:10])]
+    assert all(t.top_logprobs_num == 2 and t.token_ids_logprob == (7,) for b in chunks for t in b.job.input_logprob_tasks)
+    hidden = [(t.first_pos, t.n, t.token_offset) for b in chunks for t in b.job.prompt_hidden_tasks]
+    # hidden rows of prompt positions [3, 9); position 9's row samples output 0 and is an output row
+    assert hidden == [(3, 1, 3), (4, 4, 0), (8, 1, 0)]
+    assert [b.job.sample_indices for b in chunks] == [[], [], [0]]
+    assert chunks[-1].job.top_logprobs_nums == [2] and chunks[-1].job.return_hidden == [True]
+
+
+def test_the_prefix_cache_never_skips_positions_that_must_be_reported():
+    core = make_core()
+    prompt = list(range(200, 212))
+    core.add("warm", prompt, max_new_tokens=1)
+    core.run()  # the whole prompt is now cached
+    plain = core.add("plain", prompt, max_new_tokens=1)
+    lp = core.add("lp", prompt, max_new_tokens=1, logprob=LogprobParams(return_logprob=True, logprob_start_len=5))
+    hidden = core.add("hid", prompt, max_new_tokens=1, logprob=LogprobParams(logprob_start_len=7),
+                      return_hidden_states=True)
+    out_only = core.add("out", prompt, max_new_tokens=1, logprob=LogprobParams(return_logprob=True))
+    assert plain.first_uncacheable_position() == 11  # the last token is always computed
+    assert lp.first_uncacheable_position() == 4  # logits row 4 gives position 5's logprob
+    assert hidden.first_uncacheable_position() == 7
+    assert out_only.first_uncacheable_position() == 11
+    batch = core.plan()
+    assert {s.req.rid: s.prefix_len for s in batch.spans} == {"plain": 11, "lp": 4, "hid": 7, "out": 11}
+    assert plain.cached_tokens == 11 and lp.cached_tokens == 4
+
+
+def test_penalties_min_new_tokens_bans_and_logit_bias():
+    core = make_core()
+    a = core.add("a", 3, min_new_tokens=2, stop_token_ids=[9])
+    b = core.add("b", 3, logit_bias={5: 1.5}, frequency_penalty=0.5)
+    c = core.add("c", 3)
+    batch = core.plan()
+    pen = batch.job.penalties
+    assert pen is not None and pen.counts_active
+    assert pen.min_tokens_mask.tolist() == [True, False, False]
+    # ignore_eos (the test core's default) keeps EOS allowed; stop ids are banned until min_new_tokens
+    assert pen.banned_ids == [[9], [], []]
+    assert pen.logit_bias[1, 5] == 1.5 and pen.logit_bias[0].abs().sum() == 0
+    assert pen.frequency.tolist() == [0.0, 0.5, 0.0]
+    assert [a.req_pool_idx, b.req_pool_idx, c.req_pool_idx] == batch.job.rows
+
+
+def test_min_new_tokens_bans_eos_unless_ignore_eos():
+    core = make_core()
+    core.add("eos", 3, min_new_tokens=1, ignore_eos=False)
+    assert core.plan().job.penalties.banned_ids == [[EOS]]
+
+
+def test_plain_requests_build_no_penalty_or_logprob_work():
+    core = make_core()
+    core.add("a", 3)
+    job = core.plan().job
+    assert job.penalties is None and job.top_logprobs_nums is None and job.return_hidden is None
+    assert job.input_logprob_tasks == [] and job.prompt_hidden_tasks == []

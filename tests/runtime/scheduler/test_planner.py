@@ -1,0 +1,191 @@
+"""Planner + PrefillAdder + KV manager without processes: admission, chunked prefill,
+retraction, aborts, priority preemption and out-of-memory, on CPU tensors with a fake model."""
+from __future__ import annotations
+
+import torch
+from scheduler_core import fake_token, make_core
+
+from tandem.runtime.model.forward_batch import ForwardMode
+
+
+def _spans(batch) -> list[tuple[str, int, int, bool]]:
+    return [(s.req.rid, s.prefix_len, s.extend_len, s.samples) for s in batch.spans]
+
+
+def test_admission_stops_at_the_token_budget_and_chunks_the_overflow():
+    core = make_core(max_prefill_tokens=10, chunked_prefill_size=-1)
+    for rid in ("a", "b", "c", "d"):
+        core.add(rid, 4)
+    batch = core.plan()
+    # a and b fit whole; c gets what is left of the budget and becomes the chunked request;
+    # nothing is admitted behind a split prompt
+    assert batch.mode == ForwardMode.EXTEND
+    assert _spans(batch) == [("a", 0, 4, True), ("b", 0, 4, True), ("c", 0, 2, False)]
+    assert [r.rid for r in core.planner.running] == ["a", "b"]
+    assert core.planner.chunked.req.rid == "c" and [r.rid for r in core.planner.waiting] == ["d"]
+    assert batch.job.sample_indices == [0, 1]
+    assert batch.job.input_ids == [10, 11, 12, 13, 20, 21, 22, 23, 30, 31]
+
+
+def test_chunked_prefill_runs_across_steps_and_samples_only_at_the_end():
+    core = make_core(chunked_prefill_size=4)
+    long = core.add("long", 10, max_new_tokens=2)
+    batches = core.run(overlap=True)
+    prefill = [(_spans(b), b.mode) for b in batches if b.mode == ForwardMode.EXTEND]
+    assert prefill == [([("long", 0, 4, False)], ForwardMode.EXTEND), ([("long", 4, 4, False)], ForwardMode.EXTEND),
+                       ([("long", 8, 2, True)], ForwardMode.EXTEND)]
+    assert long.output_ids == [fake_token(10), fake_token(11)]
+    core.assert_no_leaks()
+
+
+def test_requests_behind_a_chunked_prompt_wait_for_its_last_chunk():
+    core = make_core(chunked_prefill_size=4, max_prefill_tokens=6)
+    core.add("long", 10)
+    core.add("short", 2)
+    first = core.plan()
+    assert _spans(first) == [("long", 0, 4, False)]
+    core.process(first)
+    second = core.plan()
+    assert _spans(second) == [("long", 4, 4, False)]  # budget 6, chunk 4: short still waits
+    core.process(second)
+    third = core.plan()
+    assert _spans(third) == [("long", 8, 2, True), ("short", 0, 2, True)]
+
+
+def test_budget_reserve_and_memory_limit_admission():
+    # 40 slots: a running request with 29 tokens still to decode holds back 8 (30%) of them
+    core = make_core(max_total_tokens=40)
+    core.add("a", 8, max_new_tokens=30)
+    core.process(core.plan())
+    core.add("b", 25, max_new_tokens=4)  # 25 + 8 + 1 (b's own reserve) > 32 free
+    batch = core.plan()
+    assert batch.mode == ForwardMode.DECODE and [r.rid for r in core.planner.waiting] == ["b"]
+    core.process(batch)
+    core.run()
+    assert [r.rid for r in core.finished] == ["a", "b"]
+    core.assert_no_leaks()
+
+
+def test_max_running_requests_caps_admission():
+    core = make_core(max_running_requests=2)
+    for rid in "abc":
+        core.add(rid, 3)
+    batch = core.plan()
+    assert [s.req.rid for s in batch.spans] == ["a", "b"] and [r.rid for r in core.planner.waiting] == ["c"]
+
+
+def test_retraction_frees_the_newest_and_requeues_it_first_in_arrival_order():
+    # 3 prompts of 4 tokens fill 12 of 15 slots; each decode step needs one slot per request
+    core = make_core(max_total_tokens=15, radix=False)
+    a, b, c = (core.add(rid, 4, max_new_tokens=6) for rid in "abc")
+    prefill = core.plan()
+    assert [s.req.rid for s in prefill.spans] == ["a", "b", "c"]
+    core.process(prefill)
+    core.process(core.plan())  # decode 1 takes the last 3 slots
+    assert core.kv.available_tokens() == 0
+    decode = core.plan()  # decode 2 does not fit: the newest (c) is retracted
+    assert [s.req.rid for s in decode.spans] == ["a", "b"]
+    assert c.retract_count == 1 and c.req_pool_idx is None and c.kv_alloc_len == 0
+    assert core.planner.waiting == [c] and core.planner.num_retractions == 1
+    assert core.kv.available_tokens() == 5 - 2  # c's 5 slots came back, a and b took one each
+    assert c.output_ids == [fake_token(4), fake_token(5)]  # what c produced is kept
+    d = core.add("d", 2, max_new_tokens=1)
+    core.process(decode)
+    core.planner.policy.sort(core.planner.waiting)
+    assert core.planner.waiting == [c, d]  # fcfs by arrival: the retracted request goes first
+    core.run()
+    for r in (a, b, c):  # retraction never changes what a request produces
+        assert r.output_ids == [fake_token(p) for p in range(4, 10)], r.rid
+    core.assert_no_leaks()
+
+
+def test_forced_retraction_with_overlap_keeps_outputs_and_frees_everything():
+    core = make_core(max_total_tokens=300, max_running_requests=4, force_retract_every=2, chunked_prefill_size=3)
+    reqs = [core.add(f"r{i}", 5 + i, max_new_tokens=12) for i in range(6)]
+    core.run(overlap=True)
+    assert core.planner.num_retractions > 3
+    for r in reqs:
+        prompt = len(r.origin_input_ids)
+        assert r.output_ids == [fake_token(p) for p in range(prompt, prompt + 12)], r.rid
+    core.assert_no_leaks()
+
+
+def test_abort_of_queued_running_and_chunked_requests():
+    core = make_core(chunked_prefill_size=4, max_prefill_tokens=8)
+    core.add("g1_0", 3, max_new_tokens=50)
+    core.add("g2_0", 12, max_new_tokens=50)  # split: 5 tokens this step (budget 8 - 3)
+    core.add("g3_0", 3, max_new_tokens=50)
+    first = core.plan()
+    assert core.planner.chunked.req.rid == "g2_0" and [r.rid for r in core.planner.waiting] == ["g3_0"]
+    # abort the queued one and the chunked one while the step that prefilled them is in flight
+    assert [r.rid for r in core.abort("g3_")] == ["g3_0"]
+    assert [r.rid for r in core.abort("g2_")] == ["g2_0"]
+    assert core.planner.chunked is None and core.rows.num_deferred() == 1  # g2's row waits for the step
+    core.process(first)
+    assert core.rows.num_deferred() == 0
+    assert [r.rid for r in core.abort("g1_")] == ["g1_0"]  # running
+    assert core.abort("g9_") == [] and not core.planner.has_work()
+    core.assert_no_leaks()
+
+
+def test_abort_prefix_matches_one_group_only():
+    core = make_core()
+    core.add("00aa_0", 3)
+    core.add("00aa_1", 3)
+    core.add("00aab_0", 3)  # group ids have one length in practice; even so "00aa_" is exact
+    assert sorted(r.rid for r in core.planner.find("00aa_", abort_all=False)) == ["00aa_0", "00aa_1"]
+    assert len(core.planner.find("", abort_all=True)) == 3 and core.planner.find("", abort_all=False) == []
+
+
+def test_priority_preemption_retracts_the_least_urgent_running_request():
+    core = make_core(max_running_requests=1, enable_priority_scheduling=True, priority_preemption=True)
+    low = core.add("low", 3, max_new_tokens=8, priority=0)
+    core.process(core.plan())
+    core.add("mid", 3, priority=5)  # gap 5 < 10: waits
+    batch = core.plan()
+    assert batch.mode == ForwardMode.DECODE and low in core.planner.running and low.retract_count == 0
+    core.process(batch)
+    core.run()
+    core2 = make_core(max_running_requests=1, enable_priority_scheduling=True, priority_preemption=True)
+    low = core2.add("low", 3, max_new_tokens=8, priority=0)
+    core2.process(core2.plan())
+    high = core2.add("high", 3, max_new_tokens=2, priority=20)
+    batch = core2.plan()
+    assert [s.req.rid for s in batch.spans] == ["high"] and low.retract_count == 1
+    core2.process(batch)
+    core2.run()
+    assert core2.finished.index(high) < core2.finished.index(low)
+    assert low.output_ids == [fake_token(p) for p in range(3, 11)]
+    core2.assert_no_leaks()
+
+
+def test_a_lone_request_that_cannot_grow_is_returned_as_out_of_memory():
+    core = make_core(max_total_tokens=8, radix=False)
+    r = core.add("r", 3, max_new_tokens=5)
+    core.process(core.plan())
+    hog = core.kv.allocator.alloc(core.kv.available_tokens())  # memory held by something else
+    plan = core.planner.next_batch()
+    assert plan.batch is None and [req for req, _ in plan.aborted] == [r]
+    reason = plan.aborted[0][1]
+    assert (reason.type, reason.status_code, reason.err_type) == ("abort", 500, "OutOfMemory")
+    assert r in core.planner.running  # the planner does not finish it: the scheduler does
+    core.finish(r, reason)
+    core.kv.allocator.free(hog)
+    core.assert_no_leaks()
+
+
+def test_n_siblings_share_the_in_flight_prefix_and_never_write_a_freed_slot():
+    core = make_core(max_total_tokens=64)
+    prompt = list(range(100, 108))
+    sibs = [core.add(f"g_{i}", prompt, max_new_tokens=3) for i in range(3)]
+    batch = core.plan()
+    # the first sibling computes the prompt; the others reuse its in-flight KV but the last token
+    assert [(s.prefix_len, s.extend_len) for s in batch.spans] == [(0, 8), (7, 1), (7, 1)]
+    written = torch.cat([s.out_cache_loc for s in batch.spans])
+    first_row = core.kv.req_to_token[sibs[0].req_pool_idx, :8]
+    assert set(written.tolist()) == set(first_row.tolist())  # duplicates go to the tree's own slots
+    assert not core.kv.allocator._is_free[written].any()
+    core.process(batch)
+    core.run()
+    assert all(s.output_ids == [fake_token(p) for p in range(8, 11)] for s in sibs)
+    core.assert_no_leaks()

@@ -1,0 +1,40 @@
+"""The main (HTTP / tokenizer-manager) process never imports torch or model code."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.timeout(300)
+
+SCRIPT = """
+import asyncio, json, sys
+from tandem.runtime.server.http import create_app
+from tandem.runtime.server_args import ServerArgs
+from tandem.runtime.tokenizer_manager import TokenizerManager
+
+async def main():
+    tm = TokenizerManager(ServerArgs(model_path=sys.argv[1], max_total_tokens=2000, max_running_requests=4))
+    try:
+        await tm.start()
+        out = await tm.generate({"input_ids": [5, 6, 7], "return_logprob": True, "return_hidden_states": True,
+                                 "sampling_params": {"max_new_tokens": 3, "temperature": 0}})
+    finally:
+        tm.close()
+    heavy = sorted(m for m in sys.modules if m == "torch" or m.startswith(("torch.", "tandem.runtime.model.",
+                                                                          "tandem.runtime.scheduler.", "triton")))
+    print(json.dumps({"tokens": len(out["output_ids"]), "heavy": heavy}))
+
+asyncio.run(main())
+"""
+
+
+def test_a_fresh_tokenizer_manager_process_has_no_torch(tiny_model_dir, tmp_path):
+    # cwd away from the repo root: its kernels/ folder would shadow the PyPI `kernels`
+    proc = subprocess.run([sys.executable, "-c", SCRIPT, tiny_model_dir("llama")], capture_output=True, text=True,
+                          timeout=240, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result == {"tokens": 3, "heavy": []}

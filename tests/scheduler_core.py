@@ -1,0 +1,140 @@
+"""A process-free scheduler core for unit tests: planner, KV manager and request rows on CPU
+tensors, driven step by step like the scheduler loop, with a fake model that "samples"
+token `1000 + position` (so every output is predictable and retraction cannot change it)."""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from tandem.ipc.messages import FinishReason, LogprobParams, TokenizedGenerateReq
+from tandem.runtime.cache.pools import ReqToTokenPool, TokenAllocator
+from tandem.runtime.sampling.params import SamplingParams
+from tandem.runtime.sampling.penalties import PenaltyCounts
+from tandem.runtime.scheduler.batch import BatchContext, ScheduleBatch
+from tandem.runtime.scheduler.future_map import FutureMap, RelayPayload
+from tandem.runtime.scheduler.kv_manager import KVManager
+from tandem.runtime.scheduler.planner import Planner, PlannerConfig
+from tandem.runtime.scheduler.req_rows import ReqRows
+from tandem.runtime.scheduler.request import Req
+from tandem.runtime.scheduler.result_processor import FinishChecker, apply_new_tokens
+
+VOCAB = 4096
+EOS = 2
+CONTEXT = 256
+
+
+def fake_token(position: int) -> int:
+    return 1000 + position
+
+
+@dataclass
+class Core:
+    planner: Planner
+    kv: KVManager
+    rows: ReqRows
+    future_map: FutureMap
+    penalty_counts: PenaltyCounts
+    finished: list[Req] = field(default_factory=list)
+    _arrivals: itertools.count = field(default_factory=lambda: itertools.count(1))
+
+    def add(self, rid: str, prompt: list[int] | int, max_new_tokens: int = 4, priority: int = 0,
+            logprob: LogprobParams = LogprobParams(), return_hidden_states: bool = False, **sp) -> Req:
+        arrival = next(self._arrivals)
+        # distinct prompts unless a test gives its own (the radix cache shares equal prefixes)
+        ids = list(range(10 * arrival, 10 * arrival + prompt)) if isinstance(prompt, int) else prompt
+        msg = TokenizedGenerateReq(rid=rid, input_ids=np.asarray(ids, np.int32), stream=False, created_time=0.0,
+                                   sampling_params=SamplingParams(**{"max_new_tokens": max_new_tokens,
+                                                                     "ignore_eos": True, **sp}),
+                                   priority=priority, logprob=logprob, return_hidden_states=return_hidden_states)
+        req = Req.from_message(msg, arrival)
+        assert self.planner.admission_error(req) is None
+        self.planner.add(req)
+        return req
+
+    def plan(self) -> ScheduleBatch | None:
+        """Plan and 'launch' the next step (the fake forward runs at processing)."""
+        plan = self.planner.next_batch()
+        for req, reason in plan.aborted:
+            self.finish(req, reason)
+        if plan.batch is not None:
+            plan.batch.step_id = self.rows.on_launch()
+            self._check_rows(plan.batch)
+        return plan.batch
+
+    def _check_rows(self, batch: ScheduleBatch) -> None:
+        """The table rows a step reads hold exactly the slots the KV manager gave out."""
+        for span in batch.spans:
+            row = self.kv.req_to_token[span.req.req_pool_idx]
+            end = span.prefix_len + span.extend_len
+            assert torch.equal(row[span.prefix_len:end], span.out_cache_loc)
+
+    def process(self, batch: ScheduleBatch) -> None:
+        """Run the fake forward for `batch`, then apply its results as the scheduler does."""
+        job, sampled = batch.job, batch.sampling_reqs
+        if job.input_ids is None:  # decode: the input tokens come from the future map (debug: checked)
+            self.future_map.gather_bonus(torch.tensor(job.rows))
+        positions = job.sample_positions
+        rows = [job.rows[i] for i in job.sample_indices]
+        if rows:
+            self.future_map.stash(RelayPayload(rows=torch.tensor(rows),
+                                               bonus_tokens=torch.tensor([fake_token(p) for p in positions])))
+        checker = FinishChecker([EOS], lambda ids: "")
+        for req, pos in zip(sampled, positions):
+            if req.finished:
+                continue
+            if apply_new_tokens(req, [fake_token(pos)], None, None, checker):
+                self.finish(req, req.finished_reason)
+        self.rows.on_processed(batch.step_id)
+
+    def finish(self, req: Req, reason: FinishReason | None) -> None:
+        req.finished_reason = reason
+        self.planner.remove(req)
+        self.kv.release(req)
+        self.finished.append(req)
+
+    def abort(self, group_prefix: str) -> list[Req]:
+        reqs = self.planner.find(group_prefix, abort_all=False)
+        for req in reqs:
+            self.finish(req, FinishReason(type="abort", status_code=200))
+        return reqs
+
+    def run(self, overlap: bool = True, max_steps: int = 10_000) -> list[ScheduleBatch]:
+        """Drive the loop until idle: plan N+1, then process N (overlap), or plan-process."""
+        batches, in_flight = [], None
+        for _ in range(max_steps):
+            batch = self.plan()
+            if batch is not None:
+                batches.append(batch)
+            if in_flight is not None:
+                self.process(in_flight)
+            in_flight = batch
+            if not overlap and in_flight is not None:
+                self.process(in_flight)
+                in_flight = None
+            if in_flight is None and not self.planner.has_work():
+                return batches
+        raise AssertionError("the core did not go idle")
+
+    def assert_no_leaks(self) -> None:
+        """Idle: every KV slot is free or in the tree, nothing is locked, every row is free."""
+        assert not self.planner.has_work() and not self.rows.step_in_flight
+        tree = self.kv.tree
+        assert tree.protected_size() == 0
+        assert self.kv.allocator.available_size() + tree.total_size() == self.kv.allocator.size
+        assert self.rows.available() == self.rows.size and self.rows.num_deferred() == 0
+
+
+def make_core(max_total_tokens: int = 512, max_running_requests: int = 4, radix: bool = True,
+              **cfg) -> Core:
+    pool = ReqToTokenPool(2 * max_running_requests + 1, CONTEXT + 8)
+    future_map = FutureMap(pool.size, "cpu", debug=True)
+    counts = PenaltyCounts(pool.size, VOCAB)
+    rows = ReqRows(pool, future_map, counts)
+    kv = KVManager(rows, TokenAllocator(max_total_tokens), disable_radix_cache=not radix)
+    config = PlannerConfig(context_len=CONTEXT, max_total_tokens=max_total_tokens,
+                           max_running_requests=max_running_requests, **cfg)
+    planner = Planner(config, kv, BatchContext(VOCAB, (EOS,), torch.device("cpu")))
+    return Core(planner, kv, rows, future_map, counts)
