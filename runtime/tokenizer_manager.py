@@ -13,7 +13,6 @@ import asyncio
 import logging
 import secrets
 import time
-from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable
 
 import msgspec
@@ -26,6 +25,7 @@ from tandem.ipc.messages import (AbortReq, BatchStrOutput, ChildError, FinishRea
 from tandem.ipc.sockets import IPCAddresses, async_recv, bind_pull, connect_push, send
 from tandem.runtime.envs import envs
 from tandem.runtime.launcher import READY_TIMEOUT_S, dead_child, spawn_children, stop_children
+from tandem.runtime.request_groups import Call, ChoiceState, ClientDisconnected, RequestError, RequestGroup
 from tandem.runtime.sampling.logprob_format import LogprobFormatOptions, LogprobFormatter
 from tandem.runtime.sampling.params import INT64_MAX, INT64_MIN
 from tandem.runtime.server.validation import GenerateItem, check_rids_free, normalize_generate_request
@@ -34,101 +34,6 @@ from tandem.runtime.tokenizer import load_tokenizer
 
 logger = logging.getLogger("tandem.tokenizer_manager")
 DISCONNECT_POLL_S = 0.5
-
-
-class RequestError(Exception):
-    """A request that ended with an error status (400/500/503) set by the scheduler or a dead child."""
-
-    def __init__(self, status_code: int, message: str) -> None:
-        super().__init__(message)
-        self.status_code = status_code
-        self.message = message
-
-
-class ClientDisconnected(Exception):
-    """The HTTP client went away before its request finished (the request was aborted)."""
-
-
-@dataclass(eq=False)
-class ChoiceState:
-    """One choice (`{group}_{i}`) of a logical request, as the response will show it."""
-
-    rid: str  # internal
-    group: RequestGroup
-    index: int  # position in the response list
-    prompt_tokens: int
-    formatter: LogprobFormatter | None
-    hidden_states: list[list[float]] | None  # None: not asked for
-    text: str = ""
-    output_ids: list[int] = field(default_factory=list)
-    completion_tokens: int = 0
-    cached_tokens: int = 0
-    finish_reason: FinishReason | None = None
-    version: int = 0  # bumped on every update; streaming sends each version once
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
-    def result(self) -> dict[str, Any]:
-        meta: dict[str, Any] = {
-            "id": self.group.logical_rid,
-            "finish_reason": self.finish_reason.to_json() if self.finish_reason else None,
-            "prompt_tokens": self.prompt_tokens,
-            "completion_tokens": self.completion_tokens,
-            "cached_tokens": self.cached_tokens,
-            "e2e_latency": round(time.perf_counter() - self.group.created, 6),
-        }
-        if self.formatter is not None:
-            meta.update(self.formatter.meta_info())
-        if self.hidden_states is not None:
-            meta["hidden_states"] = list(self.hidden_states)
-        out: dict[str, Any] = {"text": self.text, "output_ids": list(self.output_ids), "meta_info": meta}
-        if self.group.call.indexed:
-            out["index"] = self.index
-        return out
-
-    def error(self) -> RequestError | None:
-        fr = self.finish_reason
-        if fr is not None and fr.type == "abort" and fr.status_code not in (None, 200):
-            return RequestError(fr.status_code, fr.message or "request failed")
-        return None
-
-
-@dataclass(eq=False)
-class RequestGroup:
-    """One logical request: the user's rid, its random internal group id, and its choices."""
-
-    logical_rid: str
-    group_id: str
-    call: Call
-    choices: list[ChoiceState] = field(default_factory=list)
-    created: float = field(default_factory=time.perf_counter)
-
-    @property
-    def prefix(self) -> str:
-        return f"{self.group_id}_"
-
-    @property
-    def finished(self) -> bool:
-        return all(c.finished for c in self.choices)
-
-
-@dataclass(eq=False)
-class Call:
-    """One /generate call (or Engine.generate): its groups, in request order."""
-
-    is_batch: bool
-    indexed: bool  # the response items carry "index" (batch or n>1)
-    groups: list[RequestGroup] = field(default_factory=list)
-    changed: asyncio.Event = field(default_factory=asyncio.Event)
-
-    @property
-    def choices(self) -> list[ChoiceState]:
-        return [c for g in self.groups for c in g.choices]
-
-    def first_error(self) -> RequestError | None:
-        return next((err for c in self.choices if (err := c.error()) is not None), None)
 
 
 class TokenizerManager:

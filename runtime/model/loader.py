@@ -1,7 +1,6 @@
 """Find the model, read its config and weights (HF safetensors folder or GGUF file) into `CausalLM`."""
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 

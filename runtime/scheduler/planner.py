@@ -9,7 +9,6 @@ finishes a request itself: what it gives up on comes back in `Plan.aborted`.
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass, field
 
 import torch
@@ -32,7 +31,7 @@ class PlannerConfig:
     max_total_tokens: int
     max_running_requests: int
     max_prefill_tokens: int = 8192
-    chunked_prefill_size: int = 2048  # <= 0: prompts are never split (beyond the budget)
+    chunked_prefill_size: int = 2048  # new tokens per prefill step; <= 0: only max_prefill_tokens caps it
     max_queued_requests: int | None = None
     request_timeout: float | None = None
     schedule_policy: str = "fcfs"
@@ -124,8 +123,8 @@ class Planner:
     def _plan_prefill(self) -> ScheduleBatch | None:
         if not self.waiting and self.chunked is None:
             return None
-        chunk = self.cfg.chunked_prefill_size if self.cfg.chunked_prefill_size > 0 else None
-        adder = PrefillAdder(self.kv, self.cfg.max_prefill_tokens, chunk, self.running)
+        budget, chunk = self.cfg.max_prefill_tokens, self.cfg.chunked_prefill_size
+        adder = PrefillAdder(self.kv, min(budget, chunk) if chunk > 0 else budget, self.running)
         if self.chunked is not None and not adder.continue_chunked(self.chunked):
             return None  # memory is full; decode steps free it up over time
         self.policy.sort(self.waiting)

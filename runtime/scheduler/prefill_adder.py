@@ -1,8 +1,10 @@
 """PrefillAdder: admission for one prefill step under a token budget and a KV reserve.
 
-The budget is `--max-prefill-tokens` new tokens per step; a prompt longer than the chunk size
-(or the budget left) is split, and the request whose prompt is split becomes the ChunkedReq
-that continues first in the next prefill step. The reserve is KV memory held back for the
+The budget is the new tokens one prefill step may compute: `--chunked-prefill-size` (as in
+SGLang, a cap on the whole step, not on each prompt), and never more than
+`--max-prefill-tokens`. A prompt longer than what is left of the budget is split, and the
+request whose prompt is split becomes the ChunkedReq that continues first in the next prefill
+step. The reserve is KV memory held back for the
 decode of running and admitted requests (a share of their remaining max_new_tokens), so that
 admitting one more prompt does not force a retraction right away; it only counts when some
 other request competes for the memory.
@@ -37,10 +39,9 @@ class ChunkedReq:
 
 
 class PrefillAdder:
-    def __init__(self, kv: KVManager, token_budget: int, chunk_size: int | None, running: list[Req]) -> None:
+    def __init__(self, kv: KVManager, token_budget: int, running: list[Req]) -> None:
         self.kv = kv
         self.budget = token_budget
-        self.chunk_size = chunk_size
         self.reserve = decode_reserve(running)
         self.competing = bool(running)
         self.spans: list[ExtendSpan] = []
@@ -54,17 +55,14 @@ class PrefillAdder:
 
     def continue_chunked(self, chunked: ChunkedReq) -> bool:
         """The next chunk of a split prompt; False when memory is full (decode steps free it)."""
-        n = min(chunked.remaining, self.chunk_size or self.budget, self.budget)
-        return self._extend(chunked.req, n)
+        return self._extend(chunked.req, min(chunked.remaining, self.budget))
 
     def add(self, req: Req) -> bool:
         """Admit a waiting request (with its cached prefix); False: it does not fit, stop admitting."""
         prefix_slots, node = self.kv.match_prefix(req)
         if not self.kv.start(req, prefix_slots, node):
             return False
-        n = req.seq_len - req.kv_alloc_len
-        if (self.chunk_size and n > self.chunk_size) or n > self.budget:
-            n = min(self.chunk_size or self.budget, self.budget)
+        n = min(req.seq_len - req.kv_alloc_len, self.budget)
         self.reserve += decode_reserve([req])
         held_back = self.reserve if (self.competing or self.spans) else 0
         if self.kv.available_tokens() < n + held_back or not self._extend(req, n):

@@ -12,7 +12,8 @@ from fastapi.responses import PlainTextResponse, Response, StreamingResponse
 
 from tandem.runtime.server.validation import ValidationError
 from tandem.runtime.server_args import ServerArgs
-from tandem.runtime.tokenizer_manager import ClientDisconnected, RequestError, TokenizerManager
+from tandem.runtime.request_groups import ClientDisconnected, RequestError
+from tandem.runtime.tokenizer_manager import TokenizerManager
 
 logger = logging.getLogger("tandem.http")
 VERSION = "0.1.0"

@@ -27,6 +27,13 @@ def test_admission_stops_at_the_token_budget_and_chunks_the_overflow():
     assert batch.job.input_ids == [10, 11, 12, 13, 20, 21, 22, 23, 30, 31]
 
 
+def test_the_chunk_size_caps_a_whole_prefill_step_as_in_sglang():
+    core = make_core(chunked_prefill_size=4, max_prefill_tokens=100)
+    for rid in "abc":
+        core.add(rid, 3)
+    assert _spans(core.plan()) == [("a", 0, 3, True), ("b", 0, 1, False)]
+
+
 def test_chunked_prefill_runs_across_steps_and_samples_only_at_the_end():
     core = make_core(chunked_prefill_size=4)
     long = core.add("long", 10, max_new_tokens=2)
@@ -46,7 +53,7 @@ def test_requests_behind_a_chunked_prompt_wait_for_its_last_chunk():
     assert _spans(first) == [("long", 0, 4, False)]
     core.process(first)
     second = core.plan()
-    assert _spans(second) == [("long", 4, 4, False)]  # budget 6, chunk 4: short still waits
+    assert _spans(second) == [("long", 4, 4, False)]  # a step computes at most 4 tokens: short waits
     core.process(second)
     third = core.plan()
     assert _spans(third) == [("long", 8, 2, True), ("short", 0, 2, True)]
@@ -113,7 +120,7 @@ def test_forced_retraction_with_overlap_keeps_outputs_and_frees_everything():
 def test_abort_of_queued_running_and_chunked_requests():
     core = make_core(chunked_prefill_size=4, max_prefill_tokens=8)
     core.add("g1_0", 3, max_new_tokens=50)
-    core.add("g2_0", 12, max_new_tokens=50)  # split: 5 tokens this step (budget 8 - 3)
+    core.add("g2_0", 12, max_new_tokens=50)  # split: 1 token this step (chunk budget 4 - 3)
     core.add("g3_0", 3, max_new_tokens=50)
     first = core.plan()
     assert core.planner.chunked.req.rid == "g2_0" and [r.rid for r in core.planner.waiting] == ["g3_0"]

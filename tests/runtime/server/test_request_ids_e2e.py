@@ -134,3 +134,29 @@ def test_abort_then_flush_at_once_never_crashes_the_server(smol_server, delay):
     assert smol_server.get("/health").status_code == 200
     _wait(smol_server, _idle)
     assert_no_leaks(smol_server)
+
+
+def test_when_one_choice_fails_its_siblings_are_aborted_and_the_call_fails(tmp_path, tiny_model_dir):
+    from server_utils import start_server
+
+    server = start_server(["--model-path", tiny_model_dir("llama"), "--max-total-tokens", "4000",
+                           "--max-running-requests", "1", "--max-queued-requests", "2"], str(tmp_path / "q.log"))
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            blocker = pool.submit(server.generate, {"input_ids": [9] * 4, "rid": "blocker", "sampling_params": GREEDY_LONG})
+            _wait(server, lambda info: info["num_running_reqs"] == 1)
+            # choices 0 and 1 fill the queue, choices 2 and 3 are refused: the call ends with that error
+            body = {"input_ids": [8] * 4, "rid": "four", "sampling_params": {"max_new_tokens": 4, "n": 4}}
+            resp = server.post("/generate", body)
+            assert resp.status_code == 503 and "waiting queue is full" in resp.json()["error"]["message"]
+            _wait(server, lambda info: info["num_queue_reqs"] == 0, timeout=3.0)  # the queued siblings left
+            stream = requests.post(server.url + "/generate", json={**body, "stream": True}, stream=True, timeout=60)
+            events = [line for line in stream.iter_lines() if line]
+            assert b"waiting queue is full" in events[-2] and events[-1] == b"data: [DONE]"
+            _wait(server, lambda info: info["num_queue_reqs"] == 0, timeout=3.0)
+            assert not blocker.done()
+            server.post("/abort_request", {"rid": "blocker"})
+            assert blocker.result(30)["meta_info"]["finish_reason"]["type"] == "abort"
+        assert_no_leaks(server)
+    finally:
+        server.stop()

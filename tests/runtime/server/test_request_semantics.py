@@ -240,7 +240,8 @@ def test_priority_preemption_requeues_the_running_request(tmp_path, tiny_model_d
             high = pool.submit(lambda: (server.generate({"input_ids": [8] * 5, "rid": "high", "priority": 50,
                                                          "sampling_params": {"max_new_tokens": 3, "temperature": 0}}),
                                         done.append("high"))[0])
-            low_out, high_out = low.result(60), high.result(60)
+            low_out = low.result(60)
+            high.result(60)
         assert done == ["high", "low"]
         assert low_out["output_ids"] == reference["output_ids"]  # retracted, requeued, not lost
         assert server.info()["num_retractions"] >= 1
