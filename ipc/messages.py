@@ -24,6 +24,7 @@ from tandem.runtime.sampling.params import SamplingParams
 
 __all__ = [
     "FinishReason",
+    "DetokenizeParams",
     "LogprobParams",
     "LogprobArrays",
     "TokenizedGenerateReq",
@@ -148,30 +149,35 @@ class TokenizedGenerateReq(_Msg, kw_only=True):
 
 
 class AbortReq(_Msg, kw_only=True):
-    """Main -> scheduler: abort every choice of one logical request, or everything.
+    """Main -> scheduler: abort every choice of some logical requests, or everything.
 
-    `group_prefix` is `"{group}_"` for an internal group id; group ids are random and of one
-    fixed length, so the prefix matches that group's choices and nothing else.
+    Each prefix is `"{group}_"` for an internal group id; group ids are random and of one fixed
+    length, so a prefix matches that group's choices and nothing else. A call that ends with
+    unfinished requests sends all its groups in one message.
     """
 
-    group_prefix: str = ""
+    group_prefixes: list[str] = []
     abort_all: bool = False
 
 
+class DetokenizeParams(msgspec.Struct, kw_only=True, frozen=True, gc=False, array_like=True):
+    """How the detokenizer turns one request's tokens into text; sent once, with its first output."""
+
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    no_stop_trim: bool = False
+    stop_strings: tuple[str, ...] = ()
+
+
 class _BatchOutputBase(_Msg, kw_only=True):
-    """Per-step output columns shared by the token-id and string outputs."""
+    """Per-step output columns shared by the token-id and string outputs: only what changed."""
 
     rids: list[str]
     finished_reasons: list[FinishReason | None]
     # tokens new since the previous output of the same request
     new_token_ids: list[I32Array]
-    prompt_tokens: list[int]
     completion_tokens: list[int]
     cached_tokens: list[int]
-    skip_special_tokens: list[bool]
-    spaces_between_special_tokens: list[bool]
-    no_stop_trim: list[bool]
-    stop_strings: list[list[str]]
     # Empty when no request of the step asked for them; otherwise aligned with rids, None for
     # a request with nothing new. Output logprobs are aligned with new_token_ids; input
     # logprobs come once, whole; hidden states are rows new since the last output.
@@ -181,7 +187,10 @@ class _BatchOutputBase(_Msg, kw_only=True):
 
 
 class BatchTokenIDOutput(_BatchOutputBase, kw_only=True):
-    """Scheduler -> detokenizer: one per step, covering every request with news."""
+    """Scheduler -> detokenizer: one per step, covering every request with news.
+    `detokenize_params[i]` is set in a request's first output and None after."""
+
+    detokenize_params: list[DetokenizeParams | None]
 
 
 class BatchStrOutput(_BatchOutputBase, kw_only=True):

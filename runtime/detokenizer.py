@@ -14,7 +14,7 @@ from tandem.runtime.server_args import ServerArgs
 from tandem.runtime.tokenizer import load_tokenizer
 
 logger = logging.getLogger("tandem.detokenizer")
-_COPIED_FIELDS = [f for f in BatchTokenIDOutput.__struct_fields__]
+_COPIED_FIELDS = [f for f in BatchTokenIDOutput.__struct_fields__ if f in BatchStrOutput.__struct_fields__]
 
 
 class Detokenizer:
@@ -32,13 +32,14 @@ class Detokenizer:
         return BatchStrOutput(texts=texts, **{f: getattr(out, f) for f in _COPIED_FIELDS})
 
     def _state(self, out: BatchTokenIDOutput, i: int) -> DecodeState:
-        state = self.states.get(out.rids[i])
-        if state is None:
-            state = DecodeState(skip_special_tokens=out.skip_special_tokens[i],
-                                spaces_between_special_tokens=out.spaces_between_special_tokens[i],
-                                stop_strings=out.stop_strings[i], no_stop_trim=out.no_stop_trim[i])
+        params = out.detokenize_params[i]
+        if params is not None:  # a request's first output
+            state = DecodeState(skip_special_tokens=params.skip_special_tokens,
+                                spaces_between_special_tokens=params.spaces_between_special_tokens,
+                                stop_strings=params.stop_strings, no_stop_trim=params.no_stop_trim)
             self.states[out.rids[i]] = state
-        return state
+            return state
+        return self.states[out.rids[i]]
 
 
 def run_detokenizer_process(args: ServerArgs, addrs: IPCAddresses) -> None:

@@ -77,7 +77,7 @@ class Engine:
 
         async def pump() -> None:
             try:
-                async for chunk in self.tm.generate_stream(body):  # type: ignore[union-attr]
+                async for chunk in await self.tm.generate_stream(body):  # type: ignore[union-attr]
                     chunks.put(chunk)
             except BaseException as exc:  # re-raised in the caller's thread
                 chunks.put(exc)
@@ -107,7 +107,7 @@ class Engine:
 
         async def pump() -> None:
             try:
-                async for chunk in self.tm.generate_stream(body):  # type: ignore[union-attr]
+                async for chunk in await self.tm.generate_stream(body):  # type: ignore[union-attr]
                     caller.call_soon_threadsafe(chunks.put_nowait, chunk)
             except BaseException as exc:
                 caller.call_soon_threadsafe(chunks.put_nowait, exc)

@@ -35,6 +35,8 @@ class ServerArgs:
     disable_overlap_schedule: bool = False
     request_timeout: float | None = None
     max_request_bytes: int = 64 * 1024 * 1024
+    max_batch_items: int = 4096  # prompts x n in one /generate call
+    max_top_logprobs_num: int = 20
     stream_interval: int = 1
     log_level: str = "info"
     random_seed: int = 0
@@ -49,6 +51,8 @@ class ServerArgs:
             "chunked_prefill_size": self.chunked_prefill_size > 0 or self.chunked_prefill_size == -1,
             "max_running_requests": self.max_running_requests > 0,
             "tp_size": self.tp_size >= 1,
+            "max_batch_items": self.max_batch_items >= 1,
+            "max_top_logprobs_num": self.max_top_logprobs_num >= 0,
         }
         bad = [name for name, ok in checks.items() if not ok]
         if bad:

@@ -49,3 +49,9 @@ def _convert_gguf_tokenizer(gguf_path: str, saved: str) -> None:
     except OSError:
         if not os.path.isdir(saved):
             raise
+
+
+def max_chars_per_token(tokenizer: PreTrainedTokenizerFast) -> int:
+    """The longest text one token stands for (its vocabulary string: bytes for byte-level BPE,
+    which is at least the characters): a text longer than context x this cannot fit."""
+    return max(len(token) for token in tokenizer.get_vocab())

@@ -13,6 +13,7 @@ import asyncio
 import logging
 import secrets
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, AsyncIterator, Callable
 
 import msgspec
@@ -28,12 +29,14 @@ from tandem.runtime.launcher import READY_TIMEOUT_S, dead_child, spawn_children,
 from tandem.runtime.request_groups import Call, ChoiceState, ClientDisconnected, RequestError, RequestGroup
 from tandem.runtime.sampling.logprob_format import LogprobFormatOptions, LogprobFormatter
 from tandem.runtime.sampling.params import INT64_MAX, INT64_MIN
-from tandem.runtime.server.validation import GenerateItem, check_rids_free, normalize_generate_request
+from tandem.runtime.server.validation import (GenerateItem, RequestLimits, check_rids_free,
+                                              normalize_generate_request)
 from tandem.runtime.server_args import ServerArgs
-from tandem.runtime.tokenizer import load_tokenizer
+from tandem.runtime.tokenizer import load_tokenizer, max_chars_per_token
 
 logger = logging.getLogger("tandem.tokenizer_manager")
 DISCONNECT_POLL_S = 0.5
+TEXT_CHARS_SLACK = 2  # a normalizer may shrink text before it is split into tokens
 
 
 class TokenizerManager:
@@ -55,6 +58,7 @@ class TokenizerManager:
         self._group_seq = 0
         self._replies: asyncio.Queue = asyncio.Queue()
         self._control_lock = asyncio.Lock()
+        self._validation_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tandem-validate")
         self._tasks: list[asyncio.Task] = []
         self.dead_reason: str | None = None
 
@@ -80,6 +84,11 @@ class TokenizerManager:
                                        "vocab_size": msg.vocab_size, "max_running_requests": msg.max_running_requests}
         self.vocab_size = self.model_info["vocab_size"]
         self.context_len = self.model_info["context_len"]
+        args = self.args
+        self.limits = RequestLimits(
+            vocab_size=self.vocab_size, context_len=self.context_len, max_batch_items=args.max_batch_items,
+            max_top_logprobs_num=args.max_top_logprobs_num,
+            max_text_chars=self.context_len * max_chars_per_token(self.tokenizer) * TEXT_CHARS_SLACK)
         self._tasks = [asyncio.ensure_future(self._detok_loop()),
                        asyncio.ensure_future(self._control_loop(self.from_scheduler)),
                        asyncio.ensure_future(self._watch_children())]
@@ -101,12 +110,15 @@ class TokenizerManager:
     def _tokenize(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
-    def _submit(self, body: Any) -> Call:
-        """Validate the whole call, check its rids, then register and send every choice."""
+    async def _submit(self, body: Any) -> Call:
+        """Validate the whole call (off the event loop: tokenizing a long text takes a while),
+        check its rids, then register and send every choice."""
         if self.dead_reason:
             raise RequestError(500, self.dead_reason)
-        norm = normalize_generate_request(body, vocab_size=self.vocab_size, context_len=self.context_len,
-                                          tokenize=self._tokenize)
+        norm = await asyncio.get_running_loop().run_in_executor(
+            self._validation_pool, normalize_generate_request, body, self.limits, self._tokenize)
+        if self.dead_reason:
+            raise RequestError(500, self.dead_reason)
         check_rids_free(norm.items, self.groups)
         call = Call(is_batch=norm.is_batch,
                     indexed=norm.is_batch or any(item.sampling_params.n > 1 for item in norm.items))
@@ -154,7 +166,7 @@ class TokenizerManager:
     async def generate(self, body: Any, is_disconnected: Callable[[], Any] | None = None) -> dict | list[dict]:
         """Non-streaming: the finished result (a list for batch input or n > 1). The first choice
         that fails ends the whole call with its error (its siblings are aborted)."""
-        call = self._submit(body)
+        call = await self._submit(body)
         next_poll = time.monotonic() + DISCONNECT_POLL_S
         try:
             while not all(g.finished for g in call.groups):
@@ -176,12 +188,12 @@ class TokenizerManager:
         results = [c.result() for c in call.choices]
         return results if (call.is_batch or len(results) > 1) else results[0]
 
-    def generate_stream(self, body: Any) -> AsyncIterator[dict]:
+    async def generate_stream(self, body: Any) -> AsyncIterator[dict]:
         """Streaming: cumulative results as they grow; ends when every choice has finished.
         Validation runs now, before any byte of the stream is sent (so bad input is still a 400);
         an error (scheduler-initiated, or a dead child) becomes a final {"error": ...} event and
         ends the stream, aborting the other choices."""
-        return self._stream(self._submit(body))
+        return self._stream(await self._submit(body))
 
     async def _stream(self, call: Call) -> AsyncIterator[dict]:
         sent = {id(c): 0 for c in call.choices}  # version 0: nothing received yet
@@ -202,12 +214,12 @@ class TokenizerManager:
             self._end_call(call)  # finished, failed, client gone, or the consumer stopped early
 
     def _end_call(self, call: Call) -> None:
-        """Abort what is unfinished (one message per group) and drop every state of the call."""
+        """Abort what is unfinished (one message for the whole call) and drop its state."""
+        unfinished = [g for g in call.groups if not g.finished]
+        if unfinished and not self.dead_reason:
+            send(self.to_scheduler, AbortReq(group_prefixes=[g.prefix for g in unfinished]))
         for group in call.groups:
-            unfinished = [c for c in group.choices if not c.finished]
-            if unfinished and not self.dead_reason:
-                send(self.to_scheduler, AbortReq(group_prefix=group.prefix))
-            for c in unfinished:
+            for c in group.choices:
                 self.choices.pop(c.rid, None)
             if self.groups.get(group.logical_rid) is group:
                 del self.groups[group.logical_rid]
@@ -217,7 +229,7 @@ class TokenizerManager:
         if abort_all:
             send(self.to_scheduler, AbortReq(abort_all=True))
         elif (group := self.groups.get(rid)) is not None:
-            send(self.to_scheduler, AbortReq(group_prefix=group.prefix))
+            send(self.to_scheduler, AbortReq(group_prefixes=[group.prefix]))
 
     # -- receiving ------------------------------------------------------------------------------------------------
     async def _detok_loop(self) -> None:
@@ -283,6 +295,7 @@ class TokenizerManager:
     def close(self) -> None:
         for task in self._tasks:
             task.cancel()
+        self._validation_pool.shutdown(wait=False, cancel_futures=True)
         stop_children(self.procs)
         self.ctx.destroy(linger=0)
         self.addrs.cleanup()

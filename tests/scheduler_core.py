@@ -95,10 +95,13 @@ class Core:
         self.kv.release(req)
         self.finished.append(req)
 
-    def abort(self, group_prefix: str) -> list[Req]:
-        reqs = self.planner.find(group_prefix, abort_all=False)
+    def abort(self, *group_prefixes: str) -> list[Req]:
+        """As the scheduler handles an AbortReq: take the requests out, then end each."""
+        reqs = self.planner.take(list(group_prefixes), abort_all=False)
         for req in reqs:
-            self.finish(req, FinishReason(type="abort", status_code=200))
+            req.finished_reason = FinishReason(type="abort", status_code=200)
+            self.kv.release(req)
+            self.finished.append(req)
         return reqs
 
     def run(self, overlap: bool = True, max_steps: int = 10_000) -> list[ScheduleBatch]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import re
+import struct
 from typing import Any
 
 import msgspec
@@ -18,6 +19,7 @@ MAX_N = 64
 INT64_MIN = -(2**63)
 INT64_MAX = 2**63 - 1
 GREEDY_TEMPERATURE = 1e-6
+_F32 = struct.Struct("<f")
 
 
 class ValidationError(ValueError):
@@ -93,6 +95,8 @@ def short(v: Any, limit: int = 60) -> str:
         r = repr(v)
     except ValueError:  # ints beyond sys.get_int_max_str_digits() refuse to print
         return f"<{type(v).__name__} too large to print>"
+    except RecursionError:  # JSON nested deeper than repr can go
+        return f"<{type(v).__name__} nested too deeply to print>"
     return r if len(r) <= limit else r[: limit - 3] + "..."
 
 
@@ -177,10 +181,9 @@ class _Checker:
                 v = self.d[name]
                 if not is_number(v):
                     raise self.fail(name, f"must be a number, got {_type_name(v)}")
-                f = finite_float(v)
-                if f is None:
-                    raise self.fail(name, f"must be finite, got {short(v)}")
-                self.out[name] = f
+                if finite_float32(v) is None:
+                    raise self.fail(name, f"must be a finite float32, got {short(v)}")
+                self.out[name] = float(v)
         for name in _BOOL_FIELDS:
             if self._present(name):
                 v = self.d[name]
@@ -189,7 +192,9 @@ class _Checker:
                 self.out[name] = v
 
     def _ranges(self) -> None:
-        p = SamplingParams(**self.out)  # defaults filled in; ranges checked on final values
+        # defaults filled in; float ranges are checked on the float32 values the device will see
+        p = SamplingParams(**self.out)
+        f32 = {name: finite_float32(getattr(p, name)) for name in _FLOAT_FIELDS}
         for name in ("max_new_tokens", "min_new_tokens"):
             v = getattr(p, name)
             self._check(v >= 0, name, f"must be >= 0, got {v}")
@@ -198,22 +203,29 @@ class _Checker:
             "min_new_tokens",
             f"must be <= max_new_tokens ({p.max_new_tokens}), got {p.min_new_tokens}",
         )
-        self._check(p.temperature >= 0, "temperature", f"must be >= 0, got {_num(p.temperature)}")
-        self._check(0 < p.top_p <= 1, "top_p", f"must be in (0, 1], got {_num(p.top_p)}")
+        self._check(f32["temperature"] >= 0, "temperature", f"must be >= 0, got {self._got('temperature', f32)}")
+        self._check(0 < f32["top_p"] <= 1, "top_p", f"must be in (0, 1], got {self._got('top_p', f32)}")
         self._check(
             p.top_k == -1 or p.top_k >= 1, "top_k", f"must be -1 (all) or >= 1, got {p.top_k}"
         )
-        self._check(0 <= p.min_p <= 1, "min_p", f"must be in [0, 1], got {_num(p.min_p)}")
+        self._check(0 <= f32["min_p"] <= 1, "min_p", f"must be in [0, 1], got {self._got('min_p', f32)}")
         for name in ("frequency_penalty", "presence_penalty"):
-            v = getattr(p, name)
-            self._check(-2 <= v <= 2, name, f"must be in [-2, 2], got {_num(v)}")
-        rp = p.repetition_penalty
-        self._check(0 < rp <= 2, "repetition_penalty", f"must be in (0, 2], got {_num(rp)}")
+            self._check(-2 <= f32[name] <= 2, name, f"must be in [-2, 2], got {self._got(name, f32)}")
+        rp = f32["repetition_penalty"]
+        got = self._got("repetition_penalty", f32)
+        self._check(0 < rp <= 2, "repetition_penalty", f"must be in (0, 2], got {got}")
         self._check(1 <= p.n <= MAX_N, "n", f"must be in [1, {MAX_N}], got {p.n}")
         si = p.stream_interval
         self._check(si is None or si >= 1, "stream_interval", f"must be >= 1, got {si}")
         if p.top_k >= self.vocab_size:
             self.out["top_k"] = -1  # a k covering the whole vocabulary is "all"; saves a top-k pass
+
+    def _got(self, name: str, f32: dict[str, float]) -> str:
+        """The value as given, and what float32 makes of it when that differs (1e-300 -> 0)."""
+        given, value = self.d.get(name), f32[name]
+        if given is None or float(given) == value:
+            return _num(value)
+        return f"{short(given)} ({_num(value)} as a float32)"
 
     def _check(self, ok: bool, name: str, message: str) -> None:
         if not ok:
@@ -264,10 +276,9 @@ class _Checker:
         for key, v in bias.items():
             name = f"logit_bias[{short(key, 30)}]"
             tid = self._token_id(name, _bias_key(key))
-            f = finite_float(v)
-            if f is None:
-                raise self.fail(name, f"must be a finite number, got {short(v)}")
-            out[tid] = f
+            if finite_float32(v) is None:
+                raise self.fail(name, f"must be a finite float32 number, got {short(v)}")
+            out[tid] = float(v)
         self.out["logit_bias"] = out or None
 
     def _seed(self) -> None:
@@ -304,6 +315,18 @@ def finite_float(v: Any) -> float | None:
     except OverflowError:
         return None
     return f if math.isfinite(f) else None
+
+
+def finite_float32(v: Any) -> float | None:
+    """The float32 value a finite JSON number becomes on the device, or None when it overflows
+    float32 (the sampling tensors are float32: a float64-only value would crash the scheduler)."""
+    f = finite_float(v)
+    if f is None:
+        return None
+    try:
+        return _F32.unpack(_F32.pack(f))[0]
+    except OverflowError:
+        return None
 
 
 def fits_int64(v: int) -> bool:

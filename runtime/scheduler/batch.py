@@ -9,6 +9,7 @@ from __future__ import annotations
 from concurrent.futures import Future
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from tandem.runtime.model.forward_batch import ForwardMode
@@ -105,17 +106,12 @@ def _sampling_info(reqs: list[Req], ctx: BatchContext) -> SamplingBatchInfo:
 def _penalties(reqs: list[Req], outputs_before: list[int], ctx: BatchContext) -> PenaltyInfo | None:
     sps = [r.sampling_params for r in reqs]
     counts_active = any(p.has_penalties for p in sps)
-    has_bias = any(p.logit_bias for p in sps)
+    has_bias = any(r.logit_bias is not None for r in reqs)
     min_mask = [n < p.min_new_tokens for n, p in zip(outputs_before, sps)]
     if not (counts_active or has_bias or any(min_mask)):
         return None
     f32 = dict(dtype=torch.float32, device=ctx.device)
-    bias = None
-    if has_bias:
-        bias = torch.zeros((len(reqs), ctx.vocab_size), **f32)
-        for i, p in enumerate(sps):
-            for tok, val in (p.logit_bias or {}).items():
-                bias[i, int(tok)] = val
+    bias = _logit_bias(reqs, ctx) if has_bias else None
     # min_new_tokens bans EOS, unless the request ignores EOS anyway
     banned = [list(p.stop_token_ids) + ([] if p.ignore_eos else list(ctx.eos_ids)) for p in sps]
     return PenaltyInfo(
@@ -126,6 +122,17 @@ def _penalties(reqs: list[Req], outputs_before: list[int], ctx: BatchContext) ->
         min_tokens_mask=torch.tensor(min_mask, dtype=torch.bool, device=ctx.device) if any(min_mask) else None,
         banned_ids=banned, counts_active=counts_active,
     )
+
+
+def _logit_bias(reqs: list[Req], ctx: BatchContext) -> torch.Tensor:
+    """[B, V] float32: each request's bias scattered in one index_put for the whole batch."""
+    biased = [(i, r.logit_bias) for i, r in enumerate(reqs) if r.logit_bias is not None]
+    rows = np.concatenate([np.full(len(ids), i, np.int64) for i, (ids, _) in biased])
+    ids = np.concatenate([ids for _, (ids, _) in biased])
+    vals = np.concatenate([vals for _, (_, vals) in biased])
+    bias = torch.zeros((len(reqs), ctx.vocab_size), dtype=torch.float32)
+    bias[torch.from_numpy(rows), torch.from_numpy(ids)] = torch.from_numpy(vals)
+    return bias.to(ctx.device)
 
 
 def _input_logprob_task(index: int, s: ExtendSpan, offset: int) -> InputLogprobTask | None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from tandem.ipc.messages import BatchTokenIDOutput
+from tandem.ipc.messages import BatchTokenIDOutput, DetokenizeParams
 from tandem.runtime.envs import envs
 from tandem.runtime.sampling.logprob_format import concat_parts
 from tandem.runtime.scheduler.request import Req
@@ -40,10 +40,8 @@ class OutputStreamer:
         self._pending.clear()
         if not reqs:
             return None
-        out = BatchTokenIDOutput(
-            rids=[], finished_reasons=[], new_token_ids=[], prompt_tokens=[], completion_tokens=[],
-            cached_tokens=[], skip_special_tokens=[], spaces_between_special_tokens=[], no_stop_trim=[],
-            stop_strings=[])
+        out = BatchTokenIDOutput(rids=[], finished_reasons=[], new_token_ids=[], completion_tokens=[],
+                                 cached_tokens=[], detokenize_params=[])
         any_lp = any(r.return_logprob for r in reqs)
         any_hidden = any(r.return_hidden_states for r in reqs)
         for r in reqs:
@@ -56,17 +54,14 @@ class OutputStreamer:
 
     @staticmethod
     def _append(out: BatchTokenIDOutput, r: Req) -> None:
-        sp = r.sampling_params
         out.rids.append(r.rid)
         out.finished_reasons.append(r.finished_reason)
         out.new_token_ids.append(np.asarray(r.output_ids[r.sent_token_len:], dtype=np.int32))
-        out.prompt_tokens.append(len(r.origin_input_ids))
         out.completion_tokens.append(len(r.output_ids))
         out.cached_tokens.append(r.cached_tokens)
-        out.skip_special_tokens.append(sp.skip_special_tokens)
-        out.spaces_between_special_tokens.append(sp.spaces_between_special_tokens)
-        out.no_stop_trim.append(sp.no_stop_trim)
-        out.stop_strings.append(list(sp.stop))
+        # per-request constants travel once: a 48 MB stop list must not ride every step
+        out.detokenize_params.append(None if r.sent_any else _detokenize_params(r))
+        r.sent_any = True
         r.sent_token_len = len(r.output_ids)
 
     @staticmethod
@@ -89,3 +84,10 @@ class OutputStreamer:
             rows = np.concatenate(r.hidden_states[r.sent_hidden_len:])
             r.sent_hidden_len = len(r.hidden_states)
         out.hidden_states.append(rows)
+
+
+def _detokenize_params(r: Req) -> DetokenizeParams:
+    sp = r.sampling_params
+    return DetokenizeParams(skip_special_tokens=sp.skip_special_tokens,
+                            spaces_between_special_tokens=sp.spaces_between_special_tokens,
+                            no_stop_trim=sp.no_stop_trim, stop_strings=tuple(sp.stop))

@@ -91,12 +91,24 @@ class Planner:
                                 message=f"the waiting queue is full ({cap} requests)")
         return None
 
-    def find(self, group_prefix: str, abort_all: bool) -> list[Req]:
-        """Every choice of one logical request (its internal group prefix), or everything."""
-        pool = self.waiting + self.running + ([self.chunked.req] if self.chunked else [])
+    def take(self, group_prefixes: list[str], abort_all: bool) -> list[Req]:
+        """Remove and return every choice of the given groups (internal group prefixes), or
+        everything; one pass over each queue however many requests match."""
         if abort_all:
-            return pool
-        return [r for r in pool if group_prefix and r.rid.startswith(group_prefix)]
+            prefixes: tuple[str, ...] = ("",)
+        else:
+            prefixes = tuple(p for p in group_prefixes if p)
+            if not prefixes:
+                return []
+        taken = [r for r in self.waiting + self.running if r.rid.startswith(prefixes)]
+        if taken:
+            gone = set(map(id, taken))
+            self.waiting = [r for r in self.waiting if id(r) not in gone]
+            self.running = [r for r in self.running if id(r) not in gone]
+        if self.chunked is not None and self.chunked.req.rid.startswith(prefixes):
+            taken.append(self.chunked.req)
+            self.chunked = None
+        return taken
 
     def remove(self, req: Req) -> None:
         if req in self.running:

@@ -30,6 +30,9 @@ class Req:
     return_hidden_states: bool = False
     priority: int = 0
     extra_key: str | None = None
+    # logit_bias as (ids int64, values float32), made once: a full-vocabulary bias must not cost
+    # a Python loop every step
+    logit_bias: tuple[np.ndarray, np.ndarray] | None = None
 
     output_ids: list[int] = field(default_factory=list)
     finished_reason: FinishReason | None = None
@@ -52,6 +55,7 @@ class Req:
     prompt_hidden_next: int = 0  # next prompt position whose hidden row is still to come
 
     # streaming cursors: tokens, output logprob blocks and hidden-state blocks already sent
+    sent_any: bool = False  # the first output (with the per-request constants) went out
     sent_token_len: int = 0
     sent_logprob_len: int = 0
     sent_hidden_len: int = 0
@@ -64,6 +68,9 @@ class Req:
                   stream=msg.stream, seed=seed, arrival_seq=arrival_seq, logprob=msg.logprob,
                   return_hidden_states=msg.return_hidden_states, priority=msg.priority or 0,
                   extra_key=msg.extra_key)
+        if sp.logit_bias:
+            req.logit_bias = (np.fromiter(sp.logit_bias.keys(), np.int64, len(sp.logit_bias)),
+                              np.fromiter(sp.logit_bias.values(), np.float32, len(sp.logit_bias)))
         lp = msg.logprob
         if lp.wants_input:
             req.input_logprobs = InputLogprobAccumulator(req.origin_input_ids, lp.logprob_start_len,

@@ -127,8 +127,8 @@ class Scheduler:
         if isinstance(msg, TokenizedGenerateReq):
             self._add_request(msg)
         elif isinstance(msg, AbortReq):
-            for req in self.planner.find(msg.group_prefix, msg.abort_all):
-                self._finish(req, _USER_ABORT)
+            for req in self.planner.take(msg.group_prefixes, msg.abort_all):
+                self._end(req, _USER_ABORT)
         elif isinstance(msg, FlushCacheReq):
             if self.planner.has_work():
                 send(self.reply_sock, FlushCacheReply(success=False, message="requests are still running"))
@@ -189,8 +189,12 @@ class Scheduler:
                 req.prompt_hidden_next += task.n
 
     def _finish(self, req: Req, reason: FinishReason | None) -> None:
-        req.finished_reason = reason
         self.planner.remove(req)
+        self._end(req, reason)
+
+    def _end(self, req: Req, reason: FinishReason | None) -> None:
+        """A request that no queue holds any more: its KV goes back, its last output goes out."""
+        req.finished_reason = reason
         self.kv.release(req)
         self.streamer.add(req)
 

@@ -75,7 +75,7 @@ def create_app(args: ServerArgs, on_child_death: Callable[[str], None] | None = 
         tm = holder["tm"]
         body = await read_json(request)
         if isinstance(body, dict) and body.get("stream"):
-            return StreamingResponse(_sse(tm.generate_stream(body)), media_type="text/event-stream")
+            return StreamingResponse(_sse(await tm.generate_stream(body)), media_type="text/event-stream")
         return _json(await tm.generate(body, request.is_disconnected))
 
     @app.get("/health")

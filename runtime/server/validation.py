@@ -17,6 +17,7 @@ from __future__ import annotations
 import uuid
 from collections import Counter
 from collections.abc import Callable, Collection
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -34,6 +35,7 @@ from tandem.runtime.sampling.params import (
 __all__ = [
     "GenerateItem",
     "NormalizedBatch",
+    "RequestLimits",
     "ValidationError",
     "check_rids_free",
     "normalize_generate_request",
@@ -103,32 +105,43 @@ def check_rids_free(items: list[GenerateItem], running: Collection[str]) -> None
             raise ValidationError(field, f"{short(item.rid)} is already used by a running request")
 
 
+@dataclass(frozen=True)
+class RequestLimits:
+    """What one /generate call may ask for (the model's numbers and the server's limits)."""
+
+    vocab_size: int
+    context_len: int
+    max_batch_items: int = 4096  # prompts x n per call
+    max_top_logprobs_num: int = 20
+    # longer text cannot fit the context whatever it tokenizes to: refused before tokenizing
+    max_text_chars: int | None = None
+
+
 def normalize_generate_request(
-    body: Any,
-    *,
-    vocab_size: int,
-    context_len: int,
-    tokenize: Callable[[str], list[int]],
+    body: Any, limits: RequestLimits, tokenize: Callable[[str], list[int]]
 ) -> NormalizedBatch:
     if not isinstance(body, dict):
         raise ValidationError("body", f"must be a JSON object, got {_type_name(body)}")
     _check_keys(body)
     prompts, is_batch = _prompts(body)
     n = len(prompts)
+    vocab_size = limits.vocab_size
     shared = _shared_flags(body)
     rids = _rids(body.get("rid"), n, is_batch)
     params = _sampling_params(body.get("sampling_params"), n, is_batch, vocab_size)
+    _check_batch_items(prompts, params, limits.max_batch_items)
     return_logprob = _per_item(body, "return_logprob", n, is_batch, False, _bool)
     start_lens = _per_item(body, "logprob_start_len", n, is_batch, -1, _start_len)
-    top_nums = _per_item(body, "top_logprobs_num", n, is_batch, 0, _top_num(vocab_size))
+    top_check = _top_num(min(vocab_size, limits.max_top_logprobs_num))
+    top_nums = _per_item(body, "top_logprobs_num", n, is_batch, 0, top_check)
     token_lists = _token_ids_logprob(body.get("token_ids_logprob"), n, is_batch, vocab_size)
     extra_keys = _per_item(body, "extra_key", n, is_batch, None, _extra_key)
     hidden = _per_item(body, "return_hidden_states", n, is_batch, False, _bool)
     items = []
     for i, (field, prompt) in enumerate(prompts):
-        ids, text = _prompt_ids(field, prompt, tokenize, vocab_size)
+        ids, text = _prompt_ids(field, prompt, tokenize, limits)
         sp_field, sp = params[i]
-        _fit_context(field, len(ids), sp_field, sp, _explicit_max_new(body, i), context_len)
+        _fit_context(field, len(ids), sp_field, sp, _explicit_max_new(body, i), limits.context_len)
         start_field, start = start_lens[i]
         if (return_logprob[i][1] or hidden[i][1]) and start > len(ids):
             msg = f"must be <= the prompt length ({len(ids)} tokens), got {start}"
@@ -226,12 +239,25 @@ def _ids_prompts(ids: Any) -> tuple[list[Prompt], bool]:
     return [(f"input_ids[{i}]", row) for i, row in enumerate(ids)], True
 
 
+def _check_batch_items(prompts: list[Prompt], params: list[tuple[str, SamplingParams]], cap: int) -> None:
+    """Every prompt x choice becomes a sequence in the scheduler: bound them before any work."""
+    total = sum(sp.n for _, sp in params)
+    if total > cap:
+        what = f"{len(prompts)} prompt(s) x n = {total} sequences" if total != len(prompts) else f"{total} prompts"
+        raise ValidationError(prompts[0][0].split("[")[0], f"asks for {what}, more than --max-batch-items ({cap})")
+
+
 def _prompt_ids(
-    field: str, prompt: Any, tokenize: Callable[[str], list[int]], vocab_size: int
+    field: str, prompt: Any, tokenize: Callable[[str], list[int]], limits: RequestLimits
 ) -> tuple[list[int], str | None]:
+    vocab_size = limits.vocab_size
     if isinstance(prompt, str):
         if not prompt:
             raise ValidationError(field, "must not be empty")
+        cap = limits.max_text_chars
+        if cap is not None and len(prompt) > cap:
+            msg = f"has {len(prompt)} characters; no text longer than {cap} fits the context ({limits.context_len} tokens)"
+            raise ValidationError(field, msg)
         ids = list(tokenize(prompt))
         if not ids:
             raise ValidationError(field, "tokenizes to zero tokens")
@@ -358,10 +384,10 @@ def _start_len(field: str, v: Any) -> int:
     return v
 
 
-def _top_num(vocab_size: int) -> Checker:
+def _top_num(cap: int) -> Checker:
     def check(field: str, v: Any) -> int:
-        if not 0 <= _int(field, v) <= vocab_size:
-            raise ValidationError(field, f"must be in [0, {vocab_size}], got {v}")
+        if not 0 <= _int(field, v) <= cap:
+            raise ValidationError(field, f"must be in [0, {cap}] (--max-top-logprobs-num), got {v}")
         return v
 
     return check

@@ -43,7 +43,7 @@ def test_union_lists_each_message_once() -> None:
 
 
 def test_gc_free_instances_are_not_tracked() -> None:
-    assert not gc.is_tracked(m.AbortReq(group_prefix="x_"))
+    assert not gc.is_tracked(m.AbortReq(group_prefixes=["x_"]))
 
 
 def test_sampling_params_is_the_runtime_struct() -> None:
@@ -72,7 +72,7 @@ def test_2d_input_ids_are_rejected_on_build_and_decode() -> None:
 
 def test_defaults() -> None:
     a = m.AbortReq()
-    assert (a.group_prefix, a.abort_all) == ("", False)
+    assert (a.group_prefixes, a.abort_all) == ([], False)
     r = _req()
     assert r.logprob == m.LogprobParams() and not r.logprob.wants_input and not r.return_hidden_states
     assert (r.logprob.return_logprob, r.logprob.logprob_start_len, r.logprob.top_logprobs_num) == (False, -1, 0)
@@ -84,9 +84,7 @@ def test_defaults() -> None:
 def test_empty_optional_columns_are_not_on_the_wire() -> None:
     out = m.BatchTokenIDOutput(
         rids=["a"], finished_reasons=[None], new_token_ids=[np.array([1], dtype="<i4")],
-        prompt_tokens=[1], completion_tokens=[1], cached_tokens=[0],
-        skip_special_tokens=[True], spaces_between_special_tokens=[True],
-        no_stop_trim=[False], stop_strings=[[]],
+        completion_tokens=[1], cached_tokens=[0], detokenize_params=[None],
     )
     buf = encode(out)
     assert b"logprobs" not in buf and b"hidden" not in buf
@@ -118,10 +116,8 @@ def test_finish_reason_json(reason: m.FinishReason, expected: dict) -> None:
 
 def test_finish_reason_matched_keeps_int_vs_str() -> None:
     cols = dict(
-        rids=["a", "b"], new_token_ids=[np.zeros(0, "<i4")] * 2, prompt_tokens=[1, 1],
-        completion_tokens=[0, 0], cached_tokens=[0, 0], skip_special_tokens=[True] * 2,
-        spaces_between_special_tokens=[True] * 2, no_stop_trim=[False] * 2,
-        stop_strings=[[], []],
+        rids=["a", "b"], new_token_ids=[np.zeros(0, "<i4")] * 2, completion_tokens=[0, 0], cached_tokens=[0, 0],
+        detokenize_params=[None, None],
     )
     reasons = [m.FinishReason(type="stop", matched=7), m.FinishReason(type="stop", matched="7")]
     out = decode(encode(m.BatchTokenIDOutput(finished_reasons=reasons, **cols)))

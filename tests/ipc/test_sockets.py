@@ -11,7 +11,7 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from tandem.ipc.messages import AbortReq, BatchTokenIDOutput, FlushCacheReply
+from tandem.ipc.messages import AbortReq, BatchTokenIDOutput, DetokenizeParams, FlushCacheReply
 from tandem.ipc.sockets import (
     IPCAddresses,
     async_recv,
@@ -83,9 +83,8 @@ def test_push_pull_round_trip(addrs: IPCAddresses, ctx: zmq.Context) -> None:
     push = connect_push(ctx, addrs.scheduler_to_detokenizer)
     ids = np.array([4, 5, 6], dtype="<i4")
     out = BatchTokenIDOutput(
-        rids=["r"], finished_reasons=[None], new_token_ids=[ids], prompt_tokens=[2],
-        completion_tokens=[3], cached_tokens=[0], skip_special_tokens=[True],
-        spaces_between_special_tokens=[True], no_stop_trim=[False], stop_strings=[[]],
+        rids=["r"], finished_reasons=[None], new_token_ids=[ids], completion_tokens=[3], cached_tokens=[0],
+        detokenize_params=[DetokenizeParams()],
     )
     send(push, out)
     assert pull.poll(RECV_TIMEOUT_MS)
@@ -103,13 +102,13 @@ def test_nonblocking_recv_and_drain(addrs: IPCAddresses, ctx: zmq.Context) -> No
     assert recv(pull, block=False) is None
     assert recv_all_nowait(pull) == []
     for i in range(5):
-        send(push, AbortReq(group_prefix=f"r{i}"))
+        send(push, AbortReq(group_prefixes=[f"r{i}"]))
     assert pull.poll(RECV_TIMEOUT_MS)
     got: list = []
     # all five are in flight; drain until they have arrived
     while len(got) < 5 and pull.poll(RECV_TIMEOUT_MS):
         got.extend(recv_all_nowait(pull))
-    assert [g.group_prefix for g in got] == [f"r{i}" for i in range(5)]
+    assert [g.group_prefixes for g in got] == [[f"r{i}"] for i in range(5)]
     push.close()
     pull.close()
 
@@ -131,10 +130,10 @@ def test_asyncio_round_trip(addrs: IPCAddresses) -> None:
         try:
             pull = bind_pull(actx, addrs.detokenizer_to_tokenizer)
             push = connect_push(actx, addrs.detokenizer_to_tokenizer)
-            await async_send(push, AbortReq(group_prefix="a"))
+            await async_send(push, AbortReq(group_prefixes=["a"]))
             send_sync_ctx = zmq.Context()
             sync_push = connect_push(send_sync_ctx, addrs.detokenizer_to_tokenizer)
-            send(sync_push, AbortReq(group_prefix="b"))
+            send(sync_push, AbortReq(group_prefixes=["b"]))
             got = [await asyncio.wait_for(async_recv(pull), 5) for _ in range(2)]
             sync_push.close()
             send_sync_ctx.term()
@@ -145,4 +144,4 @@ def test_asyncio_round_trip(addrs: IPCAddresses) -> None:
             actx.term()
 
     got = asyncio.run(main())
-    assert sorted(g.group_prefix for g in got) == ["a", "b"]
+    assert sorted(g.group_prefixes[0] for g in got) == ["a", "b"]

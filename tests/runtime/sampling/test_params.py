@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 import pickle
 
 import msgspec
@@ -152,8 +153,8 @@ BAD = [
     ({"logit_bias": {"abc": 1}}, "sampling_params.logit_bias['abc']", "integer token id"),
     ({"logit_bias": {"5000": 1}}, "sampling_params.logit_bias['5000']", "[0, 1000), got 5000"),
     ({"logit_bias": {"-1": 1}}, "sampling_params.logit_bias['-1']", "[0, 1000)"),
-    ({"logit_bias": {"5": "1"}}, "sampling_params.logit_bias['5']", "finite number"),
-    ({"logit_bias": {"5": math.inf}}, "sampling_params.logit_bias['5']", "finite number"),
+    ({"logit_bias": {"5": "1"}}, "sampling_params.logit_bias['5']", "finite float32 number"),
+    ({"logit_bias": {"5": math.inf}}, "sampling_params.logit_bias['5']", "finite float32 number"),
     ({"n": 0}, "sampling_params.n", "[1, 64], got 0"),
     ({"n": 65}, "sampling_params.n", "[1, 64], got 65"),
     ({"sampling_seed": 2**64}, "sampling_params.sampling_seed", "64-bit"),
@@ -180,3 +181,30 @@ def test_rejects(d: object, field: str, fragment: str) -> None:
 )  # fmt: skip
 def test_accepts_boundaries(d: dict) -> None:
     parse(d)
+
+
+@pytest.mark.parametrize("d, field, fragment", [
+    ({"logit_bias": {"5": 3.41e38}}, "logit_bias['5']", "finite float32"),
+    ({"temperature": 1e39}, "temperature", "finite float32"),
+    ({"repetition_penalty": 1e-300}, "repetition_penalty", "got 1e-300 (0 as a float32)"),
+    ({"top_p": 1e-46}, "top_p", "(0 as a float32)"),
+])
+def test_values_are_checked_as_the_float32_the_device_sees(d, field, fragment) -> None:
+    with pytest.raises(ValidationError, match=re.escape(f"sampling_params.{field}")) as err:
+        parse(d)
+    assert fragment in str(err.value)
+
+
+def test_values_are_kept_as_given_when_float32_can_hold_them() -> None:
+    p = parse({"logit_bias": {"5": 3.4e38}, "temperature": 0.1})
+    assert p.logit_bias[5] == 3.4e38 and p.temperature == 0.1
+
+
+@pytest.mark.parametrize("field", ["seed", "logit_bias", "stop", "stop_token_ids", "max_new_tokens"])
+def test_deeply_nested_values_are_a_400_not_a_recursion_error(field) -> None:
+    deep: object = 1
+    for _ in range(5000):
+        deep = [deep]
+    value = {"1": deep} if field == "logit_bias" else deep
+    with pytest.raises(ValidationError, match=f"sampling_params.{field}"):
+        parse({field: value})

@@ -140,8 +140,10 @@ def test_abort_prefix_matches_one_group_only():
     core.add("00aa_0", 3)
     core.add("00aa_1", 3)
     core.add("00aab_0", 3)  # group ids have one length in practice; even so "00aa_" is exact
-    assert sorted(r.rid for r in core.planner.find("00aa_", abort_all=False)) == ["00aa_0", "00aa_1"]
-    assert len(core.planner.find("", abort_all=True)) == 3 and core.planner.find("", abort_all=False) == []
+    assert core.planner.take([""], abort_all=False) == [] and core.planner.take([], abort_all=False) == []
+    assert sorted(r.rid for r in core.planner.take(["00aa_"], abort_all=False)) == ["00aa_0", "00aa_1"]
+    assert [r.rid for r in core.planner.waiting] == ["00aab_0"]
+    assert [r.rid for r in core.planner.take([], abort_all=True)] == ["00aab_0"] and not core.planner.has_work()
 
 
 def test_priority_preemption_retracts_the_least_urgent_running_request():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
@@ -18,6 +19,7 @@ from tandem.runtime.server.validation import (
     NormalizedBatch,
     ValidationError,
     check_rids_free,
+    RequestLimits,
     normalize_generate_request,
 )
 
@@ -30,8 +32,12 @@ def tokenize(s: str) -> list[int]:
     return [ord(c) % VOCAB for c in s if not c.isspace()]
 
 
-def norm(body: Any) -> NormalizedBatch:
-    return normalize_generate_request(body, vocab_size=VOCAB, context_len=CTX, tokenize=tokenize)
+LIMITS = RequestLimits(vocab_size=VOCAB, context_len=CTX, max_batch_items=16, max_top_logprobs_num=VOCAB,
+                       max_text_chars=4 * CTX)
+
+
+def norm(body: Any, **limits: Any) -> NormalizedBatch:
+    return normalize_generate_request(body, dataclasses.replace(LIMITS, **limits), tokenize)
 
 
 def test_single_text_defaults() -> None:
@@ -111,7 +117,7 @@ def test_key_sets_are_disjoint() -> None:
 def test_default_max_new_tokens_is_clamped_but_explicit_is_not() -> None:
     big = 200
     body = {"text": "abcd"}
-    out = normalize_generate_request(body, vocab_size=VOCAB, context_len=big, tokenize=tokenize)
+    out = norm(body, context_len=big)
     assert out.items[0].sampling_params.max_new_tokens == 128
     assert norm(body).items[0].sampling_params.max_new_tokens == CTX - 4
     with pytest.raises(ValidationError, match=r"^sampling_params.max_new_tokens is 128"):
@@ -198,7 +204,7 @@ BAD = [
      "logprob_start_len[1]", "prompt length (1 tokens), got 2"),
     ({"text": "a", "logprob_start_len": -2}, "logprob_start_len", ">= -1"),
     ({"text": "a", "logprob_start_len": 1.0}, "logprob_start_len", "integer, got float"),
-    ({"text": "a", "top_logprobs_num": -1}, "top_logprobs_num", "[0, 100], got -1"),
+    ({"text": "a", "top_logprobs_num": -1}, "top_logprobs_num", "[0, 100] (--max-top-logprobs-num), got -1"),
     ({"text": "a", "top_logprobs_num": 101}, "top_logprobs_num", "[0, 100]"),
     ({"text": "a", "top_logprobs_num": True}, "top_logprobs_num", "integer, got bool"),
     ({"text": "a", "token_ids_logprob": 5}, "token_ids_logprob", "list of token ids"),
@@ -287,3 +293,36 @@ def test_fuzz_never_raises_anything_but_validation_error(body: Any) -> None:
     for it in out.items:
         assert it.input_ids and all(0 <= t < VOCAB for t in it.input_ids)
         assert len(it.input_ids) + it.sampling_params.max_new_tokens <= CTX
+
+
+def test_batch_items_are_prompts_times_n_and_bounded_before_any_work() -> None:
+    tokenized: list[str] = []
+
+    def spy(text: str) -> list[int]:
+        tokenized.append(text)
+        return tokenize(text)
+
+    ok = {"text": ["a"] * 4, "sampling_params": {"n": 4}}
+    assert len(normalize_generate_request(ok, LIMITS, spy).items) == 4
+    tokenized.clear()
+    with pytest.raises(ValidationError, match=r"^text asks for 5 prompt\(s\) x n = 20 sequences, more than "
+                                             r"--max-batch-items \(16\)"):
+        normalize_generate_request({"text": ["a"] * 5, "sampling_params": {"n": 4}}, LIMITS, spy)
+    with pytest.raises(ValidationError, match=r"^input_ids asks for 17 prompts"):
+        norm({"input_ids": [[1]] * 17})
+    assert tokenized == []
+
+
+def test_text_too_long_for_the_context_is_refused_without_tokenizing() -> None:
+    def never(text: str) -> list[int]:
+        raise AssertionError("tokenized")
+
+    body = {"text": "x" * (4 * CTX + 1)}
+    with pytest.raises(ValidationError, match=r"^text has 257 characters; no text longer than 256 fits"):
+        normalize_generate_request(body, LIMITS, never)
+
+
+def test_top_logprobs_num_is_capped_by_the_server() -> None:
+    assert norm({"text": "a", "top_logprobs_num": 5}, max_top_logprobs_num=5).items[0].logprob.top_logprobs_num == 5
+    with pytest.raises(ValidationError, match=r"^top_logprobs_num must be in \[0, 5\] \(--max-top-logprobs-num\)"):
+        norm({"text": "a", "top_logprobs_num": 6}, max_top_logprobs_num=5)
