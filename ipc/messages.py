@@ -158,6 +158,7 @@ class AbortReq(_Msg, kw_only=True):
 
     group_prefixes: list[str] = []
     abort_all: bool = False
+    message: str = "aborted by request"  # what the aborted requests' finish_reason says
 
 
 class DetokenizeParams(msgspec.Struct, kw_only=True, frozen=True, gc=False, array_like=True):
@@ -201,10 +202,16 @@ class BatchStrOutput(_BatchOutputBase, kw_only=True):
 
 
 class FlushCacheReq(_Msg, kw_only=True):
-    """Main -> scheduler: drop the radix cache (only succeeds when idle)."""
+    """Main -> scheduler: drop the radix cache (only succeeds when idle).
+
+    Control requests carry a `req_id` that their reply echoes, so a late reply to a request
+    that already timed out is dropped instead of answering the next one."""
+
+    req_id: int
 
 
 class FlushCacheReply(_Msg, kw_only=True):
+    req_id: int
     success: bool
     message: str = ""
 
@@ -212,8 +219,11 @@ class FlushCacheReply(_Msg, kw_only=True):
 class GetServerInfoReq(_Msg, kw_only=True):
     """Main -> scheduler: ask for scheduler stats."""
 
+    req_id: int
+
 
 class GetServerInfoReply(_Msg, kw_only=True):
+    req_id: int
     info: dict[str, Any]  # JSON-able scheduler stats
 
 

@@ -1,14 +1,47 @@
-"""`tandem serve` / `python -m tandem.launch.server`: start the HTTP server and its child processes."""
+"""`tandem serve` / `python -m tandem.launch.server`: start the HTTP server and its child processes.
+
+SIGTERM (or Ctrl-C) drains: new requests get a 503, running ones have
+`--graceful-shutdown-timeout` seconds to finish, the rest end with an abort that says the
+server is shutting down, then the server exits 0. A second signal exits at once.
+"""
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
+import signal
 import sys
+from types import FrameType
 
 import uvicorn
+from fastapi import FastAPI
 
 from tandem.runtime.server.http import create_app
+from tandem.runtime.server.protocol import protocol_with_head_timeout
 from tandem.runtime.server_args import ServerArgs
+
+
+class DrainingServer(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config, app: FastAPI, drain_timeout: float) -> None:
+        super().__init__(config)
+        self.app = app
+        self.drain_timeout = drain_timeout
+        self.draining = False
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        # replaces uvicorn's: no re-raise of the signal after a clean drain, so the exit status is 0
+        if self.draining or not self.started:
+            self.force_exit = self.should_exit = True
+            return
+        self.draining = True
+        logging.warning("signal %s: draining (up to %g s)", signal.Signals(sig).name, self.drain_timeout)
+        asyncio.get_event_loop().call_soon_threadsafe(lambda: asyncio.ensure_future(self._drain()))
+
+    async def _drain(self) -> None:
+        tm = getattr(self.app.state, "tm", None)
+        if tm is not None:
+            await tm.drain(self.drain_timeout)
+        self.should_exit = True
 
 
 def run_server(args: ServerArgs) -> int:
@@ -22,9 +55,10 @@ def run_server(args: ServerArgs) -> int:
             server.should_exit = True  # in-flight requests already got their error responses
 
     app = create_app(args, on_child_death)
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                            loop="uvloop", timeout_graceful_shutdown=5, access_log=False)
-    server = uvicorn.Server(config)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, loop="uvloop",
+                            http=protocol_with_head_timeout(args.http_read_timeout), timeout_keep_alive=5,
+                            limit_concurrency=args.max_connections, timeout_graceful_shutdown=5, access_log=False)
+    server = DrainingServer(config, app, args.graceful_shutdown_timeout)
     server.run()
     if died:
         logging.error("tandem server stopped: %s", died[0])

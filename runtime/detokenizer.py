@@ -10,6 +10,7 @@ import zmq
 from tandem.ipc.messages import BatchStrOutput, BatchTokenIDOutput, ChildError, ReadyMsg
 from tandem.ipc.sockets import IPCAddresses, bind_pull, connect_push, recv, send
 from tandem.runtime.incremental_detok import DecodeState, decode_batch
+from tandem.runtime.launcher import ParentWatch
 from tandem.runtime.server_args import ServerArgs
 from tandem.runtime.tokenizer import load_tokenizer
 
@@ -42,7 +43,7 @@ class Detokenizer:
         return self.states[out.rids[i]]
 
 
-def run_detokenizer_process(args: ServerArgs, addrs: IPCAddresses) -> None:
+def run_detokenizer_process(args: ServerArgs, addrs: IPCAddresses, watch: ParentWatch) -> None:
     logging.basicConfig(level=args.log_level.upper(), format="[%(asctime)s detokenizer] %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     ctx = zmq.Context()
@@ -55,11 +56,11 @@ def run_detokenizer_process(args: ServerArgs, addrs: IPCAddresses) -> None:
         send(connect_push(ctx, addrs.scheduler_to_tokenizer), ChildError(role="detokenizer", message=str(exc)))
         raise SystemExit(1)
     send(connect_push(ctx, addrs.scheduler_to_tokenizer), ReadyMsg(role="detokenizer", pid=os.getpid()))
-    parent = os.getppid()
     while True:
-        if not in_sock.poll(1000):
-            if os.getppid() != parent:
-                return  # orphaned: the main process died
+        ready = in_sock.poll(1000)
+        if watch.parent_gone():
+            watch.exit_orphaned()
+        if not ready:
             continue
         msg = recv(in_sock)
         if isinstance(msg, BatchTokenIDOutput):

@@ -1,7 +1,17 @@
-"""Spawning and watching the child processes (scheduler, detokenizer)."""
+"""Spawning and watching the child processes (scheduler, detokenizer).
+
+Children never outlive the main process: on Linux the kernel sends them SIGUSR1 when it dies
+(PR_SET_PDEATHSIG; a signal nothing else sends them, so the handler knows what happened without
+racing the kernel's reparenting), and their loops also check for a new parent every iteration,
+busy or idle. Whoever outlives the main process removes the IPC directory.
+"""
 from __future__ import annotations
 
+import ctypes
 import multiprocessing as mp
+import os
+import signal
+import sys
 from multiprocessing.process import BaseProcess
 
 from tandem.ipc.sockets import IPCAddresses
@@ -10,24 +20,54 @@ from tandem.runtime.server_args import ServerArgs
 READY_TIMEOUT_S = 600.0
 
 
-def _scheduler_main(args: ServerArgs, addrs: IPCAddresses) -> None:
+_PR_SET_PDEATHSIG = 1
+
+
+class ParentWatch:
+    """In a child: notices the main process's death and then cleans up after it."""
+
+    def __init__(self, parent_pid: int, addrs: IPCAddresses) -> None:
+        self.parent_pid = parent_pid
+        self.addrs = addrs
+        signal.signal(signal.SIGUSR1, self._on_parent_death)
+        if sys.platform == "linux":
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(_PR_SET_PDEATHSIG, signal.SIGUSR1)
+        if self.parent_gone():  # it died before prctl took effect
+            self.exit_orphaned()
+
+    def parent_gone(self) -> bool:
+        return os.getppid() != self.parent_pid
+
+    def exit_orphaned(self) -> None:
+        self.addrs.cleanup()
+        os._exit(1)  # the forward thread may be mid-step: do not wait for it
+
+    def _on_parent_death(self, signum: int, frame: object) -> None:
+        self.exit_orphaned()
+
+
+def _scheduler_main(args: ServerArgs, addrs: IPCAddresses, parent_pid: int) -> None:
+    watch = ParentWatch(parent_pid, addrs)
     # imported in the child only: the main process never imports torch or model code
     from tandem.runtime.scheduler.scheduler import run_scheduler_process
 
-    run_scheduler_process(args, addrs)
+    run_scheduler_process(args, addrs, watch)
 
 
-def _detokenizer_main(args: ServerArgs, addrs: IPCAddresses) -> None:
+def _detokenizer_main(args: ServerArgs, addrs: IPCAddresses, parent_pid: int) -> None:
+    watch = ParentWatch(parent_pid, addrs)
     from tandem.runtime.detokenizer import run_detokenizer_process
 
-    run_detokenizer_process(args, addrs)
+    run_detokenizer_process(args, addrs, watch)
 
 
 def spawn_children(args: ServerArgs, addrs: IPCAddresses) -> list[BaseProcess]:
     ctx = mp.get_context("spawn")
+    me = os.getpid()
     procs = [
-        ctx.Process(target=_scheduler_main, args=(args, addrs), name="tandem-scheduler", daemon=True),
-        ctx.Process(target=_detokenizer_main, args=(args, addrs), name="tandem-detokenizer", daemon=True),
+        ctx.Process(target=_scheduler_main, args=(args, addrs, me), name="tandem-scheduler", daemon=True),
+        ctx.Process(target=_detokenizer_main, args=(args, addrs, me), name="tandem-detokenizer", daemon=True),
     ]
     for p in procs:
         p.start()

@@ -37,6 +37,11 @@ class ServerArgs:
     max_request_bytes: int = 64 * 1024 * 1024
     max_batch_items: int = 4096  # prompts x n in one /generate call
     max_top_logprobs_num: int = 20
+    health_generate_timeout: float = 20.0
+    watchdog_timeout: float = 300.0  # <= 0: off
+    graceful_shutdown_timeout: float = 30.0  # SIGTERM: running requests get this long to finish
+    http_read_timeout: float = 30.0  # a request head, and a request body, must arrive within this
+    max_connections: int = 1024  # concurrent connections/requests; beyond it HTTP 503
     stream_interval: int = 1
     log_level: str = "info"
     random_seed: int = 0

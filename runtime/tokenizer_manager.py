@@ -36,6 +36,9 @@ from tandem.runtime.tokenizer import load_tokenizer, max_chars_per_token
 
 logger = logging.getLogger("tandem.tokenizer_manager")
 DISCONNECT_POLL_S = 0.5
+CONTROL_TIMEOUT_S = 10.0
+ABORT_GRACE_S = 5.0  # how long a shutdown waits for aborted requests to answer their clients
+SHUTTING_DOWN = "the server is shutting down"
 TEXT_CHARS_SLACK = 2  # a normalizer may shrink text before it is split into tokens
 
 
@@ -56,11 +59,12 @@ class TokenizerManager:
         self.groups: dict[str, RequestGroup] = {}  # live logical rid -> its group
         self.choices: dict[str, ChoiceState] = {}  # internal rid -> choice, until it finishes
         self._group_seq = 0
-        self._replies: asyncio.Queue = asyncio.Queue()
-        self._control_lock = asyncio.Lock()
+        self._replies: dict[int, asyncio.Future] = {}  # control req_id -> its reply
+        self._control_seq = 0
         self._validation_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tandem-validate")
         self._tasks: list[asyncio.Task] = []
         self.dead_reason: str | None = None
+        self.draining = False
 
     async def start(self) -> None:
         """Spawn the children and wait until each reports ready (or fail loudly)."""
@@ -115,6 +119,8 @@ class TokenizerManager:
         check its rids, then register and send every choice."""
         if self.dead_reason:
             raise RequestError(500, self.dead_reason)
+        if self.draining:
+            raise RequestError(503, SHUTTING_DOWN)
         norm = await asyncio.get_running_loop().run_in_executor(
             self._validation_pool, normalize_generate_request, body, self.limits, self._tokenize)
         if self.dead_reason:
@@ -224,6 +230,21 @@ class TokenizerManager:
             if self.groups.get(group.logical_rid) is group:
                 del self.groups[group.logical_rid]
 
+    async def drain(self, timeout: float) -> None:
+        """Graceful shutdown: refuse new requests (503), let running ones finish for up to
+        `timeout` s, then end the rest with an abort whose message says why, and wait for their
+        handlers to answer."""
+        self.draining = True
+        deadline = time.monotonic() + timeout
+        while self.groups and time.monotonic() < deadline and not self.dead_reason:
+            await asyncio.sleep(0.05)
+        if self.groups and not self.dead_reason:
+            logger.warning("shutdown: ending %d request(s) still running after %g s", len(self.groups), timeout)
+            send(self.to_scheduler, AbortReq(abort_all=True, message=SHUTTING_DOWN))
+            deadline = time.monotonic() + ABORT_GRACE_S
+            while self.groups and time.monotonic() < deadline and not self.dead_reason:
+                await asyncio.sleep(0.05)
+
     def abort(self, rid: str = "", abort_all: bool = False) -> None:
         """Abort one logical request by its exact rid (an unknown rid aborts nothing), or all."""
         if abort_all:
@@ -265,22 +286,29 @@ class TokenizerManager:
             msg = await async_recv(sock)
             if isinstance(msg, ChildError):
                 self.fail_all(f"{msg.role} failed: {msg.message}")
-            else:
-                await self._replies.put(msg)
+            elif isinstance(msg, (FlushCacheReply, GetServerInfoReply)):
+                fut = self._replies.get(msg.req_id)
+                if fut is not None and not fut.done():  # else: the asker gave up already
+                    fut.set_result(msg)
 
-    async def _control(self, request, reply_type: type, timeout: float = 30.0):
-        async with self._control_lock:
-            send(self.to_scheduler, request)
-            while True:
-                msg = await asyncio.wait_for(self._replies.get(), timeout)
-                if isinstance(msg, reply_type):
-                    return msg
+    async def _control(self, make_request: Callable[[int], Any], timeout: float = CONTROL_TIMEOUT_S):
+        """Send a control request and wait for the reply with its req_id; 503 after `timeout`."""
+        self._control_seq += 1
+        req_id = self._control_seq
+        fut = self._replies[req_id] = asyncio.get_running_loop().create_future()
+        try:
+            send(self.to_scheduler, make_request(req_id))
+            return await asyncio.wait_for(fut, timeout)
+        except asyncio.TimeoutError:
+            raise RequestError(503, f"the scheduler did not answer within {timeout:g} s") from None
+        finally:
+            del self._replies[req_id]
 
     async def flush_cache(self) -> FlushCacheReply:
-        return await self._control(FlushCacheReq(), FlushCacheReply)
+        return await self._control(lambda req_id: FlushCacheReq(req_id=req_id))
 
     async def server_info(self) -> dict[str, Any]:
-        reply: GetServerInfoReply = await self._control(GetServerInfoReq(), GetServerInfoReply)
+        reply: GetServerInfoReply = await self._control(lambda req_id: GetServerInfoReq(req_id=req_id))
         return {**reply.info, **{f"{p.name.removeprefix('tandem-')}_pid": p.pid for p in self.procs}}
 
     def fail_all(self, reason: str) -> None:

@@ -45,13 +45,15 @@ class ServerHandle:
             return f.read()
 
     def stop(self) -> int | None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
+        """SIGTERM (a drain), a second SIGTERM if requests keep it busy, SIGKILL as the last resort."""
+        for sig, wait in ((signal.SIGTERM, 10), (signal.SIGTERM, 10), (signal.SIGKILL, 5)):
+            if self.proc.poll() is not None:
+                break
             try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(5)
+                os.killpg(self.proc.pid, sig) if sig == signal.SIGKILL else self.proc.send_signal(sig)
+                self.proc.wait(wait)
+            except (subprocess.TimeoutExpired, ProcessLookupError):
+                pass
         return self.proc.returncode
 
 

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from tandem.ipc.messages import LogprobArrays
+from tandem.runtime.envs import envs
 from tandem.runtime.model.forward_batch import ForwardBatch, ForwardMode
 from tandem.runtime.model.runner import ModelRunner
 from tandem.runtime.sampling.logprobs import LogprobChunk, batch_output_logprobs, compute_logprobs_from_hidden
@@ -96,6 +97,7 @@ class ForwardWorker:
         self.future_map = future_map
         self.penalty_counts = penalty_counts
         self.stats = stats
+        self._test_hang_s = envs.TEST_FORWARD_HANG.get()
         self._jobs: queue.Queue[tuple[ForwardJob, Future]] = queue.Queue()
         self._thread = threading.Thread(target=self._loop, name="tandem-forward", daemon=True)
         self._thread.start()
@@ -111,6 +113,8 @@ class ForwardWorker:
         # those writes before the job's kernels without any event bookkeeping.
         while True:
             job, fut = self._jobs.get()
+            if self._test_hang_s:
+                time.sleep(self._test_hang_s)
             t0 = time.perf_counter()
             try:
                 fut.set_result(self.run(job))

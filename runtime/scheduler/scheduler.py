@@ -17,6 +17,7 @@ from tandem.ipc.messages import (AbortReq, ChildError, FinishReason, FlushCacheR
                                  GetServerInfoReply, GetServerInfoReq, ReadyMsg, TokenizedGenerateReq)
 from tandem.ipc.sockets import IPCAddresses, bind_pull, connect_push, recv_all_nowait, send
 from tandem.runtime.envs import envs
+from tandem.runtime.launcher import ParentWatch
 from tandem.runtime.model.forward_batch import ForwardMode
 from tandem.runtime.model.runner import ModelRunner
 from tandem.runtime.sampling.penalties import PenaltyCounts
@@ -30,11 +31,11 @@ from tandem.runtime.scheduler.req_rows import ReqRows
 from tandem.runtime.scheduler.request import Req
 from tandem.runtime.scheduler.result_processor import FinishChecker, apply_new_tokens
 from tandem.runtime.scheduler.stats import StepStats
+from tandem.runtime.scheduler.watchdog import Watchdog
 from tandem.runtime.server_args import ServerArgs
 from tandem.runtime.tokenizer import load_tokenizer
 
 logger = logging.getLogger("tandem.scheduler")
-_USER_ABORT = FinishReason(type="abort", message="aborted by request", status_code=200, err_type="abort")
 
 
 def planner_config(args: ServerArgs, runner: ModelRunner) -> PlannerConfig:
@@ -48,8 +49,9 @@ def planner_config(args: ServerArgs, runner: ModelRunner) -> PlannerConfig:
 
 
 class Scheduler:
-    def __init__(self, args: ServerArgs, addrs: IPCAddresses) -> None:
+    def __init__(self, args: ServerArgs, addrs: IPCAddresses, watch: ParentWatch | None = None) -> None:
         self.args = args
+        self.watch = watch
         self.overlap = not args.disable_overlap_schedule
         self.runner = runner = ModelRunner(args)
         self.tokenizer = load_tokenizer(args.tokenizer_path or args.model_path)
@@ -68,8 +70,9 @@ class Scheduler:
                                BatchContext(runner.config.vocab_size, eos_ids, runner.device))
         self.checker = FinishChecker(eos_ids, lambda ids: self.tokenizer.decode(ids))
         self.streamer = OutputStreamer(args.stream_interval)
+        self.watchdog = Watchdog(args.watchdog_timeout)
         self._arrivals = 0
-        self._flush_pending = False
+        self._flush_pending: list[int] = []  # flush requests waiting for no step in flight
         self.ctx = zmq.Context(2)
         self.recv_sock = bind_pull(self.ctx, addrs.tokenizer_to_scheduler)
         self.detok_sock = connect_push(self.ctx, addrs.scheduler_to_detokenizer)
@@ -79,12 +82,12 @@ class Scheduler:
     def event_loop(self) -> None:
         in_flight: ScheduleBatch | None = None
         busy = False  # the previous iteration had a step planned or in flight
-        parent = os.getppid()
         while True:
+            self.watchdog.feed()
             idle = in_flight is None and not self.planner.has_work()
             self._receive(block_ms=500 if idle else 0)
-            if idle and os.getppid() != parent:
-                return  # the main process is gone: never linger as an orphan
+            if self.watch is not None and self.watch.parent_gone():
+                self.watch.exit_orphaned()  # never keep generating for a main process that is gone
             t0 = time.perf_counter()
             batch = self._plan()
             if batch is not None:
@@ -127,15 +130,17 @@ class Scheduler:
         if isinstance(msg, TokenizedGenerateReq):
             self._add_request(msg)
         elif isinstance(msg, AbortReq):
+            reason = FinishReason(type="abort", message=msg.message, status_code=200, err_type="abort")
             for req in self.planner.take(msg.group_prefixes, msg.abort_all):
-                self._end(req, _USER_ABORT)
+                self._end(req, reason)
         elif isinstance(msg, FlushCacheReq):
             if self.planner.has_work():
-                send(self.reply_sock, FlushCacheReply(success=False, message="requests are still running"))
+                send(self.reply_sock, FlushCacheReply(req_id=msg.req_id, success=False,
+                                                      message="requests are still running"))
             else:
-                self._flush_pending = True  # done once no step is in flight
+                self._flush_pending.append(msg.req_id)  # done once no step is in flight
         elif isinstance(msg, GetServerInfoReq):
-            send(self.reply_sock, GetServerInfoReply(info=self.server_info()))
+            send(self.reply_sock, GetServerInfoReply(req_id=msg.req_id, info=self.server_info()))
 
     def _add_request(self, msg: TokenizedGenerateReq) -> None:
         self._arrivals += 1
@@ -148,11 +153,13 @@ class Scheduler:
         self.planner.add(req)
 
     def _flush_cache(self) -> None:
-        self._flush_pending = False
+        req_ids, self._flush_pending = self._flush_pending, []
         ok = not self.planner.has_work()  # requests may have arrived since the flush was asked for
         if ok:
             self.kv.flush()
-        send(self.reply_sock, FlushCacheReply(success=ok, message="" if ok else "requests are still running"))
+        for req_id in req_ids:
+            send(self.reply_sock, FlushCacheReply(req_id=req_id, success=ok,
+                                                  message="" if ok else "requests are still running"))
 
     # -- results ---------------------------------------------------------------------------------------
     def _process(self, batch: ScheduleBatch) -> float:
@@ -230,13 +237,13 @@ class Scheduler:
             self.stats.maybe_log_decode(len(self.planner.running), used, usage, len(self.planner.waiting), self.overlap)
 
 
-def run_scheduler_process(args: ServerArgs, addrs: IPCAddresses) -> None:
+def run_scheduler_process(args: ServerArgs, addrs: IPCAddresses, watch: ParentWatch) -> None:
     """Entry point of the spawned scheduler process."""
     logging.basicConfig(level=args.log_level.upper(), format="[%(asctime)s scheduler] %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the main process decides when we stop
     ctx = zmq.Context()
     try:
-        scheduler = Scheduler(args, addrs)
+        scheduler = Scheduler(args, addrs, watch)
     except Exception as exc:
         logger.exception("scheduler failed to start")
         sock = connect_push(ctx, addrs.scheduler_to_tokenizer)

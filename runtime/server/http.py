@@ -1,6 +1,7 @@
 """The SGLang-compatible native HTTP API (FastAPI on uvicorn/uvloop)."""
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from contextlib import asynccontextmanager
@@ -13,7 +14,7 @@ from fastapi.responses import PlainTextResponse, Response, StreamingResponse
 from tandem.runtime.server.validation import ValidationError
 from tandem.runtime.server_args import ServerArgs
 from tandem.runtime.request_groups import ClientDisconnected, RequestError
-from tandem.runtime.tokenizer_manager import TokenizerManager
+from tandem.runtime.tokenizer_manager import SHUTTING_DOWN, TokenizerManager
 
 logger = logging.getLogger("tandem.http")
 VERSION = "0.1.0"
@@ -50,9 +51,16 @@ def create_app(args: ServerArgs, on_child_death: Callable[[str], None] | None = 
     app = FastAPI(lifespan=lifespan, title="tandem", version=VERSION)
 
     async def read_json(request: Request) -> Any:
-        body = await request.body()
-        if len(body) > args.max_request_bytes:
-            raise ValidationError("body", f"is {len(body)} bytes, more than --max-request-bytes ({args.max_request_bytes})")
+        """The JSON body, read within --http-read-timeout and never past --max-request-bytes."""
+        cap = args.max_request_bytes
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > cap:
+            raise ValidationError("body", f"is {declared} bytes, more than --max-request-bytes ({cap})")
+        try:
+            body = await asyncio.wait_for(_read_capped(request, cap), args.http_read_timeout)
+        except asyncio.TimeoutError:
+            raise RequestError(408, f"the request body did not arrive within --http-read-timeout "
+                                    f"({args.http_read_timeout:g} s)") from None
         try:
             return orjson.loads(body)
         except orjson.JSONDecodeError as exc:
@@ -81,15 +89,20 @@ def create_app(args: ServerArgs, on_child_death: Callable[[str], None] | None = 
     @app.get("/health")
     async def health() -> Response:
         tm = holder.get("tm")
-        if tm is None or tm.dead_reason:
-            return _error(503, tm.dead_reason if tm else "starting")
+        if tm is None or tm.dead_reason or tm.draining:
+            return _error(503, "starting" if tm is None else tm.dead_reason or SHUTTING_DOWN)
         return Response(status_code=200)
 
     @app.get("/health_generate")
     async def health_generate() -> Response:
+        """A one-token generation through every process; 503 when it does not finish in time."""
         tm = holder["tm"]
-        await tm.generate({"input_ids": [0], "sampling_params": {"max_new_tokens": 1, "temperature": 0},
-                           "rid": f"health-{time.monotonic_ns()}"})
+        body = {"input_ids": [0], "sampling_params": {"max_new_tokens": 1, "temperature": 0},
+                "rid": f"health-{time.monotonic_ns()}"}
+        try:
+            await asyncio.wait_for(tm.generate(body), args.health_generate_timeout)
+        except asyncio.TimeoutError:
+            return _error(503, f"a 1-token generation did not finish within {args.health_generate_timeout:g} s")
         return Response(status_code=200)
 
     def model_info() -> dict[str, Any]:
@@ -151,6 +164,16 @@ def create_app(args: ServerArgs, on_child_death: Callable[[str], None] | None = 
         return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
 
     return app
+
+
+async def _read_capped(request: Request, cap: int) -> bytes:
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > cap:
+            raise ValidationError("body", f"is more than --max-request-bytes ({cap}) bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 async def _sse(events: AsyncIterator[dict]) -> AsyncIterator[bytes]:

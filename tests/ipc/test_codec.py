@@ -71,10 +71,10 @@ def sample_messages() -> dict[str, m.Message]:
         m.BatchTokenIDOutput(detokenize_params=[m.DetokenizeParams(stop_strings=("\n\n",)), None],
                              **_batch_columns()),
         m.BatchStrOutput(texts=["hello", ""], **_batch_columns()),
-        m.FlushCacheReq(),
-        m.FlushCacheReply(success=False, message="requests are running"),
-        m.GetServerInfoReq(),
-        m.GetServerInfoReply(info={"num_running_reqs": 2, "token_usage": 0.5, "ok": True}),
+        m.FlushCacheReq(req_id=7),
+        m.FlushCacheReply(req_id=7, success=False, message="requests are running"),
+        m.GetServerInfoReq(req_id=8),
+        m.GetServerInfoReply(req_id=8, info={"num_running_reqs": 2, "token_usage": 0.5, "ok": True}),
         m.ReadyMsg(
             role="scheduler",
             pid=4242,
@@ -309,18 +309,19 @@ GOLDEN_HEX: dict[str, str] = {
         "6765b3746f6b656e697a6572206e6f7420666f756e64"
     ),
     "FlushCacheReply": (
-        "83a474797065af466c75736843616368655265706c79a773756363657373c2a76d657373616765b4"
-        "7265717565737473206172652072756e6e696e67"
+        "84a474797065af466c75736843616368655265706c79a67265715f696407a773756363657373c2a7"
+        "6d657373616765b47265717565737473206172652072756e6e696e67"
     ),
     "FlushCacheReq": (
-        "81a474797065ad466c7573684361636865526571"
+        "82a474797065ad466c7573684361636865526571a67265715f696407"
     ),
     "GetServerInfoReply": (
-        "82a474797065b2476574536572766572496e666f5265706c79a4696e666f83b06e756d5f72756e6e"
-        "696e675f7265717302ab746f6b656e5f7573616765cb3fe0000000000000a26f6bc3"
+        "83a474797065b2476574536572766572496e666f5265706c79a67265715f696408a4696e666f83b0"
+        "6e756d5f72756e6e696e675f7265717302ab746f6b656e5f7573616765cb3fe0000000000000a26f"
+        "6bc3"
     ),
     "GetServerInfoReq": (
-        "81a474797065b0476574536572766572496e666f526571"
+        "82a474797065b0476574536572766572496e666f526571a67265715f696408"
     ),
     "ReadyMsg": (
         "87a474797065a852656164794d7367a4726f6c65a97363686564756c6572a3706964cd1092b06d61"

@@ -116,10 +116,10 @@ def test_nonblocking_recv_and_drain(addrs: IPCAddresses, ctx: zmq.Context) -> No
 def test_send_before_receiver_binds_is_delivered(addrs: IPCAddresses, ctx: zmq.Context) -> None:
     # children may start pushing before the main process has bound; nothing may be lost
     push = connect_push(ctx, addrs.scheduler_to_tokenizer)
-    send(push, FlushCacheReply(success=True, message="early"))
+    send(push, FlushCacheReply(req_id=1, success=True, message="early"))
     pull = bind_pull(ctx, addrs.scheduler_to_tokenizer)
     assert pull.poll(RECV_TIMEOUT_MS)
-    assert recv(pull) == FlushCacheReply(success=True, message="early")
+    assert recv(pull) == FlushCacheReply(req_id=1, success=True, message="early")
     push.close()
     pull.close()
 

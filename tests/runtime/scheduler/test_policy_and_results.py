@@ -76,3 +76,17 @@ def test_streamer_cursors_stay_aligned_across_retraction_and_prefill_only():
     out = streamer.build()
     assert out.new_token_ids[0].tolist() == [] and out.output_logprobs[0].token_logprobs.tolist() == [-0.5]
     assert (prefill_only.sent_token_len, prefill_only.sent_logprob_len) == (0, 1)
+
+
+def test_per_request_constants_travel_only_with_the_first_output():
+    checker = FinishChecker([2], lambda ids: "")
+    streamer = OutputStreamer(default_stream_interval=1)
+    r = _req(1, stream=True, max_new_tokens=5, stop=["x" * 1000])
+    outs = []
+    for tok in (7, 8, 9):
+        apply_new_tokens(r, [tok], None, None, checker)
+        streamer.add(r)
+        outs.append(streamer.build())
+    first, *rest = [o.detokenize_params[0] for o in outs]
+    assert first is not None and first.stop_strings == ("x" * 1000,)
+    assert rest == [None, None]

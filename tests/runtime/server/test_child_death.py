@@ -6,6 +6,7 @@ import signal
 import threading
 import time
 
+import orjson
 import pytest
 import requests
 
@@ -60,20 +61,145 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def test_sigterm_shuts_down_cleanly(tmp_path, tiny_model_dir):
+def _stream_events(server, body: dict, out: list) -> None:
+    resp = requests.post(server.url + "/generate", json={**body, "stream": True}, stream=True, timeout=60)
+    out.extend(line for line in resp.iter_lines() if line)
+
+
+def test_sigterm_drains_then_exits_zero(tmp_path, tiny_model_dir):
+    server = start_server(["--model-path", tiny_model_dir("llama"), "--max-total-tokens", "4000",
+                           "--graceful-shutdown-timeout", "3"], str(tmp_path / "server.log"))
+    try:
+        pids = server.info()
+        long_sp = {"max_new_tokens": 1500, "temperature": 0, "ignore_eos": True}
+        short_events: list = []
+        long_events: list = []
+        results: dict = {}
+        threads = [
+            threading.Thread(target=_stream_events, args=(server, {"input_ids": [5] * 8, "sampling_params": {
+                "max_new_tokens": 30, "temperature": 0, "ignore_eos": True}}, short_events)),
+            threading.Thread(target=_stream_events, args=(server, {"input_ids": [6] * 8, "sampling_params": long_sp},
+                                                         long_events)),
+            threading.Thread(target=lambda: results.setdefault("long", server.generate(
+                {"input_ids": [7] * 8, "sampling_params": long_sp}))),
+        ]
+        for t in threads:
+            t.start()
+        while server.info()["num_running_reqs"] < 3:
+            time.sleep(0.05)
+        server.proc.send_signal(signal.SIGTERM)
+        time.sleep(0.3)
+        refused = server.post("/generate", {"input_ids": [8], "sampling_params": {"max_new_tokens": 1}})
+        assert refused.status_code == 503 and "shutting down" in refused.json()["error"]["message"]
+        assert server.get("/health").status_code == 503
+        for t in threads:
+            t.join(30)
+        assert server.proc.wait(30) == 0
+        assert short_events[-1] == b"data: [DONE]"
+        assert orjson.loads(short_events[-2][6:])["meta_info"]["finish_reason"]["type"] == "length"
+        assert long_events[-1] == b"data: [DONE]"
+        last = orjson.loads(long_events[-2][6:])["meta_info"]["finish_reason"]
+        assert last["type"] == "abort" and "shutting down" in last["message"]
+        reason = results["long"]["meta_info"]["finish_reason"]
+        assert reason["type"] == "abort" and "shutting down" in reason["message"]
+        assert 0 < len(results["long"]["output_ids"]) < 1500  # the partial output is kept
+        for key in ("scheduler_pid", "detokenizer_pid"):
+            assert not _alive(pids[key]), key
+        assert _ipc_dirs(server.proc.pid) == []
+    finally:
+        server.stop()
+
+
+def test_a_second_sigterm_exits_at_once(tmp_path, tiny_model_dir):
+    server = start_server(["--model-path", tiny_model_dir("llama"), "--max-total-tokens", "4000",
+                           "--graceful-shutdown-timeout", "60"], str(tmp_path / "server.log"))
+    try:
+        pids = server.info()
+        _busy(server)
+        server.proc.send_signal(signal.SIGTERM)
+        time.sleep(0.5)
+        assert server.proc.poll() is None  # draining: the long request may take up to 60 s
+        t0 = time.monotonic()
+        server.proc.send_signal(signal.SIGTERM)
+        server.proc.wait(10)
+        assert time.monotonic() - t0 < 10
+        assert _gone_within([pids["scheduler_pid"], pids["detokenizer_pid"]], 5.0)
+    finally:
+        server.stop()
+
+
+def _ipc_dirs(main_pid: int) -> list[str]:
     import glob
     import tempfile
 
-    server = start_server(["--model-path", tiny_model_dir("llama"), "--max-total-tokens", "2000"],
+    return glob.glob(os.path.join(tempfile.gettempdir(), f"tandem-{main_pid}-*"))
+
+
+def _gone_within(pids: list[int], seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if not any(_alive(p) for p in pids):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def _busy(server) -> threading.Thread:
+    """A long generation in the background, so the scheduler is busy when something dies."""
+    def run() -> None:
+        try:
+            server.post("/generate", {"input_ids": [5] * 20, "sampling_params": {
+                "max_new_tokens": 1500, "temperature": 0, "ignore_eos": True}}, timeout=60)
+        except Exception:  # the connection drops with the server
+            pass
+
+    worker = threading.Thread(target=run, daemon=True)
+    worker.start()
+    deadline = time.monotonic() + 10
+    while server.info()["num_running_reqs"] == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return worker
+
+
+def test_killing_the_main_process_leaves_no_orphans_and_no_ipc_dir(tmp_path, tiny_model_dir):
+    server = start_server(["--model-path", tiny_model_dir("llama"), "--max-total-tokens", "4000"],
                           str(tmp_path / "server.log"))
     try:
         pids = server.info()
-        assert glob.glob(os.path.join(tempfile.gettempdir(), f"tandem-{server.proc.pid}-*"))
-        server.proc.send_signal(signal.SIGTERM)
-        # uvicorn shuts down gracefully, then re-raises the signal so the exit status says SIGTERM
-        assert server.proc.wait(30) in (0, -signal.SIGTERM)
-        for key in ("scheduler_pid", "detokenizer_pid"):
-            assert not _alive(pids[key]), key
-        assert not glob.glob(os.path.join(tempfile.gettempdir(), f"tandem-{server.proc.pid}-*"))
+        children = [pids["scheduler_pid"], pids["detokenizer_pid"]]
+        assert _ipc_dirs(server.proc.pid)
+        _busy(server)
+        os.kill(server.proc.pid, signal.SIGKILL)
+        assert _gone_within(children, 2.0), "a child outlived the main process by more than 2 s"
+        assert _ipc_dirs(server.proc.pid) == []
+    finally:
+        server.stop()
+
+
+def test_killing_the_detokenizer_takes_the_server_down(tmp_path, tiny_model_dir):
+    server = start_server(["--model-path", tiny_model_dir("llama"), "--max-total-tokens", "4000"],
+                          str(tmp_path / "server.log"))
+    try:
+        pids = server.info()
+        _busy(server)
+        os.kill(pids["detokenizer_pid"], signal.SIGKILL)
+        assert server.proc.wait(15) != 0
+        assert _gone_within([pids["scheduler_pid"]], 2.0)
+        assert _ipc_dirs(server.proc.pid) == []
+    finally:
+        server.stop()
+
+
+def test_watchdog_takes_a_hung_scheduler_down_with_thread_stacks(tmp_path, tiny_model_dir):
+    server = start_server(["--model-path", tiny_model_dir("llama"), "--max-total-tokens", "4000",
+                           "--watchdog-timeout", "2"], str(tmp_path / "server.log"),
+                          env={"TANDEM_TEST_FORWARD_HANG": "60"})
+    try:
+        resp = server.post("/generate", {"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 2}}, timeout=60)
+        assert resp.status_code == 500 and "scheduler" in resp.json()["error"]["message"]
+        assert server.proc.wait(15) != 0
+        log = server.log()
+        assert "watchdog: the scheduler made no progress" in log
+        assert "tandem-forward" in log or "forward_worker.py" in log  # the hung thread's stack
     finally:
         server.stop()
