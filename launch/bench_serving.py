@@ -179,7 +179,7 @@ async def run_benchmark(
     ) as session:
         await _warmup(session, api_url, rows[0], args)
         if args.flush_cache:
-            async with session.post(f"{base_url}/flush_cache") as resp:
+            async with session.post(f"{base_url}/flush_cache", json={}) as resp:
                 await resp.read()
         sem = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
         pbar = _progress_bar(len(rows), args)

@@ -42,6 +42,9 @@ class ServerArgs:
     graceful_shutdown_timeout: float = 30.0  # SIGTERM: running requests get this long to finish
     http_read_timeout: float = 30.0  # a request head, and a request body, must arrive within this
     max_connections: int = 1024  # concurrent connections/requests; beyond it HTTP 503
+    api_key: str | None = None  # Bearer token for every route but /health
+    admin_api_key: str | None = None  # Bearer token for /flush_cache and abort_all
+    enable_docs: bool = False  # serve /docs and /openapi.json
     stream_interval: int = 1
     log_level: str = "info"
     random_seed: int = 0

@@ -27,7 +27,8 @@ class ServerHandle:
     log_path: str
 
     def post(self, path: str, json=None, **kw) -> requests.Response:
-        return requests.post(self.url + path, json=json, timeout=kw.pop("timeout", 120), **kw)
+        # control routes want a JSON content type even without a body
+        return requests.post(self.url + path, json={} if json is None else json, timeout=kw.pop("timeout", 120), **kw)
 
     def get(self, path: str, **kw) -> requests.Response:
         return requests.get(self.url + path, timeout=kw.pop("timeout", 60), **kw)

@@ -14,6 +14,7 @@ from fastapi.responses import PlainTextResponse, Response, StreamingResponse
 from tandem.runtime.server.validation import ValidationError
 from tandem.runtime.server_args import ServerArgs
 from tandem.runtime.request_groups import ClientDisconnected, RequestError
+from tandem.runtime.server.auth import SECRET_ARGS, ApiKeyMiddleware, is_admin
 from tandem.runtime.tokenizer_manager import SHUTTING_DOWN, TokenizerManager
 
 logger = logging.getLogger("tandem.http")
@@ -48,7 +49,17 @@ def create_app(args: ServerArgs, on_child_death: Callable[[str], None] | None = 
         finally:
             tm.close()
 
-    app = FastAPI(lifespan=lifespan, title="tandem", version=VERSION)
+    docs = {} if args.enable_docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
+    app = FastAPI(lifespan=lifespan, title="tandem", version=VERSION, **docs)
+    app.add_middleware(ApiKeyMiddleware, api_key=args.api_key, admin_api_key=args.admin_api_key)
+
+    def control_request(request: Request, needs_admin: bool) -> None:
+        """Control routes: a JSON content type (no cross-site form can send one) and, for what
+        touches every request, the admin key."""
+        if request.headers.get("content-type", "").split(";")[0].strip().lower() != "application/json":
+            raise RequestError(415, f"{request.url.path} needs Content-Type: application/json")
+        if needs_admin and not is_admin(request.headers, args.api_key, args.admin_api_key):
+            raise RequestError(403, f"{request.url.path} needs the admin API key (--admin-api-key)")
 
     async def read_json(request: Request) -> Any:
         """The JSON body, read within --http-read-timeout and never past --max-request-bytes."""
@@ -116,7 +127,7 @@ def create_app(args: ServerArgs, on_child_death: Callable[[str], None] | None = 
 
     async def server_info() -> dict[str, Any]:
         tm = holder["tm"]
-        info = {k: v for k, v in vars(args).items() if k != "extra"}
+        info = {k: v for k, v in vars(args).items() if k != "extra" and k not in SECRET_ARGS}
         info.update(await tm.server_info())
         info["version"] = VERSION
         return info
@@ -132,8 +143,9 @@ def create_app(args: ServerArgs, on_child_death: Callable[[str], None] | None = 
         return {"object": "list", "data": [{"id": served_name(), "object": "model", "created": 0, "owned_by": "tandem",
                                             "root": served_name(), "max_model_len": tm.model_info["context_len"]}]}
 
-    @app.api_route("/flush_cache", methods=["GET", "POST"])
-    async def flush_cache() -> Response:
+    @app.post("/flush_cache")
+    async def flush_cache(request: Request) -> Response:
+        control_request(request, needs_admin=True)
         reply = await holder["tm"].flush_cache()
         if reply.success:
             return PlainTextResponse("Cache flushed.\n")
@@ -141,6 +153,7 @@ def create_app(args: ServerArgs, on_child_death: Callable[[str], None] | None = 
 
     @app.post("/abort_request")
     async def abort_request(request: Request) -> Response:
+        control_request(request, needs_admin=False)
         body = await read_json(request)
         if not isinstance(body, dict):
             raise ValidationError("body", "must be a JSON object")
@@ -149,6 +162,8 @@ def create_app(args: ServerArgs, on_child_death: Callable[[str], None] | None = 
             raise ValidationError("rid", "must be a string")
         if not isinstance(abort_all, bool):
             raise ValidationError("abort_all", "must be a boolean")
+        if abort_all:
+            control_request(request, needs_admin=True)
         if rid or abort_all:  # exact rid; an unknown or empty rid aborts nothing
             holder["tm"].abort(rid, abort_all)
         return Response(status_code=200)

@@ -1,0 +1,62 @@
+"""API keys, as SGLang's `--api-key` / `--admin-api-key`.
+
+`--api-key`: every route but `/health` needs `Authorization: Bearer <key>` (the admin key is
+accepted too). `--admin-api-key`: the control routes that touch every request (`/flush_cache`,
+`/abort_request` with `abort_all`) need it; without one they take the api key. Keys are
+compared in constant time and never appear in `/server_info`.
+"""
+from __future__ import annotations
+
+import hmac
+from typing import Any, Awaitable, Callable
+
+import orjson
+
+OPEN_PATHS = frozenset({"/health"})
+SECRET_ARGS = frozenset({"api_key", "admin_api_key"})
+
+Scope = dict[str, Any]
+ASGIApp = Callable[[Scope, Callable, Callable], Awaitable[None]]
+
+
+def bearer_token(headers: list[tuple[bytes, bytes]] | Any) -> str | None:
+    for name, value in headers:
+        if name.lower() == b"authorization":
+            scheme, _, token = value.decode("latin-1").partition(" ")
+            return token.strip() if scheme.lower() == "bearer" else None
+    return None
+
+
+def key_matches(token: str | None, key: str | None) -> bool:
+    return key is not None and token is not None and hmac.compare_digest(token.encode(), key.encode())
+
+
+class ApiKeyMiddleware:
+    def __init__(self, app: ASGIApp, api_key: str | None, admin_api_key: str | None) -> None:
+        self.app = app
+        self.api_key = api_key
+        self.admin_api_key = admin_api_key
+
+    async def __call__(self, scope: Scope, receive: Callable, send: Callable) -> None:
+        if scope["type"] == "http" and self.api_key and scope["path"] not in OPEN_PATHS:
+            token = bearer_token(scope["headers"])
+            if not (key_matches(token, self.api_key) or key_matches(token, self.admin_api_key)):
+                await _deny(send, 401, "a valid API key is required: Authorization: Bearer <--api-key>")
+                return
+        await self.app(scope, receive, send)
+
+
+def is_admin(headers: Any, api_key: str | None, admin_api_key: str | None) -> bool:
+    """The caller may use the control routes: the admin key, or (no admin key set) the api key,
+    or no keys configured at all."""
+    token = bearer_token(headers.raw if hasattr(headers, "raw") else headers)
+    if admin_api_key:
+        return key_matches(token, admin_api_key)
+    return not api_key or key_matches(token, api_key)
+
+
+async def _deny(send: Callable, status: int, message: str) -> None:
+    body = orjson.dumps({"error": {"message": message, "code": status}})
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"www-authenticate", b"Bearer")]})
+    await send({"type": "http.response.body", "body": body})
