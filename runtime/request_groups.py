@@ -40,6 +40,7 @@ class ChoiceState:
     completion_tokens: int = 0
     cached_tokens: int = 0
     finish_reason: FinishReason | None = None
+    last_output: float | None = None  # perf_counter of the latest output (metrics)
     version: int = 0  # bumped on every update; streaming sends each version once
 
     @property

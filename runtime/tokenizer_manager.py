@@ -31,6 +31,7 @@ from tandem.runtime.sampling.logprob_format import LogprobFormatOptions, Logprob
 from tandem.runtime.sampling.params import INT64_MAX, INT64_MIN
 from tandem.runtime.server.validation import (GenerateItem, RequestLimits, check_rids_free,
                                               normalize_generate_request)
+from tandem.runtime.server.metrics import ServerMetrics
 from tandem.runtime.server_args import ServerArgs
 from tandem.runtime.tokenizer import load_tokenizer, max_chars_per_token
 
@@ -39,6 +40,7 @@ DISCONNECT_POLL_S = 0.5
 CONTROL_TIMEOUT_S = 10.0
 ABORT_GRACE_S = 5.0  # how long a shutdown waits for aborted requests to answer their clients
 SHUTTING_DOWN = "the server is shutting down"
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 TEXT_CHARS_SLACK = 2  # a normalizer may shrink text before it is split into tokens
 
 
@@ -65,6 +67,7 @@ class TokenizerManager:
         self._tasks: list[asyncio.Task] = []
         self.dead_reason: str | None = None
         self.draining = False
+        self.metrics = ServerMetrics(args.served_model_name or args.model_path or DEFAULT_MODEL_NAME)
 
     async def start(self) -> None:
         """Spawn the children and wait until each reports ready (or fail loudly)."""
@@ -260,12 +263,18 @@ class TokenizerManager:
                 self._apply(msg)
 
     def _apply(self, msg: BatchStrOutput) -> None:
+        now = time.perf_counter()
         for i, rid in enumerate(msg.rids):
             c = self.choices.get(rid)
             if c is None:
                 continue  # its call already ended
+            new_ids = msg.new_token_ids[i].tolist()
+            self.metrics.on_output(now - c.group.created, None if c.last_output is None else now - c.last_output,
+                                   len(new_ids))
+            if new_ids:
+                c.last_output = now
             c.text += msg.texts[i]
-            c.output_ids.extend(msg.new_token_ids[i].tolist())
+            c.output_ids.extend(new_ids)
             c.completion_tokens = msg.completion_tokens[i]
             c.cached_tokens = msg.cached_tokens[i]
             if c.formatter is not None:
@@ -278,6 +287,8 @@ class TokenizerManager:
             if msg.finished_reasons[i] is not None:
                 c.finish_reason = msg.finished_reasons[i]
                 del self.choices[rid]
+                self.metrics.on_finish(c.finish_reason.type, now - c.group.created, c.prompt_tokens,
+                                       c.completion_tokens, c.cached_tokens)
             c.version += 1
             c.group.call.changed.set()
 

@@ -168,13 +168,13 @@ class Scheduler:
         result: GenerationBatchResult = batch.future.result()  # type: ignore[union-attr]
         waited = time.perf_counter() - t0
         self._apply_prompt_rows(batch, result)
+        self.stats.count_generated(sum(map(len, result.next_token_ids)))
         for j, req in enumerate(batch.sampling_reqs):
             if req.finished:  # finished or aborted while this step was in flight
                 continue
             lp = [result.output_logprobs[j]] if result.output_logprobs and result.output_logprobs[j] else None
             hidden = [result.output_hidden[j]] if result.output_hidden and result.output_hidden[j] is not None else None
             done = apply_new_tokens(req, result.next_token_ids[j], lp, hidden, self.checker)
-            self.stats.count_generated(len(result.next_token_ids[j]))
             if done:
                 self._finish(req, req.finished_reason)
             else:

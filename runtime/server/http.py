@@ -9,13 +9,14 @@ from typing import Any, AsyncIterator, Callable
 
 import orjson
 from fastapi import FastAPI, Request
+from prometheus_client import CONTENT_TYPE_LATEST
 from fastapi.responses import PlainTextResponse, Response, StreamingResponse
 
 from tandem.runtime.server.validation import ValidationError
 from tandem.runtime.server_args import ServerArgs
 from tandem.runtime.request_groups import ClientDisconnected, RequestError
 from tandem.runtime.server.auth import SECRET_ARGS, ApiKeyMiddleware, is_admin
-from tandem.runtime.tokenizer_manager import SHUTTING_DOWN, TokenizerManager
+from tandem.runtime.tokenizer_manager import DEFAULT_MODEL_NAME, SHUTTING_DOWN, TokenizerManager
 
 logger = logging.getLogger("tandem.http")
 VERSION = "0.1.0"
@@ -123,7 +124,7 @@ def create_app(args: ServerArgs, on_child_death: Callable[[str], None] | None = 
                 "served_model_name": served_name(), **tm.model_info}
 
     def served_name() -> str:
-        return args.served_model_name or args.model_path or "SmolLM2-135M-Instruct"
+        return args.served_model_name or args.model_path or DEFAULT_MODEL_NAME
 
     async def server_info() -> dict[str, Any]:
         tm = holder["tm"]
@@ -170,13 +171,9 @@ def create_app(args: ServerArgs, on_child_death: Callable[[str], None] | None = 
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        info = await holder["tm"].server_info()
-        lines = []
-        for key in ("num_running_reqs", "num_queue_reqs", "kv_slots_used", "kv_slots_free", "device_idle_fraction"):
-            value = info.get(key)
-            if isinstance(value, (int, float)):
-                lines += [f"# TYPE tandem:{key} gauge", f"tandem:{key} {value}"]
-        return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
+        tm = holder["tm"]
+        tm.metrics.update_from_scheduler(await tm.server_info())
+        return Response(tm.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     return app
 

@@ -1,0 +1,51 @@
+"""/metrics after known traffic: parsed with prometheus_client's parser, the counts match."""
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _scrape(server) -> dict[tuple[str, str], float]:
+    resp = server.get("/metrics")
+    assert resp.status_code == 200 and resp.headers["content-type"].startswith("text/plain")
+    out: dict[tuple[str, str], float] = {}
+    for family in text_string_to_metric_families(resp.text):
+        for s in family.samples:
+            if "le" not in s.labels:
+                out[(s.name, s.labels.get("finish_type", ""))] = s.value
+    return out
+
+
+def test_metrics_count_known_traffic(tiny_server):
+    before = _scrape(tiny_server)
+    sp = {"temperature": 0, "ignore_eos": True}
+    tiny_server.generate({"input_ids": [5, 6, 7], "sampling_params": {**sp, "max_new_tokens": 4}})
+    tiny_server.generate({"input_ids": [8, 9], "sampling_params": {**sp, "max_new_tokens": 6, "n": 2}})
+    with ThreadPoolExecutor(1) as pool:
+        fut = pool.submit(tiny_server.generate, {"input_ids": [10], "rid": "metrics-abort",
+                                                 "sampling_params": {**sp, "max_new_tokens": 1500}})
+        while tiny_server.info()["num_running_reqs"] == 0:
+            time.sleep(0.02)
+        tiny_server.post("/abort_request", {"rid": "metrics-abort"})
+        aborted = fut.result(30)
+    after = _scrape(tiny_server)
+
+    def delta(name: str, finish_type: str = "") -> float:
+        return after.get((name, finish_type), 0.0) - before.get((name, finish_type), 0.0)
+
+    assert delta("sglang:num_requests_total", "length") == 3  # one request + two choices
+    assert delta("sglang:num_requests_total", "abort") == 1
+    assert delta("sglang:prompt_tokens_total") == 3 + 2 * 2 + 1
+    assert delta("sglang:generation_tokens_total") == 4 + 2 * 6 + len(aborted["output_ids"])
+    assert delta("sglang:e2e_request_latency_seconds_count") == 4
+    assert delta("sglang:time_to_first_token_seconds_count") >= 3
+    for name in ("sglang:num_running_reqs", "sglang:num_queue_reqs", "sglang:token_usage", "sglang:cache_hit_rate",
+                 "sglang:gen_throughput", "tandem:device_idle_fraction", "tandem:num_retractions"):
+        assert (name, "") in after, name
+    info = tiny_server.info()
+    assert info["scheduler_pid"] > 0 and info["detokenizer_pid"] > 0
