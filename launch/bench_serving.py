@@ -10,17 +10,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import http.client
 import json
 import math
-import os
-import shlex
-import signal
-import socket
-import subprocess
 import sys
 import time
-import urllib.request
 from collections.abc import Iterator
 from typing import Any
 
@@ -29,6 +22,7 @@ import numpy as np
 import orjson
 
 from tandem.launch.bench_datasets import DatasetRow, get_dataset, load_tokenizer
+from tandem.launch.managed_server import BenchError, start_server
 from tandem.launch.bench_metrics import (
     RequestResult,
     compute_metrics,
@@ -42,11 +36,6 @@ from tandem.launch.bench_metrics import (
 HTTP_TIMEOUT_S = 6 * 3600
 READ_BUFSIZE = 10 * 1024**2
 WARMUP_MAX_NEW_TOKENS = 32
-STOP_GRACE_S = 10.0
-
-
-class BenchError(RuntimeError):
-    """A failure that ends the benchmark with a message instead of a traceback."""
 
 
 class StreamError(RuntimeError):
@@ -202,61 +191,11 @@ async def run_benchmark(
 # ---------------------------------------------------------------- --launch
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _healthy(base_url: str) -> bool:
-    try:
-        with urllib.request.urlopen(f"{base_url}/health", timeout=2) as resp:
-            return resp.status == 200
-    except (OSError, http.client.HTTPException):  # not up yet, or up but half-started
-        return False
-
-
-def wait_for_health(base_url: str, proc: subprocess.Popen, timeout_s: float) -> None:
-    """Poll GET /health until 200; fail at once if the server process dies."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise BenchError(f"server exited with code {proc.returncode} before it was healthy: "
-                             f"{shlex.join(proc.args)}")
-        if _healthy(base_url):
-            return
-        time.sleep(0.5)
-    raise BenchError(f"server not healthy after {timeout_s:.0f} s: {shlex.join(proc.args)}")
-
-
-def stop_server(proc: subprocess.Popen) -> None:
-    """SIGTERM, then SIGKILL after a grace period; then sweep its process group for strays."""
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(STOP_GRACE_S)
-        except subprocess.TimeoutExpired:
-            pass
-    # the server runs in its own session, so its pid is the group id of all its children
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
-
-
 @contextlib.contextmanager
 def launched_server(args: Any) -> Iterator[str]:
-    """Start `python -m <server module> --port P <server args>`; yield its base URL."""
-    port = free_port()
-    cmd = [sys.executable, "-m", args.server_module, "--port", str(port),
-           *shlex.split(args.server_args)]
-    print(f"Launching server: {shlex.join(cmd)}", flush=True)
-    proc = subprocess.Popen(cmd, start_new_session=True)
-    try:
-        base_url = f"http://127.0.0.1:{port}"
-        wait_for_health(base_url, proc, args.launch_timeout)
+    """--launch: a server with --server-args on a free port for the run; yields its base URL."""
+    with start_server(args.server_args, args.server_module, args.launch_timeout) as (base_url, _):
         yield base_url
-    finally:
-        stop_server(proc)
 
 
 # ---------------------------------------------------------------- CLI

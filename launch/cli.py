@@ -12,6 +12,8 @@ _BENCHES = {
     "prefix": "tandem.launch.bench_prefix",
     "logprobs": "tandem.launch.bench_logprobs",
     "kernels": "tandem.launch.bench_kernels",
+    "soak": "tandem.launch.bench_soak",
+    "fuzz": "tandem.launch.bench_fuzz",
 }
 
 

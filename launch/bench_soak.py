@@ -1,0 +1,271 @@
+"""`tandem bench soak`: hours of hostile-but-legal traffic in minutes, and an account of every request.
+
+Starts a server (forced retraction on, priority scheduling on) and drives it for `--minutes`
+with mixed streaming and non-streaming requests: n>1, logprobs, stop strings, priorities, 30%
+of clients hanging up mid-request and 20% of requests aborted through `/abort_request`.
+Then it checks what a long-running server must keep true:
+
+- every request is accounted for: finished, aborted, disconnected by its client, or rejected
+  with a status; none lost (an answer without a finish reason), none hung, no 5xx;
+- nothing leaks: after `/flush_cache` every KV slot and request row is free;
+- memory is flat: the RSS of each process in the last quarter against the first quarter;
+- nothing outlives the server: no process, no IPC directory.
+
+Prints a table and writes JSON; exits 1 when a check fails.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import statistics
+import sys
+import time
+import urllib.request
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+import orjson
+
+from tandem.launch.managed_server import BenchError, alive, ipc_dirs, rss_bytes, start_server, stop_server
+
+REQUEST_TIMEOUT_S = 120.0  # a request still unanswered after this long counts as hung
+RSS_SAMPLE_S = 2.0
+STOP_STRINGS = ["\n\n", " the", "."]
+
+
+@dataclass
+class SoakConfig:
+    minutes: float
+    concurrency: int
+    seed: int
+    max_rss_drift: float
+    server_args: str
+
+
+@dataclass
+class Tally:
+    outcomes: Counter = field(default_factory=Counter)
+    problems: list[str] = field(default_factory=list)  # lost, hung and 5xx, with a short description
+    tokens: int = 0
+
+    def add(self, outcome: str, problem: str | None = None) -> None:
+        self.outcomes[outcome] += 1
+        if problem:
+            self.problems.append(problem)
+
+
+def _body(rng: random.Random, rid: str) -> dict[str, Any]:
+    sp: dict[str, Any] = {"max_new_tokens": rng.randint(1, 64), "temperature": rng.choice([0.0, 0.7, 1.0])}
+    if rng.random() < 0.3:
+        sp["n"] = rng.randint(2, 4)
+    if rng.random() < 0.2:
+        sp["stop"] = rng.sample(STOP_STRINGS, rng.randint(1, 2))
+    if rng.random() < 0.5:
+        sp["ignore_eos"] = True
+    body: dict[str, Any] = {"rid": rid, "sampling_params": sp, "priority": rng.randint(0, 20),
+                            "input_ids": [rng.randint(3, 4000) for _ in range(rng.randint(4, 160))]}
+    if rng.random() < 0.3:
+        body.update(return_logprob=True, top_logprobs_num=rng.randint(0, 3),
+                    logprob_start_len=rng.choice([-1, 0]))
+    if rng.random() < 0.5:
+        body["stream"] = True
+    return body
+
+
+async def _read(resp: aiohttp.ClientResponse, stream: bool) -> list[dict]:
+    """The final result(s) of a call: the last SSE event, or the JSON answer."""
+    if not stream:
+        out = await resp.json(loads=orjson.loads)
+        return out if isinstance(out, list) else [out]
+    last: dict[int, dict] = {}
+    async for line in resp.content:
+        line = line.strip()
+        if line.startswith(b"data: ") and line != b"data: [DONE]":
+            event = orjson.loads(line[6:])
+            if "error" in event:
+                return [event]
+            last[event.get("index", 0)] = event
+    return list(last.values())
+
+
+async def _one(session: aiohttp.ClientSession, url: str, rng: random.Random, rid: str, tally: Tally) -> None:
+    body = _body(rng, rid)
+    action = rng.random()
+    hang_up = action < 0.3  # the client goes away mid-request
+    abort = 0.3 <= action < 0.5  # the client asks the server to abort it
+    task = asyncio.ensure_future(_call(session, url, body))
+    if hang_up or abort:
+        await asyncio.sleep(rng.uniform(0.02, 1.0))
+    if hang_up and not task.done():
+        task.cancel()
+        tally.add("disconnected")
+        return
+    if abort:
+        async with session.post(f"{url}/abort_request", json={"rid": rid}) as resp:
+            if resp.status != 200:
+                tally.add(f"abort_request {resp.status}", f"{rid}: /abort_request answered {resp.status}")
+    try:
+        status, results = await asyncio.wait_for(task, REQUEST_TIMEOUT_S)
+    except asyncio.TimeoutError:
+        tally.add("hung", f"{rid}: no answer within {REQUEST_TIMEOUT_S:g} s")
+        return
+    except aiohttp.ClientError as exc:
+        tally.add("connection error", f"{rid}: {exc!r}")
+        return
+    _account(rid, status, results, tally)
+
+
+async def _call(session: aiohttp.ClientSession, url: str, body: dict) -> tuple[int, list[dict]]:
+    async with session.post(f"{url}/generate", json=body) as resp:
+        if resp.status != 200:
+            return resp.status, [await resp.json(loads=orjson.loads)]
+        return resp.status, await _read(resp, bool(body.get("stream")))
+
+
+def _account(rid: str, status: int, results: list[dict], tally: Tally) -> None:
+    if status >= 500:
+        tally.add(f"rejected {status}", f"{rid}: HTTP {status}: {results}")
+    elif status != 200:
+        tally.add(f"rejected {status}")
+    elif any("error" in r for r in results):
+        tally.add("stream error", f"{rid}: {results}")
+    elif not results or any(r["meta_info"].get("finish_reason") is None for r in results):
+        tally.add("lost", f"{rid}: an answer without a finish reason")
+    else:
+        kinds = {r["meta_info"]["finish_reason"]["type"] for r in results}
+        tally.add("aborted" if "abort" in kinds else "finished")
+        tally.tokens += sum(len(r["output_ids"]) for r in results)
+
+
+async def _drive(url: str, cfg: SoakConfig, pids: dict[str, int]) -> tuple[Tally, dict[str, list[int]], float]:
+    tally, rss = Tally(), {name: [] for name in pids}
+    deadline = time.monotonic() + cfg.minutes * 60
+    counter = iter(range(10**9))
+    timeout = aiohttp.ClientTimeout(total=None, sock_read=REQUEST_TIMEOUT_S)
+
+    async def worker(seed: int) -> None:
+        rng = random.Random(seed)
+        while time.monotonic() < deadline:
+            await _one(session, url, rng, f"soak-{next(counter)}", tally)
+
+    async def sample_rss() -> None:
+        while time.monotonic() < deadline:
+            for name, pid in pids.items():
+                if (value := rss_bytes(pid)) is not None:
+                    rss[name].append(value)
+            await asyncio.sleep(RSS_SAMPLE_S)
+
+    t0 = time.monotonic()
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        await asyncio.gather(sample_rss(), *(worker(cfg.seed * 1000 + i) for i in range(cfg.concurrency)))
+    return tally, rss, time.monotonic() - t0
+
+
+def _quarters(samples: list[int]) -> list[float]:
+    q = len(samples) // 4
+    return [round(statistics.mean(samples[i * q:(i + 1) * q]) / 2**20, 1) for i in range(4)]
+
+
+def _drift(samples: list[int]) -> float:
+    if len(samples) < 4:
+        return 1.0
+    q = len(samples) // 4
+    return statistics.mean(samples[-q:]) / statistics.mean(samples[:q])
+
+
+async def _leak_check(url: str) -> dict[str, Any]:
+    async with aiohttp.ClientSession() as session:
+        for _ in range(300):  # aborted and hung-up requests leave within a few steps
+            async with session.get(f"{url}/get_server_info") as resp:
+                info = await resp.json()
+            if info["num_running_reqs"] == 0 and info["num_queue_reqs"] == 0:
+                break
+            await asyncio.sleep(0.1)
+        async with session.post(f"{url}/flush_cache", json={}) as resp:
+            flushed = resp.status == 200
+        async with session.get(f"{url}/get_server_info") as resp:
+            info = await resp.json()
+    return {"flushed": flushed, "kv_slots_free": info["kv_slots_free"], "kv_slots_total": info["max_total_num_tokens"],
+            "req_rows_free": info["req_rows_free"], "req_rows_total": info["req_rows_total"],
+            "num_retractions": info["num_retractions"]}
+
+
+def run(cfg: SoakConfig) -> dict[str, Any]:
+    env = {"TANDEM_TEST_RETRACT": "1"}
+    with start_server(cfg.server_args, env=env) as (url, proc):
+        info = _get_json(f"{url}/get_server_info")
+        pids = {"main": proc.pid, "scheduler": info["scheduler_pid"], "detokenizer": info["detokenizer_pid"]}
+        tally, rss, seconds = asyncio.run(_drive(url, cfg, pids))
+        leaks = asyncio.run(_leak_check(url))
+        exit_status = stop_server(proc)
+    leftovers = [name for name, pid in pids.items() if alive(pid)] + ipc_dirs(pids["main"])
+    drift = {name: round(_drift(samples), 3) for name, samples in rss.items()}
+    checks = {
+        "every request accounted for (no lost, hung or 5xx)": not tally.problems,
+        "no leaked KV slots or rows after /flush_cache": leaks["flushed"]
+        and leaks["kv_slots_free"] == leaks["kv_slots_total"] and leaks["req_rows_free"] == leaks["req_rows_total"],
+        f"RSS drift <= {cfg.max_rss_drift:g}x (last quarter / first quarter)": max(drift.values()) <= cfg.max_rss_drift,
+        "nothing outlives the server (processes, IPC dirs)": not leftovers,
+        "clean exit on SIGTERM": exit_status == 0,
+    }
+    return {"minutes": cfg.minutes, "seconds": round(seconds, 1), "concurrency": cfg.concurrency,
+            "requests": sum(tally.outcomes.values()), "outcomes": dict(tally.outcomes), "tokens": tally.tokens,
+            "problems": tally.problems[:20], "leaks": leaks,
+            "rss_mb_first_last": {n: [round(s[0] / 2**20, 1), round(s[-1] / 2**20, 1)] for n, s in rss.items() if s},
+            "rss_mb_by_quarter": {n: _quarters(s) for n, s in rss.items() if len(s) >= 4},
+            "rss_drift": drift, "leftovers": leftovers, "exit_status": exit_status, "checks": checks,
+            "ok": all(checks.values())}
+
+
+def _get_json(url: str) -> Any:
+    with urllib.request.urlopen(url, timeout=30) as resp:
+        return orjson.loads(resp.read())
+
+
+def print_report(result: dict[str, Any]) -> None:
+    print(f"\nsoak: {result['requests']} requests in {result['seconds']} s "
+          f"({result['concurrency']} clients), {result['tokens']} tokens, "
+          f"{result['leaks']['num_retractions']} retractions")
+    print(f"{'outcome':<28}{'requests':>10}")
+    for outcome, n in sorted(result["outcomes"].items(), key=lambda kv: -kv[1]):
+        print(f"{outcome:<28}{n:>10}")
+    print(f"\n{'process':<14}{'RSS first MB':>14}{'RSS last MB':>13}{'drift':>8}")
+    for name, (first, last) in result["rss_mb_first_last"].items():
+        print(f"{name:<14}{first:>14}{last:>13}{result['rss_drift'][name]:>8}")
+    print()
+    for check, ok in result["checks"].items():
+        print(f"[{'ok' if ok else 'FAIL'}] {check}")
+    for problem in result["problems"]:
+        print(f"  - {problem}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="tandem bench soak", description=__doc__.split("\n")[0])
+    p.add_argument("--minutes", type=float, default=10.0)
+    p.add_argument("--concurrency", type=int, default=16)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--model-path", default=None, help="default: the embedded SmolLM2-135M-Instruct")
+    p.add_argument("--max-rss-drift", type=float, default=1.25)
+    p.add_argument("--server-args", default="--max-total-tokens 12000 --max-running-requests 16 "
+                   "--enable-priority-scheduling --chunked-prefill-size 256",
+                   help="passed to the launched server (forced retraction is always on)")
+    p.add_argument("--output-file", default=None)
+    args = p.parse_args(sys.argv[1:] if argv is None else argv)
+    server_args = args.server_args + (f" --model-path {args.model_path}" if args.model_path else "")
+    try:
+        result = run(SoakConfig(args.minutes, args.concurrency, args.seed, args.max_rss_drift, server_args))
+    except BenchError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    print_report(result)
+    if args.output_file:
+        with open(args.output_file, "wb") as f:
+            f.write(orjson.dumps(result, option=orjson.OPT_INDENT_2))
+    return 0 if result["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
