@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tandem.launch import bench_serving
+from tandem.launch import bench_serving, managed_server
 
 RESULT_KEYS = (
     "backend", "dataset_name", "request_rate", "num_prompts", "duration", "duration_s", "completed", "failed",
@@ -31,7 +31,7 @@ def test_launch_runs_against_a_real_server(tiny_model_dir, tmp_path: Path, monke
         started.append(proc)
         return proc
 
-    monkeypatch.setattr(bench_serving.subprocess, "Popen", recording_popen)
+    monkeypatch.setattr(managed_server.subprocess, "Popen", recording_popen)
     out = tmp_path / "serving.json"
     server_args = f"--model-path {tiny_model_dir('llama')} --max-total-tokens 4000 --log-level warning"
     try:
