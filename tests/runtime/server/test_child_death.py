@@ -40,11 +40,9 @@ def test_killing_the_scheduler_fails_inflight_requests_and_exits_nonzero(tmp_pat
         assert isinstance(resp, requests.Response) and resp.status_code == 500, resp
         assert "scheduler" in resp.json()["error"]["message"]
         assert server.proc.wait(15) != 0
-        # the detokenizer must not outlive the server
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and _alive(pids["detokenizer_pid"]):
-            time.sleep(0.2)
-        assert not _alive(pids["detokenizer_pid"])
+        # the detokenizer must not outlive the server, nor the IPC directory
+        assert _gone_within([pids["detokenizer_pid"]], 2.0)
+        assert _ipc_dirs(server.proc.pid) == []
     finally:
         server.stop()
 
