@@ -17,10 +17,9 @@ import time
 from collections import Counter
 from typing import Any
 
-import orjson
 import requests
 
-from tandem.launch.managed_server import BenchError, start_server
+from tandem.launch.managed_server import BenchError, leak_check, report_checks, start_server
 
 REQUEST_TIMEOUT_S = 30.0
 REFERENCE = {"input_ids": [11, 12, 13, 14], "sampling_params": {"max_new_tokens": 8, "temperature": 0}}
@@ -125,18 +124,6 @@ def _greedy(url: str) -> list[int]:
     return resp.json()["output_ids"]
 
 
-def _leak_check(url: str) -> bool:
-    for _ in range(300):
-        info = requests.get(url + "/get_server_info", timeout=30).json()
-        if info["num_running_reqs"] == 0 and info["num_queue_reqs"] == 0:
-            break
-        time.sleep(0.1)
-    if requests.post(url + "/flush_cache", json={}, timeout=30).status_code != 200:
-        return False
-    info = requests.get(url + "/get_server_info", timeout=30).json()
-    return info["kv_slots_free"] == info["max_total_num_tokens"] and info["req_rows_free"] == info["req_rows_total"]
-
-
 def run(cases: int, seed: int, server_args: str) -> dict[str, Any]:
     with start_server(server_args) as (url, proc):
         before = _greedy(url)
@@ -145,7 +132,7 @@ def run(cases: int, seed: int, server_args: str) -> dict[str, Any]:
         seconds = time.monotonic() - t0
         healthy = proc.poll() is None and requests.get(url + "/health", timeout=30).status_code == 200
         same = healthy and _greedy(url) == before
-        no_leaks = healthy and _leak_check(url)
+        no_leaks = healthy and leak_check(url)["ok"]
     checks = {"no response >= 500 and no dropped connection": not bad, "healthy afterwards": healthy,
               "greedy output unchanged": same, "no leaked KV slots or rows after /flush_cache": no_leaks}
     return {"cases": cases, "seed": seed, "seconds": round(seconds, 1),
@@ -159,11 +146,6 @@ def print_report(result: dict[str, Any]) -> None:
     for status, n in result["statuses"].items():
         label = {"-1": "timeout", "-2": "dropped"}.get(status, status)
         print(f"{label:<10}{n:>10}")
-    print()
-    for check, ok in result["checks"].items():
-        print(f"[{'ok' if ok else 'FAIL'}] {check}")
-    for line in result["server_errors"]:
-        print(f"  - {line}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -186,10 +168,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     print_report(result)
-    if args.output_file:
-        with open(args.output_file, "wb") as f:
-            f.write(orjson.dumps(result, option=orjson.OPT_INDENT_2))
-    return 0 if result["ok"] else 1
+    return report_checks(result, result["server_errors"], args.output_file)
 
 
 if __name__ == "__main__":

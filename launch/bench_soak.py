@@ -29,7 +29,8 @@ from typing import Any
 import aiohttp
 import orjson
 
-from tandem.launch.managed_server import BenchError, alive, ipc_dirs, rss_bytes, start_server, stop_server
+from tandem.launch.managed_server import (BenchError, alive, ipc_dirs, leak_check, report_checks, rss_bytes,
+                                          start_server, stop_server)
 
 REQUEST_TIMEOUT_S = 120.0  # a request still unanswered after this long counts as hung
 RSS_SAMPLE_S = 2.0
@@ -176,37 +177,19 @@ def _drift(samples: list[int]) -> float:
     return statistics.mean(samples[-q:]) / statistics.mean(samples[:q])
 
 
-async def _leak_check(url: str) -> dict[str, Any]:
-    async with aiohttp.ClientSession() as session:
-        for _ in range(300):  # aborted and hung-up requests leave within a few steps
-            async with session.get(f"{url}/get_server_info") as resp:
-                info = await resp.json()
-            if info["num_running_reqs"] == 0 and info["num_queue_reqs"] == 0:
-                break
-            await asyncio.sleep(0.1)
-        async with session.post(f"{url}/flush_cache", json={}) as resp:
-            flushed = resp.status == 200
-        async with session.get(f"{url}/get_server_info") as resp:
-            info = await resp.json()
-    return {"flushed": flushed, "kv_slots_free": info["kv_slots_free"], "kv_slots_total": info["max_total_num_tokens"],
-            "req_rows_free": info["req_rows_free"], "req_rows_total": info["req_rows_total"],
-            "num_retractions": info["num_retractions"]}
-
-
 def run(cfg: SoakConfig) -> dict[str, Any]:
     env = {"TANDEM_TEST_RETRACT": "1"}
     with start_server(cfg.server_args, env=env) as (url, proc):
         info = _get_json(f"{url}/get_server_info")
         pids = {"main": proc.pid, "scheduler": info["scheduler_pid"], "detokenizer": info["detokenizer_pid"]}
         tally, rss, seconds = asyncio.run(_drive(url, cfg, pids))
-        leaks = asyncio.run(_leak_check(url))
+        leaks = leak_check(url)
         exit_status = stop_server(proc)
     leftovers = [name for name, pid in pids.items() if alive(pid)] + ipc_dirs(pids["main"])
     drift = {name: round(_drift(samples), 3) for name, samples in rss.items()}
     checks = {
         "every request accounted for (no lost, hung or 5xx)": not tally.problems,
-        "no leaked KV slots or rows after /flush_cache": leaks["flushed"]
-        and leaks["kv_slots_free"] == leaks["kv_slots_total"] and leaks["req_rows_free"] == leaks["req_rows_total"],
+        "no leaked KV slots or rows after /flush_cache": leaks["ok"],
         f"RSS drift <= {cfg.max_rss_drift:g}x (last quarter / first quarter)": max(drift.values()) <= cfg.max_rss_drift,
         "nothing outlives the server (processes, IPC dirs)": not leftovers,
         "clean exit on SIGTERM": exit_status == 0,
@@ -235,11 +218,6 @@ def print_report(result: dict[str, Any]) -> None:
     print(f"\n{'process':<14}{'RSS first MB':>14}{'RSS last MB':>13}{'drift':>8}")
     for name, (first, last) in result["rss_mb_first_last"].items():
         print(f"{name:<14}{first:>14}{last:>13}{result['rss_drift'][name]:>8}")
-    print()
-    for check, ok in result["checks"].items():
-        print(f"[{'ok' if ok else 'FAIL'}] {check}")
-    for problem in result["problems"]:
-        print(f"  - {problem}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -261,10 +239,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     print_report(result)
-    if args.output_file:
-        with open(args.output_file, "wb") as f:
-            f.write(orjson.dumps(result, option=orjson.OPT_INDENT_2))
-    return 0 if result["ok"] else 1
+    return report_checks(result, result["problems"], args.output_file)
 
 
 if __name__ == "__main__":

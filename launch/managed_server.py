@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import glob
 import http.client
+import json
 import os
 import shlex
 import signal
@@ -16,6 +17,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 
@@ -108,3 +110,43 @@ def alive(pid: int) -> bool:
 
 def ipc_dirs(main_pid: int) -> list[str]:
     return glob.glob(os.path.join(tempfile.gettempdir(), f"tandem-{main_pid}-*"))
+
+
+def _http_json(url: str, data: bytes | None = None) -> tuple[int, dict]:
+    headers = {"Content-Type": "application/json"} if data is not None else {}
+    request = urllib.request.Request(url, data=data, headers=headers, method="POST" if data is not None else "GET")
+    try:
+        with urllib.request.urlopen(request, timeout=60) as resp:
+            body = resp.read()
+            return resp.status, json.loads(body) if body.startswith(b"{") else {}
+    except urllib.error.HTTPError as exc:
+        return exc.code, {}
+
+
+def leak_check(base_url: str) -> dict:
+    """Wait until nothing runs or waits, flush the cache, then count what is free."""
+    for _ in range(300):  # aborted and hung-up requests leave within a few steps
+        _, info = _http_json(f"{base_url}/get_server_info")
+        if info["num_running_reqs"] == 0 and info["num_queue_reqs"] == 0:
+            break
+        time.sleep(0.1)
+    status, _ = _http_json(f"{base_url}/flush_cache", b"{}")
+    _, info = _http_json(f"{base_url}/get_server_info")
+    return {"flushed": status == 200, "kv_slots_free": info["kv_slots_free"],
+            "kv_slots_total": info["max_total_num_tokens"], "req_rows_free": info["req_rows_free"],
+            "req_rows_total": info["req_rows_total"], "num_retractions": info["num_retractions"],
+            "ok": status == 200 and info["kv_slots_free"] == info["max_total_num_tokens"]
+            and info["req_rows_free"] == info["req_rows_total"]}
+
+
+def report_checks(result: dict, problems: list[str], output_file: str | None) -> int:
+    """Print each check and the problems found, write the JSON; 0 when every check passed."""
+    print()
+    for check, ok in result["checks"].items():
+        print(f"[{'ok' if ok else 'FAIL'}] {check}")
+    for problem in problems:
+        print(f"  - {problem}")
+    if output_file:
+        with open(output_file, "w") as f:
+            json.dump(result, f, indent=2)
+    return 0 if result["ok"] else 1
