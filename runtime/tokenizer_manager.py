@@ -63,6 +63,7 @@ class TokenizerManager:
         self._group_seq = 0
         self._replies: dict[int, asyncio.Future] = {}  # control req_id -> its reply
         self._control_seq = 0
+        # request validation / tokenizing and large response building, off the event loop
         self._validation_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tandem-validate")
         self._tasks: list[asyncio.Task] = []
         self.dead_reason: str | None = None
@@ -194,8 +195,16 @@ class TokenizerManager:
                 raise err
         finally:
             self._end_call(call)
-        results = [c.result() for c in call.choices]
+        results = await self._results(call)
         return results if (call.is_batch or len(results) > 1) else results[0]
+
+    async def _results(self, call: Call) -> list[dict]:
+        """The response items; built off the event loop when they carry logprobs or hidden
+        states (hundreds of thousands of nested rows would stall every other request)."""
+        if any(c.formatter is not None or c.hidden_states is not None for c in call.choices):
+            return await asyncio.get_running_loop().run_in_executor(
+                self._validation_pool, lambda: [c.result() for c in call.choices])
+        return [c.result() for c in call.choices]
 
     async def generate_stream(self, body: Any) -> AsyncIterator[dict]:
         """Streaming: cumulative results as they grow; ends when every choice has finished.

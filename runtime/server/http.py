@@ -96,7 +96,11 @@ def create_app(args: ServerArgs, on_child_death: Callable[[str], None] | None = 
         body = await read_json(request)
         if isinstance(body, dict) and body.get("stream"):
             return StreamingResponse(_sse(await tm.generate_stream(body)), media_type="text/event-stream")
-        return _json(await tm.generate(body, request.is_disconnected))
+        result = await tm.generate(body, request.is_disconnected)
+        if isinstance(body, dict) and (body.get("return_logprob") or body.get("return_hidden_states")):
+            # encoding a large logprob / hidden-state answer must not stall the event loop
+            return await asyncio.get_running_loop().run_in_executor(None, _json, result)
+        return _json(result)
 
     @app.get("/health")
     async def health() -> Response:
