@@ -97,6 +97,34 @@ def run_engine(args: argparse.Namespace, wl: Workload, overlap: bool) -> SystemR
     return SystemResult(name, tokens, seconds, tokens, idle_in_window(before, info), keep)
 
 
+def run_guided(args: argparse.Namespace, wl: Workload, schema: str) -> tuple[SystemResult, SystemResult, Any]:
+    """--json-schema: every sequence constrained by the schema, then the same prompts unconstrained
+    with each sequence's output length matched to what the constrained run produced (a grammar
+    ends sequences early; matching the lengths compares the same work). One engine, overlap on,
+    the cache flushed before each timed run."""
+    from tandem.runtime.engine import Engine
+
+    with Engine(args.model_path, dtype=args.dtype, max_total_tokens=args.max_total_tokens,
+                max_running_requests=args.max_running_requests, log_level="warning") as engine:
+        constrained = [{**_greedy(n), "json_schema": schema} for n in wl.output_lens]
+        engine.generate(input_ids=wl.prompts[:2], sampling_params=constrained[:2])  # warm-up, compiles
+        engine.flush_cache()
+        t0 = time.perf_counter()
+        outs = engine.generate(input_ids=wl.prompts, sampling_params=constrained)
+        guided_s = time.perf_counter() - t0
+        mask_us = engine.server_info().get("grammar_mask_us_per_row")
+        lens = [o["meta_info"]["completion_tokens"] for o in outs]
+        engine.flush_cache()
+        t0 = time.perf_counter()
+        plain = engine.generate(input_ids=wl.prompts, sampling_params=[_greedy(n) for n in lens])
+        plain_s = time.perf_counter() - t0
+    tokens = sum(lens)
+    if sum(o["meta_info"]["completion_tokens"] for o in plain) != tokens:
+        raise RuntimeError("the unconstrained run did not match the constrained output lengths")
+    return (SystemResult("tandem json_schema", tokens, guided_s, tokens, info={"grammar_mask_us_per_row": mask_us}),
+            SystemResult("tandem same lengths", tokens, plain_s, tokens), mask_us)
+
+
 def idle_in_window(before: dict[str, Any], after: dict[str, Any]) -> float | None:
     """Device idle share of the timed run alone, from the worker's cumulative busy/idle seconds.
     The server's device_idle_fraction is cumulative since start (warm-up included); it is the
@@ -199,7 +227,9 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 def build_report(args: argparse.Namespace, wl: Workload, res: dict[str, SystemResult]) -> dict[str, Any]:
     on, off, bare, hf = (res.get(k) for k in ("overlap", "no_overlap", "bare", "transformers"))
+    guided, same = res.get("guided"), res.get("guided_baseline")
     report: dict[str, Any] = {
+        "guided_over_unconstrained": _ratio(guided.tok_s, same.tok_s) if guided and same else None,
         "tandem_overlap_tok_s": round(on.tok_s, 2),
         "tandem_no_overlap_tok_s": round(off.tok_s, 2),
         "bare_tok_s": round(bare.tok_s, 2),
@@ -246,6 +276,10 @@ def format_table(res: dict[str, SystemResult], report: dict[str, Any]) -> str:
     lines.append(f"tandem / transformers   {_times(report['tandem_over_transformers'])}")
     lines.append(f"tandem / bare           {_fmt(report['tandem_over_bare'], '.2f')}   (serving efficiency)")
     lines.append(f"overlap on / off        {_times(report['overlap_speedup'])}")
+    if report["guided_over_unconstrained"] is not None:
+        lines.append(f"json_schema / unconstrained (same output lengths)   "
+                     f"{_times(report['guided_over_unconstrained'])}   grammar mask "
+                     f"{_fmt(report.get('guided_grammar_mask_us_per_row'), '.1f')} us per row per step")
     return "\n".join(lines)
 
 
@@ -265,6 +299,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--max-total-tokens", type=int, default=None, help="KV slots; default fits every sequence at once")
     a("--hf-batch-size", type=int, default=16)
     a("--skip-transformers", action="store_true")
+    a("--json-schema", default=None, help="also run every sequence under this JSON schema (a file) against "
+                                          "the same prompts unconstrained, with matched output lengths")
     a("--output-file", default=None, help="write the result as JSON")
     return p
 
@@ -298,6 +334,9 @@ def main(argv: list[str] | None = None) -> int:
     res["bare"] = run_bare(args, wl)
     if not args.skip_transformers:
         res["transformers"] = run_transformers(args, wl)
+    if args.json_schema:
+        with open(args.json_schema, encoding="utf-8") as f:
+            res["guided"], res["guided_baseline"], _ = run_guided(args, wl, f.read())
     report = build_report(args, wl, res)
     print(format_table(res, report), flush=True)
     if args.output_file:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import copy
 import json
 import math
 import sys
@@ -59,6 +60,8 @@ def build_payload(prompt: str | list[int], max_new_tokens: int, args: Any) -> di
         "return_logprob": args.return_logprob,
         "logprob_start_len": -1,
     }
+    if getattr(args, "json_schema_text", None):
+        payload["sampling_params"]["json_schema"] = args.json_schema_text
     payload.update(args.extra_body)
     return payload
 
@@ -236,6 +239,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--disable-ignore-eos", action="store_true")
     a("--return-logprob", action="store_true")
     a("--extra-request-body", default=None, help="JSON object merged into every payload")
+    a("--json-schema", default=None, help="constrain every request by this JSON schema (a file), then run the "
+                                          "same prompts unconstrained with matched output lengths, and compare")
     a("--flush-cache", action="store_true", help="POST /flush_cache after warmup")
     a("--disable-tqdm", action="store_true")
     a("--output-file", default=None, help="write the result as JSON")
@@ -260,6 +265,10 @@ def _join_server_args(argv: list[str]) -> list[str]:
 def parse_args(argv: list[str]) -> argparse.Namespace:
     args = build_parser().parse_args(_join_server_args(argv))
     args.extra_body = json.loads(args.extra_request_body) if args.extra_request_body else {}
+    args.json_schema_text = None
+    if args.json_schema:
+        with open(args.json_schema, encoding="utf-8") as f:
+            args.json_schema_text = f.read()
     if args.num_prompts < 1 and args.dataset_name != "generated-shared-prefix":
         raise SystemExit("--num-prompts must be >= 1")
     return args
@@ -305,8 +314,32 @@ def _run(args: argparse.Namespace, base_url: str) -> dict[str, Any]:
         raise BenchError("the dataset produced no prompts")
     print(f"#Prompts: {len(rows)}  #Input tokens: {sum(r.prompt_len for r in rows)}  "
           f"#Output tokens: {sum(r.output_len for r in rows)}", flush=True)
+    if args.json_schema_text:
+        return _run_guided(args, rows, base_url)
     results, duration, t0 = asyncio.run(run_benchmark(args, rows, base_url))
     return report(args, results, duration, t0)
+
+
+def _run_guided(args: argparse.Namespace, rows: list[DatasetRow], base_url: str) -> dict[str, Any]:
+    """--json-schema: constrained, then unconstrained with each request's output length matched to
+    what the grammar let it produce (the cache flushed before each run)."""
+    each = copy.copy(args)
+    each.output_file, each.plot, each.flush_cache = None, None, True
+    print("\n== constrained by the JSON schema", flush=True)
+    results, duration, t0 = asyncio.run(run_benchmark(each, rows, base_url))
+    guided = report(each, results, duration, t0)
+    matched = [DatasetRow(row.prompt, row.prompt_len, max(res.output_len, 1)) for row, res in zip(rows, results)]
+    each.json_schema_text = None
+    print("\n== unconstrained, same output lengths", flush=True)
+    results, duration, t0 = asyncio.run(run_benchmark(each, matched, base_url))
+    plain = report(each, results, duration, t0)
+    ratio = guided["output_throughput"] / plain["output_throughput"] if plain["output_throughput"] else None
+    print(f"\njson_schema / unconstrained output throughput: {ratio:.2f}x" if ratio else "", flush=True)
+    combined = {"json_schema": guided, "unconstrained_same_lengths": plain, "guided_over_unconstrained": ratio}
+    if args.output_file:
+        with open(args.output_file, "w", encoding="utf-8") as f:
+            json.dump(combined, f, indent=2)
+    return guided
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -45,6 +45,8 @@ class ServerArgs:
     api_key: str | None = None  # Bearer token for every route but /health
     admin_api_key: str | None = None  # Bearer token for /flush_cache and abort_all
     enable_docs: bool = False  # serve /docs and /openapi.json
+    grammar_backend: str = "xgrammar"  # guided decoding: xgrammar | none
+    grammar_compile_timeout: float = 30.0  # a grammar not compiled by then: the request gets a 400
     stream_interval: int = 1
     log_level: str = "info"
     random_seed: int = 0
@@ -60,6 +62,7 @@ class ServerArgs:
             "max_running_requests": self.max_running_requests > 0,
             "tp_size": self.tp_size >= 1,
             "max_batch_items": self.max_batch_items >= 1,
+            "grammar_backend": self.grammar_backend in ("xgrammar", "none"),
             "max_top_logprobs_num": self.max_top_logprobs_num >= 0,
         }
         bad = [name for name, ok in checks.items() if not ok]

@@ -96,7 +96,8 @@ class TokenizerManager:
         self.limits = RequestLimits(
             vocab_size=self.vocab_size, context_len=self.context_len, max_batch_items=args.max_batch_items,
             max_top_logprobs_num=args.max_top_logprobs_num,
-            max_text_chars=self.context_len * max_chars_per_token(self.tokenizer) * TEXT_CHARS_SLACK)
+            max_text_chars=self.context_len * max_chars_per_token(self.tokenizer) * TEXT_CHARS_SLACK,
+            guided_decoding=args.grammar_backend != "none")
         self._tasks = [asyncio.ensure_future(self._detok_loop()),
                        asyncio.ensure_future(self._control_loop(self.from_scheduler)),
                        asyncio.ensure_future(self._watch_children())]

@@ -12,6 +12,7 @@ import struct
 from typing import Any
 
 import msgspec
+import orjson
 
 # Limits shared with the HTTP layer; SGLang uses the same ranges.
 MAX_STOP_STRINGS = 32
@@ -57,10 +58,24 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     n: int = 1
     sampling_seed: int | None = None
     stream_interval: int | None = None
+    # guided decoding: at most one is set (`choice` arrives as a regex alternation)
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+    structural_tag: str | None = None
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
+
+    @property
+    def constraint(self) -> tuple[str, str] | None:
+        """(kind, text) of the request's grammar, or None when it is unconstrained."""
+        for kind in GRAMMAR_KINDS:
+            text = getattr(self, kind)
+            if text is not None:
+                return kind, text
+        return None
 
     @property
     def has_penalties(self) -> bool:
@@ -72,17 +87,18 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
     @classmethod
     def from_request(
-        cls, d: Any, vocab_size: int, *, field: str = "sampling_params"
+        cls, d: Any, vocab_size: int, *, field: str = "sampling_params", guided_decoding: bool = True
     ) -> "SamplingParams":
         """Validate a JSON `sampling_params` object (None means all defaults).
 
         `field` prefixes error messages, e.g. "sampling_params[2]" for one item of a batch.
+        `guided_decoding` False (`--grammar-backend none`) makes every constraint a 400.
         """
         if d is None:
             return cls()
         if not isinstance(d, dict):
             raise ValidationError(field, f"must be an object, got {_type_name(d)}")
-        return _Checker(d, field, vocab_size).build()
+        return _Checker(d, field, vocab_size, guided_decoding).build()
 
 
 def _type_name(v: Any) -> str:
@@ -131,19 +147,21 @@ _BOOL_FIELDS = (
     "spaces_between_special_tokens",
     "no_stop_trim",
 )
-# SGLang's guided-decoding fields: a 400 until guided decoding lands, never silently ignored
-GUIDED_FIELDS = ("json_schema", "regex", "ebnf", "structural_tag", "choice")
+GRAMMAR_KINDS = ("json_schema", "regex", "ebnf", "structural_tag")
+GUIDED_FIELDS = (*GRAMMAR_KINDS, "choice")  # SGLang's names; choice becomes a regex
 _ALIASES = {"seed": "sampling_seed"}
-_KNOWN = set(SamplingParams.__struct_fields__) | set(_ALIASES)
+_KNOWN = set(SamplingParams.__struct_fields__) | set(_ALIASES) | {"choice"}
+_REGEX_SPECIAL = frozenset("\\^$.|?*+()[]{}")
 
 
 class _Checker:
     """Reads one sampling_params dict field by field; JSON null means "use the default"."""
 
-    def __init__(self, d: dict, prefix: str, vocab_size: int) -> None:
+    def __init__(self, d: dict, prefix: str, vocab_size: int, guided_decoding: bool) -> None:
         self.d = d
         self.prefix = prefix
         self.vocab_size = vocab_size
+        self.guided_decoding = guided_decoding
         self.out: dict[str, Any] = {}
 
     def fail(self, name: str, message: str) -> ValidationError:
@@ -151,10 +169,6 @@ class _Checker:
 
     def build(self) -> SamplingParams:
         for key in self.d:
-            if key in GUIDED_FIELDS:
-                if self.d[key] is None:
-                    continue
-                raise self.fail(key, "needs guided decoding, which is not available on this server")
             if key not in _KNOWN:
                 raise self.fail(key_name(key), "is not a known sampling parameter")
         self._scalars()
@@ -162,6 +176,7 @@ class _Checker:
         self._stop()
         self._logit_bias()
         self._seed()
+        self._grammar()
         return SamplingParams(**self.out)
 
     def _present(self, name: str) -> bool:
@@ -291,6 +306,57 @@ class _Checker:
         if not is_int(v) or not fits_int64(v):
             raise self.fail(given[0], f"must be a 64-bit integer, got {short(v)}")
         self.out["sampling_seed"] = v
+
+    def _grammar(self) -> None:
+        given = [k for k in GUIDED_FIELDS if self._present(k)]
+        if not given:
+            return
+        if not self.guided_decoding:
+            raise self.fail(given[0], "needs guided decoding, which is off on this server (--grammar-backend none)")
+        if len(given) > 1:
+            raise self.fail(given[1], f"cannot be combined with {given[0]}; give one constraint")
+        name, v = given[0], self.d[given[0]]
+        if name == "choice":
+            self.out["regex"] = self._choice_regex(v)
+        elif name in ("json_schema", "structural_tag"):
+            self.out[name] = self._json_text(name, v)
+        else:
+            if not isinstance(v, str):
+                raise self.fail(name, f"must be a string, got {_type_name(v)}")
+            if not v:
+                raise self.fail(name, "is an empty constraint")
+            self.out[name] = v
+
+    def _choice_regex(self, v: Any) -> str:
+        """An alternation of the literal choices: every regex metacharacter escaped."""
+        if not isinstance(v, list):
+            raise self.fail("choice", f"must be a list of strings, got {_type_name(v)}")
+        if not v:
+            raise self.fail("choice", "is an empty constraint")
+        for i, c in enumerate(v):
+            if not isinstance(c, str) or not c:
+                raise self.fail(f"choice[{i}]", f"must be a non-empty string, got {short(c)}")
+        escaped = ("".join("\\" + ch if ch in _REGEX_SPECIAL else ch for ch in c) for c in v)
+        return "(?:" + "|".join(escaped) + ")"
+
+    def _json_text(self, name: str, v: Any) -> str:
+        """JSON schema / structural tag as JSON text, checked to parse (xgrammar checks the rest)."""
+        if isinstance(v, dict):  # an inline object, for convenience
+            try:
+                v = orjson.dumps(v).decode()
+            except orjson.JSONEncodeError as exc:
+                raise self.fail(name, f"cannot be encoded as JSON: {exc}") from None
+        if not isinstance(v, str):
+            raise self.fail(name, f"must be a JSON string, got {_type_name(v)}")
+        if not v.strip():
+            raise self.fail(name, "is an empty constraint")
+        try:
+            parsed = orjson.loads(v)
+        except orjson.JSONDecodeError as exc:
+            raise self.fail(name, f"is not valid JSON: {exc}") from None
+        if not isinstance(parsed, dict) and not (name == "json_schema" and isinstance(parsed, bool)):
+            raise self.fail(name, f"must be a JSON object, got {_type_name(parsed)}")
+        return v
 
 
 _INT_KEY = re.compile(r"-?[0-9]{1,19}")

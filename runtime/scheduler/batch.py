@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from tandem.runtime.grammar.mask import GrammarMask
 from tandem.runtime.model.forward_batch import ForwardMode
 from tandem.runtime.sampling.sampler import SamplingBatchInfo
 from tandem.runtime.scheduler.forward_worker import ForwardJob, InputLogprobTask, PenaltyInfo, PromptRowsTask
@@ -93,8 +94,14 @@ def build_batch(mode: ForwardMode, spans: list[ExtendSpan], ctx: BatchContext) -
         return_hidden=[r.return_hidden_states for r in sreqs] if want_hidden else None,
         input_logprob_tasks=lp_tasks, prompt_hidden_tasks=hidden_tasks,
         penalties=_penalties(sreqs, outputs_before, ctx) if sreqs else None,
+        grammar_mask=_grammar_mask(sreqs),
     )
     return ScheduleBatch(mode, spans, job)
+
+
+def _grammar_mask(sampling_reqs: list[Req]) -> GrammarMask | None:
+    rows = [i for i, r in enumerate(sampling_reqs) if r.sampling_params.constraint is not None]
+    return GrammarMask(rows) if rows else None
 
 
 def _sampling_info(reqs: list[Req], ctx: BatchContext) -> SamplingBatchInfo:

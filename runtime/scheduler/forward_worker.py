@@ -19,6 +19,7 @@ import torch
 
 from tandem.ipc.messages import LogprobArrays
 from tandem.runtime.envs import envs
+from tandem.runtime.grammar.mask import GrammarMask
 from tandem.runtime.model.forward_batch import ForwardBatch, ForwardMode
 from tandem.runtime.model.runner import ModelRunner
 from tandem.runtime.sampling.logprobs import LogprobChunk, batch_output_logprobs, compute_logprobs_from_hidden
@@ -73,6 +74,7 @@ class ForwardJob:
     input_logprob_tasks: list[InputLogprobTask] = field(default_factory=list)
     prompt_hidden_tasks: list[PromptRowsTask] = field(default_factory=list)
     penalties: PenaltyInfo | None = None
+    grammar_mask: GrammarMask | None = None  # filled by the scheduler while this step's forward runs
     follows_busy_step: bool = False  # the scheduler had work since the previous job: a gap before it is idling
 
 
@@ -149,6 +151,8 @@ class ForwardWorker:
         return GenerationBatchResult([[t] for t in next_ids.tolist()], out_lp, out_hidden, input_chunks, prompt_hidden)
 
     def _sample(self, logits: torch.Tensor, job: ForwardJob, sample_rows: torch.Tensor) -> torch.Tensor:
+        if job.grammar_mask is not None:  # before penalties: a bias cannot revive a masked token
+            logits = job.grammar_mask.apply(logits)
         pen = job.penalties
         if pen is not None:
             counts = self.penalty_counts.gather(sample_rows) if pen.counts_active else None

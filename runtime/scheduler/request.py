@@ -10,6 +10,7 @@ from __future__ import annotations
 import random
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -36,6 +37,9 @@ class Req:
 
     output_ids: list[int] = field(default_factory=list)
     finished_reason: FinishReason | None = None
+    # guided decoding: an xgrammar GrammarMatcher that has accepted every output token so far
+    # (retraction keeps the output, so the matcher stays valid across it)
+    grammar: Any | None = None
 
     # memory: the row in ReqToTokenPool and how many of its positions hold allocated KV slots
     req_pool_idx: int | None = None

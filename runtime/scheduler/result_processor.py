@@ -18,7 +18,8 @@ class FinishChecker:
         self.decode = decode
 
     def finished_len(self, req: Req, new_tokens: list[int]) -> tuple[int, FinishReason | None]:
-        """How many of `new_tokens` to keep, and why the request ends (None: it goes on)."""
+        """How many of `new_tokens` to keep, and why the request ends (None: it goes on).
+        A constrained request's matcher accepts each kept token here, in order."""
         sp = req.sampling_params
         base = len(req.output_ids)
         for i, tok in enumerate(new_tokens):
@@ -30,6 +31,12 @@ class FinishChecker:
                     return i + 1, FinishReason(type="stop", matched=tok)
                 if sp.stop and (hit := self._stop_string(req, new_tokens[:i + 1])) is not None:
                     return i + 1, FinishReason(type="stop", matched=hit)
+            if req.grammar is not None:
+                if not req.grammar.accept_token(tok):  # the mask allowed it, so this is a bug
+                    return i, FinishReason(type="abort", status_code=500, err_type="InternalServerError",
+                                           message=f"the grammar rejected sampled token {tok}")
+                if req.grammar.is_terminated():  # the grammar is complete: the request ends
+                    return i + 1, FinishReason(type="stop", matched=tok)
             if n_out == sp.max_new_tokens:
                 return i + 1, FinishReason(type="length", length=sp.max_new_tokens)
         return len(new_tokens), None

@@ -17,6 +17,7 @@ from tandem.ipc.messages import (AbortReq, ChildError, FinishReason, FlushCacheR
                                  GetServerInfoReply, GetServerInfoReq, ReadyMsg, TokenizedGenerateReq)
 from tandem.ipc.sockets import IPCAddresses, bind_pull, connect_push, recv_all_nowait, send
 from tandem.runtime.envs import envs
+from tandem.runtime.grammar.backend import GrammarBackend
 from tandem.runtime.launcher import ParentWatch
 from tandem.runtime.model.forward_batch import ForwardMode
 from tandem.runtime.model.runner import ModelRunner
@@ -24,6 +25,7 @@ from tandem.runtime.sampling.penalties import PenaltyCounts
 from tandem.runtime.scheduler.batch import BatchContext, ScheduleBatch
 from tandem.runtime.scheduler.forward_worker import ForwardWorker, GenerationBatchResult
 from tandem.runtime.scheduler.future_map import FutureMap
+from tandem.runtime.scheduler.grammar_queue import GrammarQueue
 from tandem.runtime.scheduler.kv_manager import KVManager
 from tandem.runtime.scheduler.output_streamer import OutputStreamer
 from tandem.runtime.scheduler.planner import Planner, PlannerConfig
@@ -36,6 +38,7 @@ from tandem.runtime.server_args import ServerArgs
 from tandem.runtime.tokenizer import load_tokenizer
 
 logger = logging.getLogger("tandem.scheduler")
+GRAMMAR_POLL_MS = 5
 
 
 def planner_config(args: ServerArgs, runner: ModelRunner) -> PlannerConfig:
@@ -70,6 +73,11 @@ class Scheduler:
                                BatchContext(runner.config.vocab_size, eos_ids, runner.device))
         self.checker = FinishChecker(eos_ids, lambda ids: self.tokenizer.decode(ids))
         self.streamer = OutputStreamer(args.stream_interval)
+        self.grammar: GrammarBackend | None = None
+        self.grammar_queue: GrammarQueue | None = None
+        if args.grammar_backend == "xgrammar":
+            self.grammar = GrammarBackend(self.tokenizer, runner.config.vocab_size)
+            self.grammar_queue = GrammarQueue(self.grammar, args.grammar_compile_timeout)
         self.watchdog = Watchdog(args.watchdog_timeout)
         self._arrivals = 0
         self._flush_pending: list[int] = []  # flush requests waiting for no step in flight
@@ -85,7 +93,8 @@ class Scheduler:
         while True:
             self.watchdog.feed()
             idle = in_flight is None and not self.planner.has_work()
-            self._receive(block_ms=500 if idle else 0)
+            # grammars compiling: look again soon, without spinning
+            self._receive(block_ms=0 if not idle else GRAMMAR_POLL_MS if self.grammar_queue else 500)
             if self.watch is not None and self.watch.parent_gone():
                 self.watch.exit_orphaned()  # never keep generating for a main process that is gone
             t0 = time.perf_counter()
@@ -94,6 +103,8 @@ class Scheduler:
                 self._launch(batch, follows_busy=busy)
             busy = batch is not None or in_flight is not None
             waited = self._process(in_flight) if in_flight is not None else 0.0
+            if batch is not None:  # every earlier step is processed: the matchers are current
+                self._fill_grammar_mask(batch)
             in_flight = batch
             if not self.overlap and in_flight is not None:
                 waited += self._process(in_flight)
@@ -116,11 +127,26 @@ class Scheduler:
         batch.job.follows_busy_step = follows_busy
         batch.future = self.worker.submit(batch.job)
 
-    def _receive(self, block_ms: int) -> None:
-        if block_ms and not self.recv_sock.poll(block_ms):
+    def _fill_grammar_mask(self, batch: ScheduleBatch) -> None:
+        mask = batch.job.grammar_mask
+        if mask is None:
             return
-        for msg in recv_all_nowait(self.recv_sock):
-            self._handle(msg)
+        t0 = time.perf_counter()
+        sampling = batch.sampling_reqs
+        matchers = [None if sampling[i].finished else sampling[i].grammar for i in mask.sample_indices]
+        mask.fill(matchers, self.grammar.allocate_bitmask, self.runner.device)  # type: ignore[union-attr]
+        self.stats.record_grammar_fill(time.perf_counter() - t0, len(matchers))
+
+    def _receive(self, block_ms: int) -> None:
+        if not block_ms or self.recv_sock.poll(block_ms):
+            for msg in recv_all_nowait(self.recv_sock):
+                self._handle(msg)
+        if self.grammar_queue:
+            ready, failed = self.grammar_queue.poll()
+            for req in ready:
+                self.planner.add(req)
+            for req, reason in failed:
+                self._end(req, reason)
         for req in self.planner.expired(time.monotonic()):
             timeout = self.args.request_timeout
             self._finish(req, FinishReason(type="abort", status_code=503, err_type="ServiceUnavailable",
@@ -131,7 +157,10 @@ class Scheduler:
             self._add_request(msg)
         elif isinstance(msg, AbortReq):
             reason = FinishReason(type="abort", message=msg.message, status_code=200, err_type="abort")
-            for req in self.planner.take(msg.group_prefixes, msg.abort_all):
+            taken = self.planner.take(msg.group_prefixes, msg.abort_all)
+            if self.grammar_queue:
+                taken += self.grammar_queue.take(msg.group_prefixes, msg.abort_all)
+            for req in taken:
                 self._end(req, reason)
         elif isinstance(msg, FlushCacheReq):
             if self.planner.has_work():
@@ -146,11 +175,17 @@ class Scheduler:
         self._arrivals += 1
         req = Req.from_message(msg, self._arrivals)
         error = self.planner.admission_error(req)
+        if error is None and req.sampling_params.constraint is not None and self.grammar_queue is None:
+            error = FinishReason(type="abort", status_code=400, err_type="BadRequest",
+                                 message="guided decoding is off on this server (--grammar-backend none)")
         if error is not None:
             req.finished_reason = error
             self.streamer.add(req)
             return
-        self.planner.add(req)
+        if req.sampling_params.constraint is not None:
+            self.grammar_queue.add(req)  # type: ignore[union-attr]
+        else:
+            self.planner.add(req)
 
     def _flush_cache(self) -> None:
         req_ids, self._flush_pending = self._flush_pending, []
@@ -221,7 +256,8 @@ class Scheduler:
             "req_rows_free": self.rows.available(),
             "req_rows_total": self.rows.size,
             "num_running_reqs": self.planner.num_running,
-            "num_queue_reqs": len(self.planner.waiting),
+            "num_queue_reqs": len(self.planner.waiting) + len(self.grammar_queue or ()),
+            "num_grammar_queue_reqs": len(self.grammar_queue or ()),
             "overlap_schedule": self.overlap,
             "num_retractions": self.planner.num_retractions,
             **self.stats.info(),

@@ -27,6 +27,7 @@ class StepStats:
         self._idle_s = 0.0
         self._last_device_end: float | None = None
         self._recent: deque[tuple[float, int]] = deque()  # (time, tokens) of steps in the last window
+        self._grammar_fill: deque[float] = deque(maxlen=2000)  # seconds per constrained row, per step
 
     # -- recording ---------------------------------------------------------------------------------
     def record_step(self, cpu_s: float) -> None:
@@ -47,6 +48,11 @@ class StepStats:
         now = time.monotonic()
         tokens = sum(n for t, n in self._recent if now - t <= _THROUGHPUT_WINDOW_S)
         return tokens / _THROUGHPUT_WINDOW_S
+
+    def record_grammar_fill(self, seconds: float, rows: int) -> None:
+        """Filling one step's grammar mask on the CPU (off the device's critical path under overlap)."""
+        if rows:
+            self._grammar_fill.append(seconds / rows)
 
     def record_device(self, start: float, end: float, follows_busy_step: bool) -> None:
         with self._lock:
@@ -76,7 +82,9 @@ class StepStats:
             busy, idle = self._busy_s, self._idle_s
         return {"device_idle_fraction": round(self.idle_fraction(), 4), "device_busy_s": round(busy, 4),
                 "device_idle_s": round(idle, 4), "step_time_median_ms": median, "step_time_p99_ms": p99,
-                "num_steps": self.num_steps, "gen_throughput": round(self.gen_throughput(), 3)}
+                "num_steps": self.num_steps, "gen_throughput": round(self.gen_throughput(), 3),
+                "grammar_mask_us_per_row": round(statistics.median(self._grammar_fill) * 1e6, 2)
+                if self._grammar_fill else None}
 
     # -- logging ----------------------------------------------------------------------------------------
     def log_prefill(self, new_seqs: int, new_tokens: int, cached_tokens: int, usage: float, running: int,

@@ -115,6 +115,7 @@ class RequestLimits:
     max_top_logprobs_num: int = 20
     # longer text cannot fit the context whatever it tokenizes to: refused before tokenizing
     max_text_chars: int | None = None
+    guided_decoding: bool = True  # False with --grammar-backend none: constraints are a 400
 
 
 def normalize_generate_request(
@@ -128,7 +129,7 @@ def normalize_generate_request(
     vocab_size = limits.vocab_size
     shared = _shared_flags(body)
     rids = _rids(body.get("rid"), n, is_batch)
-    params = _sampling_params(body.get("sampling_params"), n, is_batch, vocab_size)
+    params = _sampling_params(body.get("sampling_params"), n, is_batch, vocab_size, limits.guided_decoding)
     _check_batch_items(prompts, params, limits.max_batch_items)
     return_logprob = _per_item(body, "return_logprob", n, is_batch, False, _bool)
     start_lens = _per_item(body, "logprob_start_len", n, is_batch, -1, _start_len)
@@ -334,15 +335,16 @@ def _check_len(field: str, values: list, n: int) -> None:
 
 
 def _sampling_params(
-    sp: Any, n: int, is_batch: bool, vocab_size: int
+    sp: Any, n: int, is_batch: bool, vocab_size: int, guided: bool
 ) -> list[tuple[str, SamplingParams]]:
     if is_batch and isinstance(sp, list):
         _check_len("sampling_params", sp, n)
         fields = [f"sampling_params[{i}]" for i in range(n)]
         return [
-            (f, SamplingParams.from_request(d, vocab_size, field=f)) for f, d in zip(fields, sp)
+            (f, SamplingParams.from_request(d, vocab_size, field=f, guided_decoding=guided))
+            for f, d in zip(fields, sp)
         ]
-    shared = SamplingParams.from_request(sp, vocab_size)
+    shared = SamplingParams.from_request(sp, vocab_size, guided_decoding=guided)
     # Shallow copies: a per-item scalar edit (e.g. clamping max_new_tokens) must not leak into
     # siblings; the lists inside are never mutated after validation.
     return [("sampling_params", msgspec.structs.replace(shared)) for _ in range(n)]

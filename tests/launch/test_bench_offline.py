@@ -81,3 +81,26 @@ def test_idle_window_uses_the_counter_deltas() -> None:
     after = {"device_busy_s": 19.0, "device_idle_s": 6.0, "device_idle_fraction": 0.24}
     assert idle_in_window(before, after) == 0.1
     assert idle_in_window({}, {"device_idle_fraction": 0.2}) == 0.2
+
+
+@pytest.mark.timeout(300)
+def test_json_schema_run_matches_lengths_and_reports_the_ratio(tiny_model_dir, tmp_path: Path, monkeypatch,
+                                                               capsys) -> None:
+    from tandem.launch import bench_offline as bo
+
+    def stub(name: str, wl: Workload) -> bo.SystemResult:
+        return bo.SystemResult(name, wl.output_tokens, 1.0, wl.output_tokens)
+
+    monkeypatch.setattr(bo, "run_engine", lambda args, wl, overlap: stub("e", wl))
+    monkeypatch.setattr(bo, "run_bare", lambda args, wl: stub("bare", wl))
+    schema = tmp_path / "schema.json"
+    schema.write_text(json.dumps({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}))
+    out = tmp_path / "r.json"
+    argv = ["--model-path", tiny_model_dir("llama"), "--num-seqs", "4", "--min-len", "8", "--max-len", "16",
+            "--skip-transformers", "--json-schema", str(schema), "--output-file", str(out)]
+    assert bo.main(argv) == 0
+    r = json.loads(out.read_text())
+    assert r["guided_over_unconstrained"] == pytest.approx(r["guided_seconds"] and
+                                                           r["guided_baseline_seconds"] / r["guided_seconds"], rel=2e-2)
+    assert r["guided_grammar_mask_us_per_row"] > 0
+    assert "json_schema / unconstrained (same output lengths)" in capsys.readouterr().out

@@ -76,12 +76,45 @@ def test_stop_string_becomes_list() -> None:
     assert parse({"stop": ["a", "b"]}).stop == ["a", "b"]
 
 
-@pytest.mark.parametrize("field", ["json_schema", "regex", "ebnf", "structural_tag", "choice"])
-def test_guided_fields_are_rejected_until_guided_decoding_lands(field: str) -> None:
-    # a constraint that is silently ignored would answer 200 with unconstrained text
-    with pytest.raises(ValidationError, match=f"sampling_params.{field} needs guided decoding"):
-        parse({field: "a+"})
-    assert parse({field: None}) == SamplingParams()  # null means "not given"
+def test_one_constraint_per_request() -> None:
+    assert parse({"regex": "a+"}).constraint == ("regex", "a+")
+    assert parse({"json_schema": {"type": "object"}}).constraint == ("json_schema", '{"type":"object"}')
+    assert parse({"json_schema": None, "regex": None}) == SamplingParams()  # null means "not given"
+    with pytest.raises(ValidationError, match=r"sampling_params.regex cannot be combined with json_schema"):
+        parse({"json_schema": '{"type": "object"}', "regex": "a+"})
+
+
+@pytest.mark.parametrize("field,value,fragment", [
+    ("regex", "", "sampling_params.regex is an empty constraint"),
+    ("ebnf", "", "sampling_params.ebnf is an empty constraint"),
+    ("json_schema", "  ", "sampling_params.json_schema is an empty constraint"),
+    ("choice", [], "sampling_params.choice is an empty constraint"),
+    ("choice", ["a", ""], r"sampling_params.choice\[1\] must be a non-empty string"),
+    ("choice", "a", "sampling_params.choice must be a list of strings"),
+    ("json_schema", "{not json", "sampling_params.json_schema is not valid JSON"),
+    ("json_schema", "[1]", "sampling_params.json_schema must be a JSON object"),
+    ("structural_tag", "true", "sampling_params.structural_tag must be a JSON object"),
+    ("regex", 5, "sampling_params.regex must be a string"),
+])
+def test_bad_constraints_name_the_field(field: str, value: object, fragment: str) -> None:
+    with pytest.raises(ValidationError, match=fragment):
+        parse({field: value})
+
+
+def test_choice_is_an_alternation_of_escaped_literals() -> None:
+    choices = ["a.b", "(x)", "1+1", "c|d", "[e]", "f\\g", "plain"]
+    pattern = parse({"choice": choices}).regex
+    assert pattern is not None and parse({"choice": choices}).constraint == ("regex", pattern)
+    for c in choices:
+        assert re.fullmatch(pattern, c)
+    for near_miss in ["axb", "x", "11", "c", "e", "plainx", "a.b|(x)"]:
+        assert not re.fullmatch(pattern, near_miss)
+
+
+def test_constraints_are_a_400_when_the_backend_is_off() -> None:
+    with pytest.raises(ValidationError, match="sampling_params.choice needs guided decoding"):
+        SamplingParams.from_request({"choice": ["a"]}, VOCAB, guided_decoding=False)
+    assert SamplingParams.from_request({"regex": None}, VOCAB, guided_decoding=False) == SamplingParams()
 
 
 def test_top_k_covering_vocab_means_all() -> None:

@@ -90,3 +90,31 @@ def test_per_request_constants_travel_only_with_the_first_output():
     first, *rest = [o.detokenize_params[0] for o in outs]
     assert first is not None and first.stop_strings == ("x" * 1000,)
     assert rest == [None, None]
+
+
+class _Matcher:
+    """Accepts 5 then 6, and is complete after 6."""
+
+    def __init__(self) -> None:
+        self.accepted: list[int] = []
+
+    def accept_token(self, tok: int) -> bool:
+        if tok != [5, 6][len(self.accepted)]:
+            return False
+        self.accepted.append(tok)
+        return True
+
+    def is_terminated(self) -> bool:
+        return self.accepted == [5, 6]
+
+
+def test_a_complete_grammar_stops_the_request_and_trims_the_run():
+    checker = FinishChecker([2], lambda ids: "")
+    r = _req(1, max_new_tokens=10)
+    r.grammar = _Matcher()
+    assert apply_new_tokens(r, [5, 6, 7], None, None, checker)  # a multi-token run ends at the grammar's end
+    assert r.output_ids == [5, 6] and r.finished_reason.to_json() == {"type": "stop", "matched": 6}
+    r = _req(2, max_new_tokens=10)
+    r.grammar = _Matcher()
+    assert apply_new_tokens(r, [9], None, None, checker)  # a token the grammar refuses is a server bug: 500
+    assert r.output_ids == [] and r.finished_reason.status_code == 500

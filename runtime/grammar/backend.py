@@ -1,0 +1,78 @@
+"""GrammarBackend: compiles request grammars with xgrammar, off the scheduler thread.
+
+Compilation runs in a small thread pool. Results are cached by (kind, text) as futures, so
+every request with the same schema shares one compiled grammar and only the first one waits
+for it. A failed compile is cached too: the same bad schema fails at once the next time.
+"""
+from __future__ import annotations
+
+import re
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import orjson
+
+_CACHE_SIZE = 1024  # distinct grammars kept compiled
+_XGRAMMAR_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:\d+: ")  # "[19:49:01] /project/cpp/x.cc:83: "
+
+
+class GrammarBackend:
+    def __init__(self, tokenizer: Any, vocab_size: int, threads: int = 2) -> None:
+        import xgrammar as xgr  # heavy (and imports torch): only schedulers with guided decoding load it
+
+        self._xgr = xgr
+        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
+        self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)  # cached here instead
+        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="tandem-grammar")
+        self._cache: OrderedDict[tuple[str, str], Future] = OrderedDict()
+        self.vocab_size = vocab_size
+
+    def compile(self, kind: str, text: str) -> Future:
+        """A future of the compiled grammar; resolves to an exception with xgrammar's message."""
+        key = (kind, text)
+        fut = self._cache.get(key)
+        if fut is None:
+            fut = self._cache[key] = self._pool.submit(self._compile, kind, text)
+            if len(self._cache) > _CACHE_SIZE:
+                self._cache.popitem(last=False)
+        else:
+            self._cache.move_to_end(key)
+        return fut
+
+    def matcher(self, compiled: Any) -> Any:
+        return self._xgr.GrammarMatcher(compiled)
+
+    def allocate_bitmask(self, rows: int) -> Any:
+        return self._xgr.allocate_token_bitmask(rows, self.vocab_size)
+
+    def _compile(self, kind: str, text: str) -> Any:
+        c = self._compiler
+        if kind == "json_schema":
+            return c.compile_json_schema(text)
+        if kind == "regex":
+            return c.compile_regex(text)
+        if kind == "ebnf":
+            return c.compile_grammar(text)
+        if kind == "structural_tag":
+            return self._structural_tag(text)
+        raise ValueError(f"unknown grammar kind {kind!r}")
+
+    def _structural_tag(self, text: str) -> Any:
+        """SGLang's two JSON forms: the legacy {"structures": [...], "triggers": [...]} and
+        xgrammar's own structural-tag format."""
+        tag = orjson.loads(text)
+        if "structures" in tag:
+            items = [self._xgr.StructuralTagItem(begin=s["begin"], schema=orjson.dumps(s["schema"]).decode(),
+                                                 end=s["end"]) for s in tag["structures"]]
+            return self._compiler.compile_structural_tag(items, tag.get("triggers", []))
+        return self._compiler.compile_structural_tag(text)
+
+    @staticmethod
+    def error_message(exc: BaseException) -> str:
+        """xgrammar's message without its timestamp and source location."""
+        lines = [_XGRAMMAR_PREFIX.sub("", line).strip() for line in str(exc).strip().splitlines()]
+        return " ".join(line for line in lines if line) or type(exc).__name__
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,55 @@
+"""GrammarMask: the token mask of one step's constrained rows.
+
+The scheduler thread fills it from each request's matcher once the previous step's tokens
+have been accepted, which, under overlap, is while this step's forward runs on the device. The
+forward worker waits for it only just before sampling, applies it (a Triton kernel on GPUs,
+torch on CPU) and samples; logprobs stay those of the raw distribution.
+"""
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import torch
+
+_FILL_TIMEOUT_S = 600.0  # the scheduler fills within a step; this only turns a bug into an error
+
+
+class GrammarMask:
+    def __init__(self, sample_indices: list[int]) -> None:
+        self.sample_indices = sample_indices  # rows of the step's sampling batch that are constrained
+        self._ready = threading.Event()
+        self._bitmask: torch.Tensor | None = None
+        self._error: BaseException | None = None
+
+    def fill(self, matchers: list[Any], allocate: Any, device: torch.device) -> None:
+        """Scheduler thread: one bitmask row per constrained row (a finished request's row, whose
+        sample is thrown away anyway, allows everything)."""
+        try:
+            bitmask = allocate(len(matchers))
+            for i, matcher in enumerate(matchers):
+                if matcher is not None and not matcher.is_terminated():
+                    matcher.fill_next_token_bitmask(bitmask, i)
+            self._bitmask = bitmask.to(device, non_blocking=True)
+        except BaseException as exc:  # the worker must never wait forever
+            self._error = exc
+            raise
+        finally:
+            self._ready.set()
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        """Worker thread: a masked copy of `logits` (the raw ones still give the logprobs)."""
+        if not self._ready.wait(_FILL_TIMEOUT_S):
+            raise RuntimeError("the grammar mask of this step was never filled")
+        if self._error is not None:
+            raise RuntimeError(f"filling the grammar mask failed: {self._error}")
+        masked = logits.clone()
+        rows = torch.tensor(self.sample_indices, dtype=torch.int64, device=logits.device)
+        bitmask = self._bitmask
+        from tandem.kernels import token_bitmask  # lazy: imports triton
+
+        if logits.is_cuda:
+            token_bitmask.apply_token_bitmask(masked, bitmask, rows)
+        else:
+            token_bitmask.apply_token_bitmask_ref(masked, bitmask, rows)
+        return masked

@@ -1,0 +1,72 @@
+"""GrammarQueue: requests whose grammar is still compiling.
+
+A constrained request waits here, not in the planner's queue, until its grammar is ready, so a
+slow compile never holds up anyone else; then it gets its own matcher and joins the waiting
+queue. A compile error or `--grammar-compile-timeout` ends it with a 400 quoting xgrammar.
+"""
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+from tandem.ipc.messages import FinishReason
+from tandem.runtime.grammar.backend import GrammarBackend
+from tandem.runtime.scheduler.request import Req
+
+
+@dataclass
+class _Waiting:
+    req: Req
+    compiled: Future
+    deadline: float
+
+
+class GrammarQueue:
+    def __init__(self, backend: GrammarBackend, timeout_s: float) -> None:
+        self.backend = backend
+        self.timeout_s = timeout_s
+        self._waiting: list[_Waiting] = []
+
+    def __len__(self) -> int:
+        return len(self._waiting)
+
+    def add(self, req: Req) -> None:
+        kind, text = req.sampling_params.constraint  # type: ignore[misc]
+        self._waiting.append(_Waiting(req, self.backend.compile(kind, text), time.monotonic() + self.timeout_s))
+
+    def poll(self) -> tuple[list[Req], list[tuple[Req, FinishReason]]]:
+        """Requests whose grammar is ready (each with its own matcher), and those that failed."""
+        ready: list[Req] = []
+        failed: list[tuple[Req, FinishReason]] = []
+        still: list[_Waiting] = []
+        now = time.monotonic()
+        for w in self._waiting:
+            kind = w.req.sampling_params.constraint[0]  # type: ignore[index]
+            if w.compiled.done():
+                exc = w.compiled.exception()
+                if exc is None:
+                    w.req.grammar = self.backend.matcher(w.compiled.result())
+                    ready.append(w.req)
+                else:
+                    failed.append((w.req, _bad_request(f"sampling_params.{kind} does not compile: "
+                                                       f"{self.backend.error_message(exc)}")))
+            elif now > w.deadline:
+                failed.append((w.req, _bad_request(f"sampling_params.{kind} did not compile within "
+                                                   f"--grammar-compile-timeout ({self.timeout_s:g} s)")))
+            else:
+                still.append(w)
+        self._waiting = still
+        return ready, failed
+
+    def take(self, group_prefixes: list[str], abort_all: bool) -> list[Req]:
+        prefixes = ("",) if abort_all else tuple(p for p in group_prefixes if p)
+        if not prefixes:
+            return []
+        taken = [w.req for w in self._waiting if w.req.rid.startswith(prefixes)]
+        self._waiting = [w for w in self._waiting if not w.req.rid.startswith(prefixes)]
+        return taken
+
+
+def _bad_request(message: str) -> FinishReason:
+    return FinishReason(type="abort", status_code=400, err_type="BadRequest", message=message)

@@ -1,0 +1,64 @@
+"""GrammarQueue: constrained requests wait for their grammar off the planner's queue; compile
+errors and timeouts are a 400 quoting xgrammar; aborts reach requests still compiling."""
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future
+
+import numpy as np
+
+from tandem.ipc.messages import TokenizedGenerateReq
+from tandem.runtime.sampling.params import SamplingParams
+from tandem.runtime.scheduler.grammar_queue import GrammarQueue
+from tandem.runtime.scheduler.request import Req
+
+
+class FakeBackend:
+    """Compiles nothing: the test decides when each future resolves."""
+
+    def __init__(self) -> None:
+        self.futures: dict[tuple[str, str], Future] = {}
+
+    def compile(self, kind: str, text: str) -> Future:
+        return self.futures.setdefault((kind, text), Future())
+
+    def matcher(self, compiled: object) -> str:
+        return f"matcher of {compiled}"
+
+    @staticmethod
+    def error_message(exc: BaseException) -> str:
+        return str(exc)
+
+
+def _req(rid: str, **constraint) -> Req:
+    msg = TokenizedGenerateReq(rid=rid, input_ids=np.array([1, 2], np.int32), stream=False, created_time=0.0,
+                               sampling_params=SamplingParams(**constraint))
+    return Req.from_message(msg, 1)
+
+
+def test_ready_failed_and_timed_out():
+    backend = FakeBackend()
+    queue = GrammarQueue(backend, timeout_s=0.2)  # type: ignore[arg-type]
+    ok, bad, slow = _req("a_0", regex="a+"), _req("b_0", regex="("), _req("c_0", ebnf="root ::= x")
+    for r in (ok, bad, slow):
+        queue.add(r)
+    assert queue.poll() == ([], []) and len(queue) == 3
+    backend.futures[("regex", "a+")].set_result("G")
+    backend.futures[("regex", "(")].set_exception(RuntimeError("parenthesis is not closed"))
+    ready, failed = queue.poll()
+    assert ready == [ok] and ok.grammar == "matcher of G"
+    assert [(r, f.status_code) for r, f in failed] == [(bad, 400)]
+    assert failed[0][1].message == "sampling_params.regex does not compile: parenthesis is not closed"
+    time.sleep(0.25)
+    ready, failed = queue.poll()
+    assert ready == [] and failed[0][0] is slow and "--grammar-compile-timeout (0.2 s)" in failed[0][1].message
+    assert len(queue) == 0
+
+
+def test_abort_reaches_requests_still_compiling():
+    queue = GrammarQueue(FakeBackend(), timeout_s=10)  # type: ignore[arg-type]
+    a, b = _req("g1_0", regex="x"), _req("g2_0", regex="x")
+    queue.add(a)
+    queue.add(b)
+    assert queue.take(["g2_"], abort_all=False) == [b] and len(queue) == 1
+    assert queue.take([], abort_all=True) == [a] and len(queue) == 0
