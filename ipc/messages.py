@@ -185,6 +185,9 @@ class _BatchOutputBase(_Msg, kw_only=True):
     output_logprobs: list[LogprobArrays | None] = []
     input_logprobs: list[LogprobArrays | None] = []
     hidden_states: list[F32Array2D | None] = []
+    # speculative decoding, per request so far: (verify passes, drafts checked, drafts accepted);
+    # empty when no request of the step speculated
+    spec_counts: list[tuple[int, int, int]] = []
 
 
 class BatchTokenIDOutput(_BatchOutputBase, kw_only=True):

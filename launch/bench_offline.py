@@ -301,6 +301,12 @@ def build_parser() -> argparse.ArgumentParser:
     a("--skip-transformers", action="store_true")
     a("--json-schema", default=None, help="also run every sequence under this JSON schema (a file) against "
                                           "the same prompts unconstrained, with matched output lengths")
+    a("--speculative-algorithm", choices=["NGRAM"], default=None,
+      help="instead: speculative over plain decoding on a repetitive workload (launch/bench_spec.py)")
+    a("--speculative-num-draft-tokens", type=int, default=4)
+    a("--spec-batch-sizes", type=int, nargs="+", default=[1, 16])
+    a("--spec-waves", type=int, default=2, help="waves of batch-size requests per batch size")
+    a("--spec-output-len", type=int, default=160, help="max_new_tokens of the speculative workload")
     a("--output-file", default=None, help="write the result as JSON")
     return p
 
@@ -325,6 +331,15 @@ def model_vocab(model_path: str | None) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.speculative_algorithm:
+        from tandem.launch import bench_spec
+
+        report = bench_spec.run(args)
+        print(bench_spec.format_table(report), flush=True)
+        if args.output_file:
+            with open(args.output_file, "w", encoding="utf-8") as f:
+                json.dump(report, f, indent=2)
+        return 0
     wl = make_workload(args.num_seqs, args.min_len, args.max_len, model_vocab(args.model_path), args.seed)
     print(f"#seqs: {len(wl.prompts)}  #input tokens: {sum(map(len, wl.prompts))}  "
           f"#output tokens: {wl.output_tokens}  dtype: {args.dtype}", flush=True)

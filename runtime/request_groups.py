@@ -39,6 +39,7 @@ class ChoiceState:
     output_ids: list[int] = field(default_factory=list)
     completion_tokens: int = 0
     cached_tokens: int = 0
+    spec_counts: tuple[int, int, int] = (0, 0, 0)  # verify passes, drafts checked, drafts accepted
     finish_reason: FinishReason | None = None
     last_output: float | None = None  # perf_counter of the latest output (metrics)
     version: int = 0  # bumped on every update; streaming sends each version once
@@ -56,6 +57,10 @@ class ChoiceState:
             "cached_tokens": self.cached_tokens,
             "e2e_latency": round(time.perf_counter() - self.group.created, 6),
         }
+        verify_ct, drafts, accepted = self.spec_counts
+        if verify_ct:  # SGLang's names; the accept length counts the bonus token
+            meta.update(spec_verify_ct=verify_ct, spec_accept_length=round(self.completion_tokens / verify_ct, 4),
+                        spec_accept_rate=round(accepted / drafts, 4) if drafts else 0.0)
         if self.formatter is not None:
             meta.update(self.formatter.meta_info())
         if self.hidden_states is not None:

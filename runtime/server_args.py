@@ -47,6 +47,11 @@ class ServerArgs:
     enable_docs: bool = False  # serve /docs and /openapi.json
     grammar_backend: str = "xgrammar"  # guided decoding: xgrammar | none
     grammar_compile_timeout: float = 30.0  # a grammar not compiled by then: the request gets a 400
+    speculative_algorithm: str | None = None  # NGRAM; None: plain decoding
+    speculative_num_draft_tokens: int = 4  # tokens one verify checks per request: the last token + drafts
+    speculative_disable_batch_size: int | None = None  # more running requests than this: decode plainly
+    speculative_ngram_min_match_window_size: int = 1
+    speculative_ngram_max_match_window_size: int = 12
     stream_interval: int = 1
     log_level: str = "info"
     random_seed: int = 0
@@ -68,6 +73,26 @@ class ServerArgs:
         bad = [name for name, ok in checks.items() if not ok]
         if bad:
             raise ValueError(f"invalid server argument {bad[0]}={getattr(self, bad[0])!r}")
+        self._check_speculative()
+
+    def _check_speculative(self) -> None:
+        algo = self.speculative_algorithm
+        if algo is None:
+            return
+        if algo == "STANDALONE":
+            raise ValueError("speculative_algorithm=STANDALONE (a draft model) is not implemented yet; use NGRAM")
+        if algo != "NGRAM":
+            raise ValueError(f"invalid server argument speculative_algorithm={algo!r} (NGRAM)")
+        if self.speculative_num_draft_tokens < 2:
+            raise ValueError(f"invalid server argument speculative_num_draft_tokens="
+                             f"{self.speculative_num_draft_tokens} (at least 2: the last token and one draft)")
+        lo, hi = self.speculative_ngram_min_match_window_size, self.speculative_ngram_max_match_window_size
+        if not 1 <= lo <= hi:
+            raise ValueError(f"invalid server argument speculative_ngram_min_match_window_size={lo} "
+                             f"(1 <= min <= max={hi})")
+        limit = self.speculative_disable_batch_size
+        if limit is not None and limit < 0:
+            raise ValueError(f"invalid server argument speculative_disable_batch_size={limit} (>= 0)")
 
     # -- resolved views -------------------------------------------------------------------------
     def resolved_device(self) -> str:

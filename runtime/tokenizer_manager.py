@@ -287,6 +287,8 @@ class TokenizerManager:
             c.output_ids.extend(new_ids)
             c.completion_tokens = msg.completion_tokens[i]
             c.cached_tokens = msg.cached_tokens[i]
+            if msg.spec_counts:
+                c.spec_counts = tuple(msg.spec_counts[i])  # type: ignore[assignment]
             if c.formatter is not None:
                 if msg.input_logprobs and (lp := msg.input_logprobs[i]) is not None:
                     c.formatter.extend_input(lp)

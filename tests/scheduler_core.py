@@ -11,6 +11,7 @@ import torch
 
 from tandem.ipc.messages import FinishReason, LogprobParams, TokenizedGenerateReq
 from tandem.runtime.cache.pools import ReqToTokenPool, TokenAllocator
+from tandem.runtime.model.forward_batch import ForwardMode
 from tandem.runtime.sampling.params import SamplingParams
 from tandem.runtime.sampling.penalties import PenaltyCounts
 from tandem.runtime.scheduler.batch import BatchContext, ScheduleBatch
@@ -38,6 +39,7 @@ class Core:
     future_map: FutureMap
     penalty_counts: PenaltyCounts
     finished: list[Req] = field(default_factory=list)
+    verify_runs: list[tuple[int, int]] = field(default_factory=list)  # (drafts allowed, tokens kept)
     _arrivals: itertools.count = field(default_factory=lambda: itertools.count(1))
 
     def add(self, rid: str, prompt: list[int] | int, max_new_tokens: int = 4, priority: int = 0,
@@ -66,6 +68,8 @@ class Core:
 
     def _check_rows(self, batch: ScheduleBatch) -> None:
         """The table rows a step reads hold exactly the slots the KV manager gave out."""
+        if batch.mode == ForwardMode.TARGET_VERIFY:
+            return  # its positions are known only once the step before it ran (see _verify)
         for span in batch.spans:
             row = self.kv.req_to_token[span.req.req_pool_idx]
             end = span.prefix_len + span.extend_len
@@ -73,6 +77,8 @@ class Core:
 
     def process(self, batch: ScheduleBatch) -> None:
         """Run the fake forward for `batch`, then apply its results as the scheduler does."""
+        if batch.mode == ForwardMode.TARGET_VERIFY:
+            return self._verify(batch)
         job, sampled = batch.job, batch.sampling_reqs
         if job.input_ids is None:  # decode: the input tokens come from the future map (debug: checked)
             self.future_map.gather_bonus(torch.tensor(job.rows))
@@ -82,10 +88,34 @@ class Core:
             self.future_map.stash(RelayPayload(rows=torch.tensor(rows),
                                                bonus_tokens=torch.tensor([fake_token(p) for p in positions])))
         checker = FinishChecker([EOS], lambda ids: "")
+        batch.mark_processed()
         for req, pos in zip(sampled, positions):
             if req.finished:
                 continue
-            if apply_new_tokens(req, [fake_token(pos)], None, None, checker):
+            done = apply_new_tokens(req, [fake_token(pos)], None, None, checker)
+            self.kv.commit(req)
+            if done:
+                self.finish(req, req.finished_reason)
+        self.rows.on_processed(batch.step_id)
+
+    def _verify(self, batch: ScheduleBatch) -> None:
+        """A fake verify: each request keeps its drafts up to a pseudo-random accept count (the
+        fake model's tokens either way), then the bonus; the reserved slots must cover the run."""
+        checker = FinishChecker([EOS], lambda ids: "")
+        batch.mark_processed()
+        for span in batch.spans:
+            req = span.req
+            if req.finished:
+                continue
+            last = req.seq_len - 1  # where the run starts: every earlier step has been processed
+            if req.req_pool_idx is not None:  # (a retracted request's row is gone; its run still counts)
+                assert req.kv_alloc_len >= last + 1 + span.drafts, (req.rid, req.kv_alloc_len, last, span.drafts)
+            accepted = (last * 7 + len(req.rid)) % (span.drafts + 1)
+            tokens = [fake_token(last + 1 + j) for j in range(accepted + 1)]
+            self.verify_runs.append((span.drafts, len(tokens)))
+            done = apply_new_tokens(req, tokens, None, None, checker)
+            self.kv.commit(req)
+            if done:
                 self.finish(req, req.finished_reason)
         self.rows.on_processed(batch.step_id)
 

@@ -37,14 +37,16 @@ class GrammarMask:
         finally:
             self._ready.set()
 
-    def apply(self, logits: torch.Tensor) -> torch.Tensor:
-        """Worker thread: a masked copy of `logits` (the raw ones still give the logprobs)."""
+    def apply(self, logits: torch.Tensor, logit_rows: list[int] | None = None) -> torch.Tensor:
+        """Worker thread: a masked copy of `logits` (the raw ones still give the logprobs).
+        `logit_rows`: where each constrained row sits in `logits` (default: `sample_indices`)."""
         if not self._ready.wait(_FILL_TIMEOUT_S):
             raise RuntimeError("the grammar mask of this step was never filled")
         if self._error is not None:
             raise RuntimeError(f"filling the grammar mask failed: {self._error}")
         masked = logits.clone()
-        rows = torch.tensor(self.sample_indices, dtype=torch.int64, device=logits.device)
+        rows = torch.tensor(self.sample_indices if logit_rows is None else logit_rows, dtype=torch.int64,
+                            device=logits.device)
         bitmask = self._bitmask
         from tandem.kernels import token_bitmask  # lazy: imports triton
 

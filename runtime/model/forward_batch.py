@@ -10,6 +10,9 @@ import torch
 class ForwardMode(Enum):
     EXTEND = "extend"
     DECODE = "decode"
+    # speculative decode step: the last token plus drafts per request, at positions only the
+    # worker knows (the step before decides them); it runs as an extend (or a decode, draftless)
+    TARGET_VERIFY = "target_verify"
 
 
 @dataclass

@@ -42,6 +42,13 @@ class SamplingBatchInfo:
             need_min_p=any(p > 0.0 for p in min_ps),
         )
 
+    def take(self, index: torch.Tensor) -> "SamplingBatchInfo":
+        """The settings of rows `index` (a verify samples several positions per request)."""
+        return SamplingBatchInfo(
+            temperatures=self.temperatures[index], top_ps=self.top_ps[index], top_ks=self.top_ks[index],
+            min_ps=self.min_ps[index], seeds=self.seeds[index], is_greedy=self.is_greedy[index],
+            all_greedy=self.all_greedy, need_top_p_k=self.need_top_p_k, need_min_p=self.need_min_p)
+
 
 def sample(logits: torch.Tensor, info: SamplingBatchInfo, positions: torch.Tensor) -> torch.Tensor:
     """logits [B, V] float32; positions [B] is the position each sampled token will take. Returns [B] int64."""

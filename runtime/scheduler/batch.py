@@ -15,7 +15,8 @@ import torch
 from tandem.runtime.grammar.mask import GrammarMask
 from tandem.runtime.model.forward_batch import ForwardMode
 from tandem.runtime.sampling.sampler import SamplingBatchInfo
-from tandem.runtime.scheduler.forward_worker import ForwardJob, InputLogprobTask, PenaltyInfo, PromptRowsTask
+from tandem.runtime.scheduler.forward_worker import (ForwardJob, InputLogprobTask, PenaltyInfo, PromptRowsTask,
+                                                      SpecInfo)
 from tandem.runtime.scheduler.request import Req
 
 
@@ -33,8 +34,14 @@ class ExtendSpan:
     req: Req
     prefix_len: int
     extend_len: int
-    out_cache_loc: torch.Tensor  # KV slots of the new positions
+    out_cache_loc: torch.Tensor  # KV slots of the new positions (a verify reads them from the row)
     samples: bool  # the span ends at the request's last known position
+    drafts: int = 0  # verify: most drafts checked after the last token (prefix_len is then unknown: -1)
+
+    @property
+    def max_new_tokens(self) -> int:
+        """Most tokens this span can add to its request."""
+        return 1 + self.drafts if self.samples else 0
 
 
 @dataclass
@@ -58,12 +65,19 @@ class ScheduleBatch:
     def num_tokens(self) -> int:
         return sum(s.extend_len for s in self.spans)
 
+    def mark_processed(self) -> None:
+        """The step's results are applied: its tokens are no longer in flight."""
+        for s in self.spans:
+            s.req.outputs_in_flight -= s.max_new_tokens
+
     @property
     def cached_tokens(self) -> int:
         return sum(s.prefix_len for s in self.spans)
 
 
-def build_batch(mode: ForwardMode, spans: list[ExtendSpan], ctx: BatchContext) -> ScheduleBatch:
+def build_batch(mode: ForwardMode, spans: list[ExtendSpan], ctx: BatchContext,
+                spec: SpecInfo | None = None) -> ScheduleBatch:
+    """`spec` (speculative servers): per sampling request, what the worker needs to verify and draft."""
     reqs = [s.req for s in spans]
     input_ids: list[int] | None = None
     lp_tasks: list[InputLogprobTask] = []
@@ -79,9 +93,13 @@ def build_batch(mode: ForwardMode, spans: list[ExtendSpan], ctx: BatchContext) -
             offset += s.extend_len
     sample_idx = [i for i, s in enumerate(spans) if s.samples]
     sreqs = [reqs[i] for i in sample_idx]
-    positions = [spans[i].prefix_len + spans[i].extend_len for i in sample_idx]
-    # tokens sampled before this pass: a pass ending at position p samples output number p - prompt_len
-    outputs_before = [p - len(r.origin_input_ids) for p, r in zip(positions, sreqs)]
+    if mode == ForwardMode.TARGET_VERIFY:  # the worker knows the positions; the output count is
+        positions = []  # exact where it matters (min_new_tokens: no drafts until it is reached)
+        outputs_before = [len(r.output_ids) + min(r.outputs_in_flight, 1) for r in sreqs]
+    else:
+        positions = [spans[i].prefix_len + spans[i].extend_len for i in sample_idx]
+        # tokens sampled before this pass: a pass ending at position p samples output number p - prompt_len
+        outputs_before = [p - len(r.origin_input_ids) for p, r in zip(positions, sreqs)]
     want_lp = any(r.return_logprob for r in sreqs)
     want_hidden = any(r.return_hidden_states for r in sreqs)
     job = ForwardJob(
@@ -94,7 +112,7 @@ def build_batch(mode: ForwardMode, spans: list[ExtendSpan], ctx: BatchContext) -
         return_hidden=[r.return_hidden_states for r in sreqs] if want_hidden else None,
         input_logprob_tasks=lp_tasks, prompt_hidden_tasks=hidden_tasks,
         penalties=_penalties(sreqs, outputs_before, ctx) if sreqs else None,
-        grammar_mask=_grammar_mask(sreqs),
+        grammar_mask=_grammar_mask(sreqs), spec=spec,
     )
     return ScheduleBatch(mode, spans, job)
 

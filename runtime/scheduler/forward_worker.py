@@ -27,6 +27,8 @@ from tandem.runtime.sampling.penalties import PenaltyCounts, apply_penalties
 from tandem.runtime.sampling.sampler import SamplingBatchInfo, sample
 from tandem.runtime.scheduler.future_map import FutureMap, RelayPayload
 from tandem.runtime.scheduler.stats import StepStats
+from tandem.runtime.speculative.drafter import Drafter
+from tandem.runtime.speculative.verify import VerifyLayout, accept_runs
 
 
 @dataclass
@@ -56,6 +58,25 @@ class PenaltyInfo:
     banned_ids: list[list[int]]  # per row: stop_token_ids, plus EOS unless ignore_eos
     counts_active: bool
 
+    def spread(self, per_row: torch.Tensor) -> "PenaltyInfo":
+        """The same penalties for logits rows that belong to requests `per_row` (a verify's tokens)."""
+        idx = per_row.tolist()
+        return PenaltyInfo(
+            frequency=self.frequency[per_row], presence=self.presence[per_row], repetition=self.repetition[per_row],
+            logit_bias=None if self.logit_bias is None else self.logit_bias[per_row],
+            min_tokens_mask=None if self.min_tokens_mask is None else self.min_tokens_mask[per_row],
+            banned_ids=[self.banned_ids[i] for i in idx], counts_active=self.counts_active)
+
+
+@dataclass
+class SpecInfo:
+    """Speculative servers: per sampling request of a step, what the worker verifies and drafts."""
+
+    max_drafts: list[int]  # verify: most drafts to check after the last token (0: a plain decode)
+    make_drafts: list[bool]  # propose drafts for the request's next step
+    pos_limits: list[int]  # prompt + max_new_tokens: no position at or past it is ever computed
+    histories: list[list[int]] | None  # prefill: every token so far (the drafter's row starts over)
+
 
 @dataclass
 class ForwardJob:
@@ -75,6 +96,7 @@ class ForwardJob:
     prompt_hidden_tasks: list[PromptRowsTask] = field(default_factory=list)
     penalties: PenaltyInfo | None = None
     grammar_mask: GrammarMask | None = None  # filled by the scheduler while this step's forward runs
+    spec: SpecInfo | None = None
     follows_busy_step: bool = False  # the scheduler had work since the previous job: a gap before it is idling
 
 
@@ -82,10 +104,11 @@ class ForwardJob:
 class GenerationBatchResult:
     # per sampling request, in job.sample_indices order: the tokens it got (one without speculation)
     next_token_ids: list[list[int]]
-    output_logprobs: list[LogprobArrays | None]
-    output_hidden: list[np.ndarray | None]  # [1, H] float32 rows
+    output_logprobs: list[list[LogprobArrays] | None]  # one block per token (empty list: none asked)
+    output_hidden: list[list[np.ndarray] | None]  # one [1, H] float32 row per token
     input_logprob_chunks: list[tuple[InputLogprobTask, LogprobChunk]]
     prompt_hidden_chunks: list[tuple[PromptRowsTask, np.ndarray]]
+    num_drafts: list[int] = field(default_factory=list)  # verify: drafts checked per request
 
     @property
     def has_sampled_token_ids(self) -> bool:
@@ -94,8 +117,9 @@ class GenerationBatchResult:
 
 class ForwardWorker:
     def __init__(self, runner: ModelRunner, future_map: FutureMap, penalty_counts: PenaltyCounts,
-                 stats: StepStats) -> None:
+                 stats: StepStats, drafter: Drafter | None = None) -> None:
         self.runner = runner
+        self.drafter = drafter
         self.future_map = future_map
         self.penalty_counts = penalty_counts
         self.stats = stats
@@ -126,6 +150,8 @@ class ForwardWorker:
 
     @torch.inference_mode()
     def run(self, job: ForwardJob) -> GenerationBatchResult:
+        if job.mode == ForwardMode.TARGET_VERIFY:
+            return self._run_verify(job)
         r, device = self.runner, self.runner.device
         rows = torch.tensor(job.rows, dtype=torch.int64, device=device)
         if job.input_ids is None:
@@ -144,45 +170,112 @@ class ForwardWorker:
         sampled_hidden = hidden[batch.logits_indices]
         logits = r.model.logits(sampled_hidden).float()
         sample_rows = rows[job.sample_indices]
-        next_ids = self._sample(logits, job, sample_rows)
-        self.future_map.stash(RelayPayload(rows=sample_rows, bonus_tokens=next_ids))
-        out_lp = self._output_logprobs(logits, next_ids, job)
-        out_hidden = self._output_hidden(sampled_hidden, job)
-        return GenerationBatchResult([[t] for t in next_ids.tolist()], out_lp, out_hidden, input_chunks, prompt_hidden)
+        positions = torch.tensor(job.sample_positions, dtype=torch.int64, device=device)
+        next_ids = self._sample(logits, job, positions)
+        self.penalty_counts.add(sample_rows, next_ids)
+        runs = [[t] for t in next_ids.tolist()]
+        self._relay(sample_rows, next_ids, job, runs, [p - 1 for p in job.sample_positions])
+        out_lp = self._output_logprobs(logits, next_ids, job, list(range(len(runs))), [1] * len(runs))
+        out_hidden = self._output_hidden(sampled_hidden, job, [1] * len(runs))
+        return GenerationBatchResult(runs, out_lp, out_hidden, input_chunks, prompt_hidden)
 
-    def _sample(self, logits: torch.Tensor, job: ForwardJob, sample_rows: torch.Tensor) -> torch.Tensor:
+    def _run_verify(self, job: ForwardJob) -> GenerationBatchResult:
+        """One target pass over each request's last token and drafts; keep what the target agrees
+        with (speculative/verify.py). Positions come from the future map: on a GPU the worker
+        thread waits for the previous step here, never the scheduler."""
+        r, device, spec = self.runner, self.runner.device, job.spec
+        assert spec is not None and self.drafter is not None
+        rows = torch.tensor(job.rows, dtype=torch.int64, device=device)
+        bonus = self.future_map.gather_bonus(rows)
+        drafts, draft_lens, seq_lens = self.future_map.gather_draft(rows, self.drafter.num_drafts)
+        num_drafts = [min(n, m) for n, m in zip(draft_lens.tolist(), spec.max_drafts)]
+        layout = VerifyLayout.build(seq_lens.tolist(), num_drafts)
+        row_of = torch.tensor(layout.row_of, dtype=torch.int64, device=device)
+        cols = torch.tensor(layout.cols, dtype=torch.int64, device=device)
+        runs_in = torch.cat([bonus[:, None], drafts], dim=1)
+        input_ids = runs_in[row_of, cols]
+        positions = torch.tensor(layout.positions(), dtype=torch.int64, device=device)
+        out_cache_loc = r.req_to_token_pool.req_to_token[rows[row_of], positions]
+        mode = ForwardMode.DECODE if not any(num_drafts) else ForwardMode.EXTEND
+        batch = ForwardBatch.build(mode, input_ids, job.rows, layout.seq_lens, [n + 1 for n in num_drafts],
+                                   out_cache_loc, list(range(layout.num_tokens)), device)
+        hidden = r.model.hidden_states(batch, r.attn_backend)
+        logits = r.model.logits(hidden).float()
+        sampled = self._sample(logits, job, positions + 1, layout)
+        runs = accept_runs(sampled.tolist(), drafts.tolist(), layout)
+        kept = torch.tensor(layout.kept_indices(runs), dtype=torch.int64, device=device)
+        self.penalty_counts.add(rows[row_of[kept]], sampled[kept])
+        last = torch.tensor([layout.offsets[i] + len(run) - 1 for i, run in enumerate(runs)], device=device)
+        self._relay(rows, sampled[last], job, runs, layout.seq_lens)
+        counts = [len(run) for run in runs]
+        out_lp = self._output_logprobs(logits[kept], sampled[kept], job,
+                                       [i for i, run in enumerate(runs) for _ in run], counts)
+        return GenerationBatchResult(runs, out_lp, self._output_hidden(hidden[kept], job, counts), [], [], num_drafts)
+
+    def _relay(self, rows: torch.Tensor, bonus: torch.Tensor, job: ForwardJob, runs: list[list[int]],
+               starts: list[int]) -> None:
+        """Stash each request's last token for the next step (and, speculating, where it sits and
+        the drafts to check after it). `starts[i]`: the position of the run's first input token."""
+        spec = job.spec
+        if spec is None or self.drafter is None:
+            self.future_map.stash(RelayPayload(rows=rows, bonus_tokens=bonus))
+            return
+        row_ids = rows.tolist()
+        seq_lens = [start + len(run) for start, run in zip(starts, runs)]  # the new last token's position
+        for i, (row, start, run) in enumerate(zip(row_ids, starts, runs)):
+            if spec.histories is not None:
+                self.drafter.start(row, spec.histories[i])
+            self.drafter.append(row, start + 1, run)
+        drafts, lens = self.drafter.propose(row_ids, seq_lens, spec.make_drafts)
+        device = rows.device
+        self.future_map.stash(RelayPayload(
+            rows=rows, bonus_tokens=bonus, seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=device),
+            draft_tokens=torch.from_numpy(drafts).to(device), draft_lens=torch.from_numpy(lens).to(device)))
+
+    def _sample(self, logits: torch.Tensor, job: ForwardJob, positions: torch.Tensor,
+                layout: VerifyLayout | None = None) -> torch.Tensor:
+        """Sample every row of `logits`; a verify's rows are tokens of the requests' runs, and the
+        per-request settings are spread over them."""
+        per_row = None if layout is None else torch.tensor(layout.row_of, dtype=torch.int64, device=logits.device)
         if job.grammar_mask is not None:  # before penalties: a bias cannot revive a masked token
-            logits = job.grammar_mask.apply(logits)
+            # constrained requests never draft, so their run is one token: the first of the run
+            logit_rows = None if layout is None else [layout.offsets[i] for i in job.grammar_mask.sample_indices]
+            logits = job.grammar_mask.apply(logits, logit_rows)
         pen = job.penalties
         if pen is not None:
+            pen = pen if per_row is None else pen.spread(per_row)
+            sample_rows = torch.tensor([job.rows[i] for i in job.sample_indices], dtype=torch.int64,
+                                       device=logits.device)
+            if per_row is not None:
+                sample_rows = sample_rows[per_row]
             counts = self.penalty_counts.gather(sample_rows) if pen.counts_active else None
             logits = apply_penalties(logits, counts, pen.frequency, pen.presence, pen.repetition,
                                      logit_bias=pen.logit_bias, min_tokens_mask=pen.min_tokens_mask,
                                      banned_ids=pen.banned_ids)
-        positions = torch.tensor(job.sample_positions, dtype=torch.int64, device=logits.device)
-        next_ids = sample(logits, job.sampling, positions)  # type: ignore[arg-type]
-        self.penalty_counts.add(sample_rows, next_ids)
-        return next_ids
+        info = job.sampling if per_row is None else job.sampling.take(per_row)  # type: ignore[union-attr]
+        return sample(logits, info, positions)  # type: ignore[arg-type]
 
-    def _output_logprobs(self, logits: torch.Tensor, next_ids: torch.Tensor, job: ForwardJob) -> list[LogprobArrays | None]:
+    def _output_logprobs(self, logits: torch.Tensor, tokens: torch.Tensor, job: ForwardJob, owner: list[int],
+                         counts: list[int]) -> list[list[LogprobArrays] | None]:
+        """Logprobs of the raw distribution for each kept token; `owner[t]` is token t's request
+        (tokens grouped by request, in order) and `counts[i]` how many request i kept."""
         nums = job.top_logprobs_nums
         if not nums or all(k < 0 for k in nums):
             return []
-        picks = [i for i, k in enumerate(nums) if k >= 0]
-        arrays = batch_output_logprobs(logits[picks], next_ids[picks], [nums[i] for i in picks],
-                                       [job.token_ids_logprob[i] for i in picks])  # type: ignore[index]
-        out: list[LogprobArrays | None] = [None] * len(nums)
-        for i, a in zip(picks, arrays):
-            out[i] = a
-        return out
+        picks = [t for t, i in enumerate(owner) if nums[i] >= 0]
+        arrays = iter(batch_output_logprobs(logits[picks], tokens[picks], [nums[owner[t]] for t in picks],
+                                            [job.token_ids_logprob[owner[t]] for t in picks]))  # type: ignore[index]
+        return [[next(arrays) for _ in range(n)] if k >= 0 else None for k, n in zip(nums, counts)]
 
     @staticmethod
-    def _output_hidden(sampled_hidden: torch.Tensor, job: ForwardJob) -> list[np.ndarray | None]:
+    def _output_hidden(kept_hidden: torch.Tensor, job: ForwardJob, counts: list[int]) -> list[list[np.ndarray] | None]:
+        """One [1, H] row per kept token (grouped by request, `counts[i]` each)."""
         wants = job.return_hidden
         if not wants or not any(wants):
             return []
-        rows = _host_rows(sampled_hidden)
-        return [rows[i:i + 1] if w else None for i, w in enumerate(wants)]
+        rows = _host_rows(kept_hidden)
+        starts = np.cumsum([0, *counts])
+        return [[rows[t:t + 1] for t in range(starts[i], starts[i + 1])] if w else None for i, w in enumerate(wants)]
 
     def _input_logprobs(self, hidden: torch.Tensor, task: InputLogprobTask) -> LogprobChunk:
         rows = hidden[task.token_offset:task.token_offset + task.n]

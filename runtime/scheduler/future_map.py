@@ -21,9 +21,11 @@ POISON = -(1 << 40)  # never a token id; a gather that returns it read a row nob
 @dataclass
 class RelayPayload:
     rows: torch.Tensor  # [B] int64 pool rows the payload belongs to
-    bonus_tokens: torch.Tensor | None = None  # [B] int64: the token each row sampled
-    draft_tokens: torch.Tensor | None = None  # [B, K] int64: speculative draft input for the next step
-    accept_lens: torch.Tensor | None = None  # [B] int64: accepted tokens per row in this step
+    bonus_tokens: torch.Tensor  # [B] int64: each row's last sampled token, the next step's first input
+    # speculative servers only: where that token sits, and the drafts to verify after it
+    seq_lens: torch.Tensor | None = None  # [B] int64: committed KV length = the bonus token's position
+    draft_tokens: torch.Tensor | None = None  # [B, K] int64: the next step's draft input (padded)
+    draft_lens: torch.Tensor | None = None  # [B] int64: valid drafts per row (0..K)
 
     @property
     def is_speculative(self) -> bool:
@@ -35,19 +37,21 @@ class FutureMap:
         self.debug = debug
         fill = POISON if debug else 0
         self.bonus = torch.full((num_rows,), fill, dtype=torch.int64, device=device)
+        self.seq_lens = torch.full((num_rows,), fill, dtype=torch.int64, device=device)
         self.draft = torch.full((num_rows, max_draft_tokens), fill, dtype=torch.int64, device=device)
-        self.accept_lens = torch.zeros((num_rows,), dtype=torch.int64, device=device)
+        self.draft_lens = torch.zeros((num_rows,), dtype=torch.int64, device=device)
 
     def stash(self, payload: RelayPayload | None) -> None:
         if payload is None:
             return
-        if payload.bonus_tokens is not None:
-            self.bonus[payload.rows] = payload.bonus_tokens
+        rows = payload.rows
+        self.bonus[rows] = payload.bonus_tokens
+        if payload.seq_lens is not None:
+            self.seq_lens[rows] = payload.seq_lens
         if payload.draft_tokens is not None:
             k = payload.draft_tokens.shape[1]
-            self.draft[payload.rows, :k] = payload.draft_tokens
-            if payload.accept_lens is not None:
-                self.accept_lens[payload.rows] = payload.accept_lens
+            self.draft[rows, :k] = payload.draft_tokens
+            self.draft_lens[rows] = payload.draft_lens  # type: ignore[assignment]
 
     def gather_bonus(self, rows: torch.Tensor) -> torch.Tensor:
         tokens = self.bonus[rows]
@@ -56,18 +60,20 @@ class FutureMap:
             self.bonus[rows] = POISON
         return tokens
 
-    def gather_draft(self, rows: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        drafts = self.draft[rows, :k]
+    def gather_draft(self, rows: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The next verify's input per row: drafts [B, k], valid drafts [B], committed KV length [B]."""
+        drafts, lens, seq_lens = self.draft[rows, :k], self.draft_lens[rows].clamp(max=k), self.seq_lens[rows]
         if self.debug:
-            self._check(drafts, "draft tokens")
-            self.draft[rows] = POISON
-        return drafts, self.accept_lens[rows]
+            self._check(seq_lens, "seq len")
+            self.seq_lens[rows] = POISON
+        return drafts, lens, seq_lens
 
     def poison(self, rows: list[int]) -> None:
         """Debug mode: mark rows unwritten again (their request left), so a stale gather is caught."""
         if self.debug and rows:
             idx = torch.tensor(rows, dtype=torch.int64, device=self.bonus.device)
             self.bonus[idx] = POISON
+            self.seq_lens[idx] = POISON
             self.draft[idx] = POISON
 
     @staticmethod

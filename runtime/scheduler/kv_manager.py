@@ -1,8 +1,11 @@
 """KV memory for requests: prefix matching, slot allocation with eviction, release and retraction.
 
 Ownership: every KV slot is free, owned by the radix tree, or owned by one request's row. A
-request's row holds `kv_alloc_len` valid slots: the tree's (matched or inserted prefix, locked
-through `req.last_node`) followed by its own. Rows themselves come from and go back to ReqRows.
+request's row holds `kv_alloc_len` slots: the tree's (matched or inserted prefix, locked
+through `req.last_node`) followed by its own. Positions below `kv_committed_len` hold the KV
+of the request's known tokens; speculative decoding reserves slots beyond it (the verify's
+positions depend on how many drafts the step in flight accepts), and only committed positions
+ever reach the tree. Rows themselves come from and go back to ReqRows.
 """
 from __future__ import annotations
 
@@ -50,20 +53,35 @@ class KVManager:
         n = len(prefix_slots)
         if n:
             self.req_to_token[row, :n] = prefix_slots.to(self.req_to_token.device)
-        req.kv_alloc_len = n
+        req.kv_alloc_len = req.kv_committed_len = n
         req.last_node = node
         self.tree.inc_lock_ref(node)
         return True
 
     def extend(self, req: Req, new_len: int) -> torch.Tensor | None:
-        """Allocate slots for positions [kv_alloc_len, kv_alloc_len + new_len) of the request."""
-        slots = self.alloc_slots(new_len)
+        """Allocate and commit positions [kv_alloc_len, kv_alloc_len + new_len): a step in flight
+        computes exactly these positions."""
+        slots = self.reserve(req, req.kv_alloc_len + new_len)
+        if slots is not None:
+            req.kv_committed_len = req.kv_alloc_len
+        return slots
+
+    def reserve(self, req: Req, upto: int) -> torch.Tensor | None:
+        """Allocate slots so that positions [0, upto) have one, without committing them."""
+        need = upto - req.kv_alloc_len
+        slots = self.alloc_slots(max(need, 0))
         if slots is None:
             return None
         start = req.kv_alloc_len
-        self.req_to_token[req.req_pool_idx, start:start + new_len] = slots.to(self.req_to_token.device)
-        req.kv_alloc_len += new_len
+        self.req_to_token[req.req_pool_idx, start:start + len(slots)] = slots.to(self.req_to_token.device)
+        req.kv_alloc_len += len(slots)
         return slots
+
+    def commit(self, req: Req) -> None:
+        """After a step's tokens are applied: every token but the last has its KV written (the last
+        one is the next step's input)."""
+        if req.req_pool_idx is not None:
+            req.kv_committed_len = max(req.kv_committed_len, req.seq_len - 1)
 
     def cache_prefill(self, req: Req) -> None:
         """Put the request's computed-or-in-flight KV into the tree right after it is planned, so
@@ -87,13 +105,13 @@ class KVManager:
         if row is None:
             return
         ids = req.all_ids()
-        keep = min(req.kv_alloc_len, len(ids))
+        keep = min(req.kv_committed_len, len(ids))
         slots = self._row(req, req.kv_alloc_len)
         self.tree.cache_finished_req(ids[:keep], slots[:keep], req.last_node or self.tree.root, req.extra_key)
         if req.kv_alloc_len > keep:
             self.allocator.free(slots[keep:])
         self.rows.release(row)
-        req.req_pool_idx, req.kv_alloc_len, req.last_node = None, 0, None
+        req.req_pool_idx, req.kv_alloc_len, req.kv_committed_len, req.last_node = None, 0, 0, None
 
     def row_slots(self, req: Req, start: int, stop: int) -> torch.Tensor:
         """The KV slots of positions [start, stop) of the request (a copy)."""

@@ -44,8 +44,11 @@ class OutputStreamer:
                                  cached_tokens=[], detokenize_params=[])
         any_lp = any(r.return_logprob for r in reqs)
         any_hidden = any(r.return_hidden_states for r in reqs)
+        any_spec = any(r.spec_verify_ct for r in reqs)
         for r in reqs:
             self._append(out, r)
+            if any_spec:
+                out.spec_counts.append((r.spec_verify_ct, r.spec_draft_tokens, r.spec_accepted_drafts))
             if any_lp:
                 self._append_logprobs(out, r)
             if any_hidden:

@@ -16,6 +16,7 @@ import torch
 from tandem.ipc.messages import FinishReason
 from tandem.runtime.model.forward_batch import ForwardMode
 from tandem.runtime.scheduler.batch import BatchContext, ExtendSpan, ScheduleBatch, build_batch
+from tandem.runtime.scheduler.forward_worker import SpecInfo
 from tandem.runtime.scheduler.kv_manager import KVManager
 from tandem.runtime.scheduler.policy import SchedulePolicy
 from tandem.runtime.scheduler.prefill_adder import ChunkedReq, PrefillAdder
@@ -38,6 +39,9 @@ class PlannerConfig:
     enable_priority_scheduling: bool = False
     priority_preemption: bool = False
     force_retract_every: int = 0  # TANDEM_TEST_RETRACT: retract one request every N decode steps
+    speculative_num_drafts: int = 0  # drafts per verify; 0: plain decoding
+    speculative_disable_batch_size: int | None = None  # more running requests than this: no drafts
+    speculative_draft_ahead: int = 0  # positions past a verify that the drafter writes KV for (STANDALONE)
 
 
 @dataclass
@@ -46,6 +50,7 @@ class Plan:
     aborted: list[tuple[Req, FinishReason]] = field(default_factory=list)  # for the scheduler to finish
 
 
+_NO_SLOTS = torch.empty(0, dtype=torch.int64)  # a verify's slots are read from the row by the worker
 _OOM = FinishReason(type="abort", status_code=500, err_type="OutOfMemory",
                     message="out of KV memory after retracting every other request")
 
@@ -151,8 +156,11 @@ class Planner:
         if not adder.spans:
             return None
         self.chunked = adder.chunked
-        self.running.extend(s.req for s in adder.spans if s.samples)
-        return build_batch(ForwardMode.EXTEND, adder.spans, self.ctx)
+        sampling = [s.req for s in adder.spans if s.samples]
+        self.running.extend(sampling)
+        for req in sampling:
+            req.outputs_in_flight += 1
+        return build_batch(ForwardMode.EXTEND, adder.spans, self.ctx, self._spec_prefill(sampling))
 
     def _plan_decode(self) -> Plan:
         reqs = [r for r in self.running if self._planned_outputs(r) < r.sampling_params.max_new_tokens]
@@ -162,6 +170,8 @@ class Planner:
         every = self.cfg.force_retract_every
         if every and len(reqs) > 1 and self._decode_steps % every == 0:
             self._retract(self.policy.retract_order(reqs)[0], reqs)
+        if self.cfg.speculative_num_drafts:
+            return self._plan_verify(reqs)
         while self.kv.available_tokens() < len(reqs):
             victim = self.policy.retract_order(reqs)[0]
             if len(reqs) == 1:
@@ -175,9 +185,69 @@ class Planner:
         rows = torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64)
         positions = torch.tensor([r.kv_alloc_len for r in reqs], dtype=torch.int64)
         self.kv.req_to_token[rows, positions] = slots.to(self.kv.req_to_token.device)
-        for r in reqs:
+        for r in reqs:  # one position each, computed by this step: allocated and committed
             r.kv_alloc_len += 1
+            r.kv_committed_len = r.kv_alloc_len
+            r.outputs_in_flight += 1
         return Plan(build_batch(ForwardMode.DECODE, spans, self.ctx))
+
+    # -- speculative decoding ------------------------------------------------------------------------
+    def _plan_verify(self, reqs: list[Req]) -> Plan:
+        """A verify step: each request checks up to its drafts after its last token. Where that
+        token sits depends on the step in flight, so slots are reserved up to the furthest
+        position this step (and the drafter after it) can reach; the worker reads the real one."""
+        spec = self._spec_active(len(reqs))
+        while True:
+            drafts = {id(r): self._max_drafts(r) if spec else 0 for r in reqs}
+            need = {id(r): self._reserve_upto(r, drafts[id(r)]) - r.kv_alloc_len for r in reqs}
+            if self.kv.available_tokens() >= sum(max(n, 0) for n in need.values()):
+                break
+            victim = self.policy.retract_order(reqs)[0]
+            if len(reqs) == 1:
+                return Plan(None, [(victim, _OOM)])
+            self._retract(victim, reqs)
+        spans = []
+        for r in reqs:
+            self.kv.reserve(r, self._reserve_upto(r, drafts[id(r)]))
+            spans.append(ExtendSpan(r, -1, 1 + drafts[id(r)], _NO_SLOTS, samples=True, drafts=drafts[id(r)]))
+        info = SpecInfo(max_drafts=[drafts[id(r)] for r in reqs], make_drafts=[spec and self._drafts_ok(r) for r in reqs],
+                        pos_limits=[r.max_total_len() for r in reqs], histories=None)
+        batch = build_batch(ForwardMode.TARGET_VERIFY, spans, self.ctx, info)
+        for r in reqs:
+            r.outputs_in_flight += 1 + drafts[id(r)]
+        return Plan(batch)
+
+    def _spec_active(self, batch_size: int) -> bool:
+        limit = self.cfg.speculative_disable_batch_size
+        return limit is None or batch_size <= limit
+
+    def _max_drafts(self, req: Req) -> int:
+        """Drafts one verify may check: none for what a draft run cannot honour token by token
+        (penalties, grammars, hidden states, min_new_tokens not reached), and never past max_new_tokens."""
+        sp = req.sampling_params
+        if sp.has_penalties or req.grammar is not None or req.return_hidden_states:
+            return 0
+        if len(req.output_ids) + min(req.outputs_in_flight, 1) < sp.min_new_tokens:
+            return 0
+        room = sp.max_new_tokens - self._planned_outputs(req) - 1
+        return max(0, min(self.cfg.speculative_num_drafts, room))
+
+    def _reserve_upto(self, req: Req, drafts: int) -> int:
+        """Slots up to the furthest position this verify and the drafts after it can touch."""
+        start = req.seq_len - 1 + req.outputs_in_flight  # the latest the last token can sit
+        return min(start + 1 + drafts + self.cfg.speculative_draft_ahead, req.max_total_len())
+
+    def _spec_prefill(self, sampling: list[Req]) -> SpecInfo | None:
+        if not self.cfg.speculative_num_drafts or not sampling:
+            return None
+        make = self._spec_active(len(self.running))
+        return SpecInfo(max_drafts=[0] * len(sampling), make_drafts=[make and self._drafts_ok(r) for r in sampling],
+                        pos_limits=[r.max_total_len() for r in sampling], histories=[r.all_ids() for r in sampling])
+
+    @staticmethod
+    def _drafts_ok(req: Req) -> bool:
+        sp = req.sampling_params
+        return not (sp.has_penalties or req.grammar is not None or req.return_hidden_states)
 
     def _preempt_for(self, req: Req) -> bool:
         """--priority-preemption: a much more urgent arrival retracts the least urgent running request."""
@@ -192,8 +262,8 @@ class Planner:
 
     @staticmethod
     def _planned_outputs(req: Req) -> int:
-        """Tokens the request will have sampled once every planned step ran."""
-        return req.kv_alloc_len - len(req.origin_input_ids) + 1
+        """Most tokens the request can have once every planned step ran."""
+        return len(req.output_ids) + req.outputs_in_flight
 
     def _retract(self, req: Req, reqs: list[Req]) -> None:
         self.kv.release(req)

@@ -41,9 +41,19 @@ class Req:
     # (retraction keeps the output, so the matcher stays valid across it)
     grammar: Any | None = None
 
-    # memory: the row in ReqToTokenPool and how many of its positions hold allocated KV slots
+    # memory: the row in ReqToTokenPool and how many of its positions hold allocated KV slots;
+    # positions [0, kv_committed_len) hold (or a step in flight is writing) the KV of known
+    # tokens. They are equal except under speculation, which reserves slots ahead of need.
     req_pool_idx: int | None = None
     kv_alloc_len: int = 0
+    kv_committed_len: int = 0
+    # most tokens the planned but not yet processed steps can still add (1 per plain step,
+    # 1 + drafts per verify): the planner's upper bound on the output length
+    outputs_in_flight: int = 0
+    # speculative decoding: verify passes, drafts proposed and drafts accepted
+    spec_verify_ct: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_drafts: int = 0
     last_node: object | None = None  # locked radix node covering the cached prefix
     cached_tokens: int = 0  # prompt tokens served from the radix cache (first prefill)
     retract_count: int = 0

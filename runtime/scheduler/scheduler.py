@@ -35,6 +35,7 @@ from tandem.runtime.scheduler.result_processor import FinishChecker, apply_new_t
 from tandem.runtime.scheduler.stats import StepStats
 from tandem.runtime.scheduler.watchdog import Watchdog
 from tandem.runtime.server_args import ServerArgs
+from tandem.runtime.speculative.drafter import Drafter, NgramDrafter
 from tandem.runtime.tokenizer import load_tokenizer
 
 logger = logging.getLogger("tandem.scheduler")
@@ -48,7 +49,17 @@ def planner_config(args: ServerArgs, runner: ModelRunner) -> PlannerConfig:
         chunked_prefill_size=args.chunked_prefill_size, max_queued_requests=args.max_queued_requests,
         request_timeout=args.request_timeout, schedule_policy=args.schedule_policy,
         enable_priority_scheduling=args.enable_priority_scheduling, priority_preemption=args.priority_preemption,
-        force_retract_every=envs.TEST_RETRACT_INTERVAL.get() if envs.TEST_RETRACT.get() else 0)
+        force_retract_every=envs.TEST_RETRACT_INTERVAL.get() if envs.TEST_RETRACT.get() else 0,
+        speculative_num_drafts=args.speculative_num_draft_tokens - 1 if args.speculative_algorithm else 0,
+        speculative_disable_batch_size=args.speculative_disable_batch_size)
+
+
+def make_drafter(args: ServerArgs, runner: ModelRunner) -> Drafter | None:
+    if args.speculative_algorithm is None:
+        return None
+    pool = runner.req_to_token_pool
+    return NgramDrafter(pool.size, pool.req_to_token.shape[1], args.speculative_num_draft_tokens - 1,
+                        args.speculative_ngram_min_match_window_size, args.speculative_ngram_max_match_window_size)
 
 
 class Scheduler:
@@ -63,12 +74,14 @@ class Scheduler:
             eos.add(self.tokenizer.eos_token_id)
         eos_ids = tuple(sorted(eos))
         pool = runner.req_to_token_pool
-        future_map = FutureMap(pool.size, runner.device, debug=envs.DEBUG_FUTURE_MAP.get())
+        drafter = make_drafter(args, runner)
+        future_map = FutureMap(pool.size, runner.device, max_draft_tokens=drafter.num_drafts if drafter else 1,
+                               debug=envs.DEBUG_FUTURE_MAP.get())
         penalty_counts = PenaltyCounts(pool.size, runner.config.vocab_size, runner.device)
         self.rows = ReqRows(pool, future_map, penalty_counts)
         self.kv = KVManager(self.rows, runner.allocator, args.disable_radix_cache)
         self.stats = StepStats()
-        self.worker = ForwardWorker(runner, future_map, penalty_counts, self.stats)
+        self.worker = ForwardWorker(runner, future_map, penalty_counts, self.stats, drafter)
         self.planner = Planner(planner_config(args, runner), self.kv,
                                BatchContext(runner.config.vocab_size, eos_ids, runner.device))
         self.checker = FinishChecker(eos_ids, lambda ids: self.tokenizer.decode(ids))
@@ -204,12 +217,21 @@ class Scheduler:
         waited = time.perf_counter() - t0
         self._apply_prompt_rows(batch, result)
         self.stats.count_generated(sum(map(len, result.next_token_ids)))
+        batch.mark_processed()
+        if result.num_drafts:
+            self.stats.record_verify(result.num_drafts, result.next_token_ids)
         for j, req in enumerate(batch.sampling_reqs):
             if req.finished:  # finished or aborted while this step was in flight
                 continue
-            lp = [result.output_logprobs[j]] if result.output_logprobs and result.output_logprobs[j] else None
-            hidden = [result.output_hidden[j]] if result.output_hidden and result.output_hidden[j] is not None else None
-            done = apply_new_tokens(req, result.next_token_ids[j], lp, hidden, self.checker)
+            tokens = result.next_token_ids[j]
+            if result.num_drafts:
+                req.spec_verify_ct += 1
+                req.spec_draft_tokens += result.num_drafts[j]
+                req.spec_accepted_drafts += len(tokens) - 1
+            lp = result.output_logprobs[j] if result.output_logprobs else None
+            hidden = result.output_hidden[j] if result.output_hidden else None
+            done = apply_new_tokens(req, tokens, lp, hidden, self.checker)
+            self.kv.commit(req)
             if done:
                 self._finish(req, req.finished_reason)
             else:

@@ -28,6 +28,8 @@ class StepStats:
         self._last_device_end: float | None = None
         self._recent: deque[tuple[float, int]] = deque()  # (time, tokens) of steps in the last window
         self._grammar_fill: deque[float] = deque(maxlen=2000)  # seconds per constrained row, per step
+        # speculative decoding since start: request-verifies, tokens they kept, drafts checked / accepted
+        self._spec_verifies = self._spec_tokens = self._spec_drafts = self._spec_accepted = 0
 
     # -- recording ---------------------------------------------------------------------------------
     def record_step(self, cpu_s: float) -> None:
@@ -48,6 +50,13 @@ class StepStats:
         now = time.monotonic()
         tokens = sum(n for t, n in self._recent if now - t <= _THROUGHPUT_WINDOW_S)
         return tokens / _THROUGHPUT_WINDOW_S
+
+    def record_verify(self, num_drafts: list[int], runs: list[list[int]]) -> None:
+        """One verify pass: drafts checked and tokens kept per request (before finish trimming)."""
+        self._spec_verifies += len(runs)
+        self._spec_tokens += sum(map(len, runs))
+        self._spec_drafts += sum(num_drafts)
+        self._spec_accepted += sum(map(len, runs)) - len(runs)
 
     def record_grammar_fill(self, seconds: float, rows: int) -> None:
         """Filling one step's grammar mask on the CPU (off the device's critical path under overlap)."""
@@ -84,7 +93,14 @@ class StepStats:
                 "device_idle_s": round(idle, 4), "step_time_median_ms": median, "step_time_p99_ms": p99,
                 "num_steps": self.num_steps, "gen_throughput": round(self.gen_throughput(), 3),
                 "grammar_mask_us_per_row": round(statistics.median(self._grammar_fill) * 1e6, 2)
-                if self._grammar_fill else None}
+                if self._grammar_fill else None, **self._spec_info()}
+
+    def _spec_info(self) -> dict[str, float]:
+        if not self._spec_verifies:
+            return {}
+        return {"avg_spec_accept_length": round(self._spec_tokens / self._spec_verifies, 4),
+                "spec_accept_rate": round(self._spec_accepted / self._spec_drafts, 4) if self._spec_drafts else 0.0,
+                "spec_verify_ct": self._spec_verifies}
 
     # -- logging ----------------------------------------------------------------------------------------
     def log_prefill(self, new_seqs: int, new_tokens: int, cached_tokens: int, usage: float, running: int,

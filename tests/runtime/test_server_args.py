@@ -33,3 +33,18 @@ def test_default_preset_loads_and_bad_values_name_the_argument():
         ServerArgs(schedule_policy="random")
     with pytest.raises(ValueError, match="not_a_flag"):
         ServerArgs.from_dict({"not_a_flag": 1})
+
+
+def test_speculative_flags():
+    args = _cli(["--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", "6",
+                 "--speculative-disable-batch-size", "8"])
+    assert (args.speculative_algorithm, args.speculative_num_draft_tokens, args.speculative_disable_batch_size) == (
+        "NGRAM", 6, 8)
+    for bad, fragment in [({"speculative_algorithm": "EAGLE"}, "speculative_algorithm='EAGLE'"),
+                          ({"speculative_algorithm": "STANDALONE"}, "STANDALONE (a draft model) is not implemented"),
+                          ({"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": 1},
+                           "speculative_num_draft_tokens=1"),
+                          ({"speculative_algorithm": "NGRAM", "speculative_ngram_min_match_window_size": 5,
+                            "speculative_ngram_max_match_window_size": 2}, "min_match_window_size=5")]:
+        with pytest.raises(ValueError, match=fragment.replace("(", r"\(").replace(")", r"\)")):
+            ServerArgs(**bad)

@@ -34,11 +34,14 @@ def test_debug_catches_unwritten_poisoned_and_reread_entries():
 
 def test_multi_token_speculative_payload():
     fm = FutureMap(4, "cpu", max_draft_tokens=3, debug=True)
-    payload = RelayPayload(rows=torch.tensor([0, 3]), draft_tokens=torch.tensor([[1, 2, 3], [4, 5, 6]]),
-                           accept_lens=torch.tensor([2, 3]))
+    payload = RelayPayload(rows=torch.tensor([0, 3]), bonus_tokens=torch.tensor([7, 8]),
+                           seq_lens=torch.tensor([10, 20]), draft_tokens=torch.tensor([[1, 2, 3], [4, 5, 6]]),
+                           draft_lens=torch.tensor([2, 3]))
     assert payload.is_speculative
     fm.stash(payload)
-    drafts, accepted = fm.gather_draft(torch.tensor([3, 0]), 3)
-    assert drafts.tolist() == [[4, 5, 6], [1, 2, 3]] and accepted.tolist() == [3, 2]
+    drafts, lens, seq_lens = fm.gather_draft(torch.tensor([3, 0]), 3)
+    assert drafts.tolist() == [[4, 5, 6], [1, 2, 3]] and lens.tolist() == [3, 2] and seq_lens.tolist() == [20, 10]
     with pytest.raises(RuntimeError):
-        fm.gather_draft(torch.tensor([1]), 3)
+        fm.gather_draft(torch.tensor([1]), 3)  # never written
+    with pytest.raises(RuntimeError):
+        fm.gather_draft(torch.tensor([0]), 3)  # consumed by the first read

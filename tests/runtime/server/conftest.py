@@ -6,6 +6,7 @@ import pytest
 from server_utils import start_server
 
 TINY_ARGS = ["--max-total-tokens", "6000", "--max-running-requests", "64"]
+NGRAM = ["--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", "4"]
 
 
 @pytest.fixture(scope="session")
@@ -28,6 +29,18 @@ def servers(tmp_path_factory, tiny_model_dir):
                                    {"TANDEM_TEST_RETRACT": "1", "TANDEM_DEBUG_FUTURE_MAP": "1",
                                     "TANDEM_FORCE_STREAM_INTERVAL": "3"}),
                 "smol": (["--max-total-tokens", "20000", "--max-running-requests", "32"], None),
+                # speculative decoding (NGRAM): plain, under retraction with and without overlap, and
+                # switched off above two running requests
+                "tiny_ngram": (["--model-path", tiny, *TINY_ARGS, *NGRAM], {"TANDEM_DEBUG_FUTURE_MAP": "1"}),
+                "tiny_ngram_sequential_chunked_retract": (
+                    ["--model-path", tiny, *TINY_ARGS, *NGRAM, "--chunked-prefill-size", "16",
+                     "--disable-overlap-schedule"], {"TANDEM_TEST_RETRACT": "1", "TANDEM_DEBUG_FUTURE_MAP": "1"}),
+                "tiny_ngram_overlap_chunked_retract": (
+                    ["--model-path", tiny, *TINY_ARGS, *NGRAM, "--chunked-prefill-size", "16"],
+                    {"TANDEM_TEST_RETRACT": "1", "TANDEM_DEBUG_FUTURE_MAP": "1"}),
+                "tiny_ngram_disable_2": (["--model-path", tiny, *TINY_ARGS, *NGRAM,
+                                          "--speculative-disable-batch-size", "2"], {"TANDEM_DEBUG_FUTURE_MAP": "1"}),
+                "smol_ngram": (["--max-total-tokens", "20000", "--max-running-requests", "32", *NGRAM], None),
             }
             args, env = configs[name]
             started[name] = start_server(args, str(logs / f"{name}.log"), env)

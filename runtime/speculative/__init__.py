@@ -1,0 +1,1 @@
+"""Speculative decoding: drafts (n-gram lookup or a small draft model) verified by one target pass."""
