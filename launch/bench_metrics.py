@@ -196,6 +196,7 @@ def format_result_block(m: dict[str, Any], header: dict[str, Any]) -> str:
         _line("Peak concurrent requests:", m["peak_concurrent_requests"]),
         _line("Total token throughput (tok/s):", m["total_throughput"], ".2f"),
         _line("Concurrency:", m["concurrency"], ".2f"),
+        *([_line("Accept length:", m["accept_length"], ".2f")] if m.get("accept_length") is not None else []),
         _section("End-to-End Latency"),
         *_latency_lines(m, "e2e_latency", "E2E Latency", ("mean", "median", "p90", "p99")),
         _section("Time to First Token"),

@@ -292,8 +292,10 @@ def build_result(args: Any, metrics: dict[str, Any], results: list[RequestResult
     return {k: _finite(v) for k, v in result.items()}
 
 
-def report(args: Any, results: list[RequestResult], duration: float, t0: float) -> dict[str, Any]:
+def report(args: Any, results: list[RequestResult], duration: float, t0: float,
+           accept_length: float | None = None) -> dict[str, Any]:
     metrics = compute_metrics(results, duration, t0)
+    metrics["accept_length"] = accept_length
     header = {"Backend": args.backend, "Traffic request rate": args.request_rate,
               "Max request concurrency": args.max_concurrency or "not set"}
     print("\n" + format_result_block(metrics, header), flush=True)
@@ -317,7 +319,17 @@ def _run(args: argparse.Namespace, base_url: str) -> dict[str, Any]:
     if args.json_schema_text:
         return _run_guided(args, rows, base_url)
     results, duration, t0 = asyncio.run(run_benchmark(args, rows, base_url))
-    return report(args, results, duration, t0)
+    return report(args, results, duration, t0, server_accept_length(base_url))
+
+
+def server_accept_length(base_url: str) -> float | None:
+    """The server's running mean of tokens per speculative verify (None: it does not speculate)."""
+    import requests
+
+    try:
+        return requests.get(base_url + "/server_info", timeout=30).json().get("avg_spec_accept_length")
+    except (requests.RequestException, ValueError):
+        return None
 
 
 def _run_guided(args: argparse.Namespace, rows: list[DatasetRow], base_url: str) -> dict[str, Any]:

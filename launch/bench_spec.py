@@ -79,7 +79,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     tokenizer = load_tokenizer(args.model_path)
     rows = []
     for batch in args.spec_batch_sizes:
-        prompts = make_prompts(tokenizer, batch * args.spec_waves)
+        waves = max(args.spec_waves, -(-8 // batch))  # at least 8 requests per batch size
+        prompts = make_prompts(tokenizer, batch * waves)
         plain, plain_s, _ = run_waves(args, prompts, batch, speculative=False)
         spec, spec_s, info = run_waves(args, prompts, batch, speculative=True)
         if spec != plain:

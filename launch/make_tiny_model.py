@@ -1,7 +1,9 @@
-"""Build a tiny random checkpoint (HF folder: config.json + safetensors + tokenizer) for tests.
+"""Build a tiny random checkpoint (HF folder: config.json + safetensors + tokenizer) for tests,
+or a layer-truncated copy of a checkpoint (a draft model for STANDALONE speculation).
 
-`python -m tandem.launch.make_tiny_model OUT_DIR --arch qwen2` writes one; tests call
-`build_tiny_model` directly. The tokenizer is the embedded SmolLM2 one, so vocab is 49152.
+`python -m tandem.launch.make_tiny_model OUT_DIR --arch qwen2` writes a tiny one;
+`... OUT_DIR --truncate-from MODEL --layers 4` a truncated copy. Tests call `build_tiny_model` /
+`build_truncated_model` directly. The tokenizer is the embedded SmolLM2 one, so vocab is 49152.
 """
 from __future__ import annotations
 
@@ -47,14 +49,51 @@ def build_tiny_model(out_dir: str | Path, arch: str = "qwen2", hidden: int = 64,
     return out
 
 
+def build_truncated_model(model_path: str | None, out_dir: str | Path, layers: int) -> Path:
+    """An HF folder holding the first `layers` layers of a checkpoint (HF folder or GGUF), its
+    embeddings, final norm and head: a same-tokenizer draft model for STANDALONE speculation."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from tandem.runtime.model.loader import load_config, load_hf_weights
+    from tandem.runtime.model_files import resolve_model_path
+    from tandem.runtime.tokenizer import load_tokenizer
+
+    out = Path(out_dir)
+    if (out / "config.json").is_file():
+        return out
+    src = resolve_model_path(model_path)
+    cfg = load_config(src)
+    if not 1 <= layers <= cfg.num_layers:
+        raise ValueError(f"layers must be in [1, {cfg.num_layers}], got {layers}")
+    out.mkdir(parents=True, exist_ok=True)
+    weights = {name: w.contiguous() for name, w in load_hf_weights(src, cfg).items()
+               if not name.startswith("model.layers.") or int(name.split(".")[2]) < layers}
+    save_file(weights, str(out / "model.safetensors"))
+    hf = {"architectures": [cfg.arch], "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
+          "intermediate_size": cfg.intermediate_size, "num_hidden_layers": layers,
+          "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
+          "rms_norm_eps": cfg.rms_norm_eps, "rope_theta": cfg.rope_theta, "rope_scaling": cfg.rope_scaling,
+          "max_position_embeddings": cfg.max_position, "tie_word_embeddings": cfg.tie_word_embeddings,
+          "attention_bias": cfg.qkv_bias, "eos_token_id": list(cfg.eos_token_ids), "torch_dtype": "float32"}
+    (out / "config.json").write_text(json.dumps(hf, indent=2))
+    load_tokenizer(model_path).save_pretrained(str(out))
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("out_dir")
     parser.add_argument("--arch", choices=sorted(_ARCHS), default="qwen2")
     parser.add_argument("--hidden", type=int, default=64)
     parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--truncate-from", default=None, help="copy the first --layers layers of this model")
     args = parser.parse_args(argv)
-    print(build_tiny_model(args.out_dir, args.arch, args.hidden, args.layers))
+    if args.truncate_from:
+        print(build_truncated_model(args.truncate_from, args.out_dir, args.layers))
+    else:
+        print(build_tiny_model(args.out_dir, args.arch, args.hidden, args.layers))
     return 0
 
 

@@ -47,8 +47,10 @@ class ServerArgs:
     enable_docs: bool = False  # serve /docs and /openapi.json
     grammar_backend: str = "xgrammar"  # guided decoding: xgrammar | none
     grammar_compile_timeout: float = 30.0  # a grammar not compiled by then: the request gets a 400
-    speculative_algorithm: str | None = None  # NGRAM; None: plain decoding
+    speculative_algorithm: str | None = None  # NGRAM | STANDALONE; None: plain decoding
     speculative_num_draft_tokens: int = 4  # tokens one verify checks per request: the last token + drafts
+    speculative_num_steps: int | None = None  # STANDALONE: draft steps = num_draft_tokens - 1 (a chain)
+    speculative_draft_model_path: str | None = None  # STANDALONE: same tokenizer, its own KV pool
     speculative_disable_batch_size: int | None = None  # more running requests than this: decode plainly
     speculative_ngram_min_match_window_size: int = 1
     speculative_ngram_max_match_window_size: int = 12
@@ -79,10 +81,14 @@ class ServerArgs:
         algo = self.speculative_algorithm
         if algo is None:
             return
-        if algo == "STANDALONE":
-            raise ValueError("speculative_algorithm=STANDALONE (a draft model) is not implemented yet; use NGRAM")
-        if algo != "NGRAM":
-            raise ValueError(f"invalid server argument speculative_algorithm={algo!r} (NGRAM)")
+        if algo not in ("NGRAM", "STANDALONE"):
+            raise ValueError(f"invalid server argument speculative_algorithm={algo!r} (NGRAM or STANDALONE)")
+        if (algo == "STANDALONE") != bool(self.speculative_draft_model_path):
+            raise ValueError("speculative_draft_model_path is needed by, and only by, speculative_algorithm=STANDALONE")
+        steps = self.speculative_num_steps
+        if steps is not None and steps != self.speculative_num_draft_tokens - 1:
+            raise ValueError(f"speculative_num_steps={steps} must be speculative_num_draft_tokens - 1 = "
+                             f"{self.speculative_num_draft_tokens - 1}: drafts form one chain")
         if self.speculative_num_draft_tokens < 2:
             raise ValueError(f"invalid server argument speculative_num_draft_tokens="
                              f"{self.speculative_num_draft_tokens} (at least 2: the last token and one draft)")

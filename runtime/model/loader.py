@@ -25,11 +25,15 @@ def load_model(model_path: str, dtype: torch.dtype, device: torch.device | str =
     cfg = load_config(model_path)
     with torch.device("meta"):
         model = CausalLM(cfg)
-    weights = _cached_gguf_weights(model_path, cfg) if is_gguf(model_path) else _hf_weights(Path(model_path))
-    _load_into(model, _fuse(weights, cfg), dtype, device)
+    _load_into(model, _fuse(load_hf_weights(model_path, cfg), cfg), dtype, device)
     model.rotary.__init__(cfg.head_dim, cfg.max_position, cfg.rope_theta, cfg.rope_scaling)  # rebuild buffer off meta
     model.rotary.to(device)
     return model.eval()
+
+
+def load_hf_weights(model_path: str, cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """The checkpoint's tensors under Hugging Face names (a GGUF dequantized to float32)."""
+    return _cached_gguf_weights(model_path, cfg) if is_gguf(model_path) else _hf_weights(Path(model_path))
 
 
 def _load_into(model: CausalLM, weights: dict[str, torch.Tensor], dtype: torch.dtype, device) -> None:

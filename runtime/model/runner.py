@@ -32,6 +32,7 @@ class ModelRunner:
         torch.manual_seed(args.random_seed)
         self.model = load_model(self.model_path, self.dtype, self.device)
         self.config = self.model.cfg
+        self.draft_model = self._load_draft_model()
         self.context_len = min(args.context_length or self.config.max_position, self.config.max_position)
         self.max_total_tokens = self._kv_capacity()
         self.max_running_requests = args.max_running_requests
@@ -44,14 +45,33 @@ class ModelRunner:
         backend = args.resolved_attention_backend()
         self.attn_backend = create_attention_backend(backend, self.kv_pool, self.req_to_token_pool)
         self.model.use_ops(create_ops(backend))
+        self.draft_attn_backend = None
+        if self.draft_model is not None:  # its own KV, in the slots the target's rows name
+            dc = self.draft_model.cfg
+            self.draft_kv_pool = KVPool(self.max_total_tokens, dc.num_layers, dc.num_kv_heads, dc.head_dim,
+                                        self.dtype, self.device)
+            self.draft_attn_backend = create_attention_backend(backend, self.draft_kv_pool, self.req_to_token_pool)
+            self.draft_model.use_ops(create_ops(backend))
         logger.info("model %s loaded: %s, %d KV slots, context %d", self.model_path, self.config.arch,
                     self.max_total_tokens, self.context_len)
+
+    def _load_draft_model(self):
+        """STANDALONE speculation: the draft model, which must share the target's vocabulary."""
+        path = self.args.speculative_draft_model_path
+        if self.args.speculative_algorithm != "STANDALONE" or not path:
+            return None
+        draft = load_model(resolve_model_path(path), self.dtype, self.device)
+        if draft.cfg.vocab_size != self.config.vocab_size:
+            raise ValueError(f"speculative_draft_model_path {path}: vocabulary {draft.cfg.vocab_size} differs from the "
+                             f"target's {self.config.vocab_size} (the draft must share the tokenizer)")
+        return draft
 
     def _kv_capacity(self) -> int:
         if self.args.max_total_tokens:
             return self.args.max_total_tokens
-        cfg = self.config
-        per_token = KVPool.bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.dtype)
+        per_token = 0
+        for cfg in (self.config, *([self.draft_model.cfg] if self.draft_model is not None else [])):
+            per_token += KVPool.bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.dtype)
         if self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
             budget = free * (self.args.mem_fraction_static or _GPU_KV_MEM_FRACTION)

@@ -226,7 +226,7 @@ class ForwardWorker:
             if spec.histories is not None:
                 self.drafter.start(row, spec.histories[i])
             self.drafter.append(row, start + 1, run)
-        drafts, lens = self.drafter.propose(row_ids, seq_lens, spec.make_drafts)
+        drafts, lens = self.drafter.propose(row_ids, seq_lens, spec.make_drafts, spec.pos_limits)
         device = rows.device
         self.future_map.stash(RelayPayload(
             rows=rows, bonus_tokens=bonus, seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=device),

@@ -88,7 +88,7 @@ class KVManager:
         requests admitted after it (the n>1 siblings, shared system prompts) reuse it at once."""
         if self.tree.disabled:
             return
-        n = req.kv_alloc_len
+        n = req.kv_committed_len
         slots, node = self.tree.cache_unfinished_req(req.all_ids()[:n], self._row(req, n), req.last_node, req.extra_key)
         self.req_to_token[req.req_pool_idx, :n] = slots.to(self.req_to_token.device)
         req.last_node = node

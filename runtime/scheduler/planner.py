@@ -158,9 +158,10 @@ class Planner:
         self.chunked = adder.chunked
         sampling = [s.req for s in adder.spans if s.samples]
         self.running.extend(sampling)
+        spec = self._spec_prefill(sampling)
         for req in sampling:
             req.outputs_in_flight += 1
-        return build_batch(ForwardMode.EXTEND, adder.spans, self.ctx, self._spec_prefill(sampling))
+        return build_batch(ForwardMode.EXTEND, adder.spans, self.ctx, spec)
 
     def _plan_decode(self) -> Plan:
         reqs = [r for r in self.running if self._planned_outputs(r) < r.sampling_params.max_new_tokens]
@@ -240,9 +241,15 @@ class Planner:
     def _spec_prefill(self, sampling: list[Req]) -> SpecInfo | None:
         if not self.cfg.speculative_num_drafts or not sampling:
             return None
-        make = self._spec_active(len(self.running))
-        return SpecInfo(max_drafts=[0] * len(sampling), make_drafts=[make and self._drafts_ok(r) for r in sampling],
+        make = [self._spec_active(len(self.running)) and self._drafts_ok(r) and self._reserve_draft_ahead(r)
+                for r in sampling]
+        return SpecInfo(max_drafts=[0] * len(sampling), make_drafts=make,
                         pos_limits=[r.max_total_len() for r in sampling], histories=[r.all_ids() for r in sampling])
+
+    def _reserve_draft_ahead(self, req: Req) -> bool:
+        """A draft model drafting right after the prefill writes KV past the prompt: reserve it."""
+        ahead = self.cfg.speculative_draft_ahead
+        return not ahead or self.kv.reserve(req, min(req.seq_len + ahead, req.max_total_len())) is not None
 
     @staticmethod
     def _drafts_ok(req: Req) -> bool:

@@ -36,6 +36,7 @@ from tandem.runtime.scheduler.stats import StepStats
 from tandem.runtime.scheduler.watchdog import Watchdog
 from tandem.runtime.server_args import ServerArgs
 from tandem.runtime.speculative.drafter import Drafter, NgramDrafter
+from tandem.runtime.speculative.standalone import StandaloneDrafter
 from tandem.runtime.tokenizer import load_tokenizer
 
 logger = logging.getLogger("tandem.scheduler")
@@ -51,14 +52,20 @@ def planner_config(args: ServerArgs, runner: ModelRunner) -> PlannerConfig:
         enable_priority_scheduling=args.enable_priority_scheduling, priority_preemption=args.priority_preemption,
         force_retract_every=envs.TEST_RETRACT_INTERVAL.get() if envs.TEST_RETRACT.get() else 0,
         speculative_num_drafts=args.speculative_num_draft_tokens - 1 if args.speculative_algorithm else 0,
-        speculative_disable_batch_size=args.speculative_disable_batch_size)
+        speculative_disable_batch_size=args.speculative_disable_batch_size,
+        # the draft model writes KV for its K - 1 chained inputs past the verify's last position
+        speculative_draft_ahead=args.speculative_num_draft_tokens - 1 if args.speculative_algorithm == "STANDALONE"
+        else 0)
 
 
 def make_drafter(args: ServerArgs, runner: ModelRunner) -> Drafter | None:
     if args.speculative_algorithm is None:
         return None
-    pool = runner.req_to_token_pool
-    return NgramDrafter(pool.size, pool.req_to_token.shape[1], args.speculative_num_draft_tokens - 1,
+    pool, num_drafts = runner.req_to_token_pool, args.speculative_num_draft_tokens - 1
+    if args.speculative_algorithm == "STANDALONE":
+        return StandaloneDrafter(runner.draft_model, runner.draft_attn_backend, pool.req_to_token, num_drafts,
+                                 runner.device)
+    return NgramDrafter(pool.size, pool.req_to_token.shape[1], num_drafts,
                         args.speculative_ngram_min_match_window_size, args.speculative_ngram_max_match_window_size)
 
 

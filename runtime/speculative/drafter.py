@@ -18,7 +18,11 @@ class Drafter(Protocol):
 
     def start(self, row: int, tokens: list[int]) -> None: ...
     def append(self, row: int, pos: int, tokens: list[int]) -> None: ...
-    def propose(self, rows: list[int], seq_lens: list[int], make: list[bool]) -> tuple[np.ndarray, np.ndarray]: ...
+    def propose(self, rows: list[int], seq_lens: list[int], make: list[bool],
+                pos_limits: list[int]) -> tuple[np.ndarray, np.ndarray]:
+        """Drafts [B, K] (zero-padded) and their counts [B] for rows whose last token sits at
+        seq_lens; nothing is computed at or past a row's pos_limit."""
+        ...
 
 
 class NgramDrafter:
@@ -35,8 +39,9 @@ class NgramDrafter:
         """Tokens accepted at positions [pos, pos + len(tokens))."""
         self.history[row, pos:pos + len(tokens)] = tokens
 
-    def propose(self, rows: list[int], seq_lens: list[int], make: list[bool]) -> tuple[np.ndarray, np.ndarray]:
-        """Drafts [B, K] (zero-padded) and their counts [B] for rows whose last token sits at seq_lens."""
+    def propose(self, rows: list[int], seq_lens: list[int], make: list[bool],
+                pos_limits: list[int]) -> tuple[np.ndarray, np.ndarray]:
+        """No KV is written, so the position limit does not matter (the planner caps each verify)."""
         k = self.num_drafts
         drafts = np.zeros((len(rows), k), dtype=np.int64)
         lens = np.zeros(len(rows), dtype=np.int64)

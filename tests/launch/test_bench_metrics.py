@@ -147,3 +147,10 @@ def test_result_block_has_sglang_labels() -> None:
         assert any(line.startswith(label) for line in lines), label
     assert "Mean TTFT (ms):                          150.00" in block
     assert "Cache hit rate (%):                      10.00" in block
+
+
+def test_accept_length_line_only_for_speculative_servers() -> None:
+    m = compute_metrics(_three_results(), duration_s=2.0, t0=10.0)
+    assert "Accept length" not in format_result_block(m, {})
+    block = format_result_block({**m, "accept_length": 2.456}, {})
+    assert "Accept length:                           2.46" in block

@@ -41,7 +41,11 @@ def test_speculative_flags():
     assert (args.speculative_algorithm, args.speculative_num_draft_tokens, args.speculative_disable_batch_size) == (
         "NGRAM", 6, 8)
     for bad, fragment in [({"speculative_algorithm": "EAGLE"}, "speculative_algorithm='EAGLE'"),
-                          ({"speculative_algorithm": "STANDALONE"}, "STANDALONE (a draft model) is not implemented"),
+                          ({"speculative_algorithm": "STANDALONE"}, "speculative_draft_model_path is needed"),
+                          ({"speculative_algorithm": "NGRAM", "speculative_draft_model_path": "d"},
+                           "speculative_draft_model_path is needed by, and only by"),
+                          ({"speculative_algorithm": "STANDALONE", "speculative_draft_model_path": "d",
+                            "speculative_num_steps": 5}, "speculative_num_steps=5 must be"),
                           ({"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": 1},
                            "speculative_num_draft_tokens=1"),
                           ({"speculative_algorithm": "NGRAM", "speculative_ngram_min_match_window_size": 5,

@@ -26,6 +26,22 @@ def test_first_verify_is_planned_before_the_prefill_ran():
     assert req.output_ids == [fake_token(10 + i) for i in range(n)] and req.kv_committed_len == 10 + n - 1
 
 
+def test_a_draft_model_gets_slots_past_each_run():
+    """STANDALONE drafts write draft KV for K - 1 positions past the last token, right after the
+    prefill and after every verify: those slots are reserved with the step, never committed."""
+    core = make_core(speculative_num_drafts=3, speculative_draft_ahead=3)
+    req = core.add("a", 10, max_new_tokens=20)
+    prefill = core.plan()
+    assert prefill.job.spec.make_drafts == [True]
+    assert req.kv_alloc_len == 13 and req.kv_committed_len == 10
+    core.plan()
+    assert req.kv_alloc_len == 10 + 1 + 3 + 3 and req.kv_committed_len == 10
+    short = make_core(speculative_num_drafts=3, speculative_draft_ahead=3)
+    r = short.add("b", 10, max_new_tokens=2)
+    short.plan()
+    assert r.kv_alloc_len == 12  # never past prompt + max_new_tokens
+
+
 def test_what_may_draft():
     core = make_core(speculative_num_drafts=4, max_running_requests=8)
     plain = core.add("plain", 6, max_new_tokens=30)

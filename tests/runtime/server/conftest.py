@@ -15,6 +15,13 @@ def servers(tmp_path_factory, tiny_model_dir):
     started: dict[str, object] = {}
     logs = tmp_path_factory.mktemp("server_logs")
 
+    def standalone(model: str | None, layers: int) -> list[str]:
+        from tandem.launch.make_tiny_model import build_truncated_model
+
+        draft = build_truncated_model(model, tmp_path_factory.getbasetemp() / f"draft_{layers}_{bool(model)}", layers)
+        return ["--speculative-algorithm", "STANDALONE", "--speculative-draft-model-path", str(draft),
+                "--speculative-num-draft-tokens", "4"]
+
     def get(name: str):
         if name not in started:
             tiny = tiny_model_dir("llama")
@@ -41,6 +48,17 @@ def servers(tmp_path_factory, tiny_model_dir):
                 "tiny_ngram_disable_2": (["--model-path", tiny, *TINY_ARGS, *NGRAM,
                                           "--speculative-disable-batch-size", "2"], {"TANDEM_DEBUG_FUTURE_MAP": "1"}),
                 "smol_ngram": (["--max-total-tokens", "20000", "--max-running-requests", "32", *NGRAM], None),
+                # STANDALONE: the draft is the tiny model cut to its first layer (SmolLM2: first 6 of 30)
+                "tiny_standalone": (["--model-path", tiny, *TINY_ARGS, *standalone(tiny, 1)],
+                                    {"TANDEM_DEBUG_FUTURE_MAP": "1"}),
+                "tiny_standalone_overlap_chunked_retract": (
+                    ["--model-path", tiny, *TINY_ARGS, *standalone(tiny, 1), "--chunked-prefill-size", "16"],
+                    {"TANDEM_TEST_RETRACT": "1", "TANDEM_DEBUG_FUTURE_MAP": "1"}),
+                "tiny_standalone_sequential_retract": (
+                    ["--model-path", tiny, *TINY_ARGS, *standalone(tiny, 1), "--disable-overlap-schedule"],
+                    {"TANDEM_TEST_RETRACT": "1", "TANDEM_DEBUG_FUTURE_MAP": "1"}),
+                "smol_standalone": (["--max-total-tokens", "20000", "--max-running-requests", "32",
+                                     *standalone(None, 6)], None),
             }
             args, env = configs[name]
             started[name] = start_server(args, str(logs / f"{name}.log"), env)
