@@ -26,6 +26,9 @@ class GrammarBackend:
         self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)  # cached here instead
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="tandem-grammar")
         self._cache: OrderedDict[tuple[str, str], Future] = OrderedDict()
+        self._buffers: list[Any] = [None, None]
+        self._batch = xgr.BatchGrammarMatcher(max_threads=1)  # one C++ call per step, the GIL released
+        self._turn = 0
         self.vocab_size = vocab_size
 
     def compile(self, kind: str, text: str) -> Future:
@@ -43,8 +46,25 @@ class GrammarBackend:
     def matcher(self, compiled: Any) -> Any:
         return self._xgr.GrammarMatcher(compiled)
 
-    def allocate_bitmask(self, rows: int) -> Any:
-        return self._xgr.allocate_token_bitmask(rows, self.vocab_size)
+    def fill_bitmask(self, matchers: list[Any], bitmask: Any) -> None:
+        """Row i of `bitmask`: the tokens matchers[i] allows next; all tokens where it is None (a
+        finished request: its sample is thrown away anyway)."""
+        live = [i for i, m in enumerate(matchers) if m is not None and not m.is_terminated()]
+        for i in set(range(len(matchers))) - set(live):
+            bitmask[i] = -1  # all bits set (the buffer is reused)
+        if live:
+            self._batch.batch_fill_next_token_bitmask([matchers[i] for i in live], bitmask, indices=live)
+
+    def bitmask_buffer(self, rows: int) -> Any:
+        """A host bitmask of `rows` rows, from two buffers used in turn: a step's mask is applied
+        before the mask two steps later is filled, so reuse never races (and allocating a fresh
+        one each step cost more than filling it)."""
+        self._turn ^= 1
+        buf = self._buffers[self._turn]
+        have = 0 if buf is None else buf.shape[0]
+        if have < rows:
+            buf = self._buffers[self._turn] = self._xgr.allocate_token_bitmask(max(rows, 2 * have), self.vocab_size)
+        return buf[:rows]
 
     def _compile(self, kind: str, text: str) -> Any:
         c = self._compiler

@@ -22,14 +22,11 @@ class GrammarMask:
         self._bitmask: torch.Tensor | None = None
         self._error: BaseException | None = None
 
-    def fill(self, matchers: list[Any], allocate: Any, device: torch.device) -> None:
-        """Scheduler thread: one bitmask row per constrained row (a finished request's row, whose
-        sample is thrown away anyway, allows everything)."""
+    def fill(self, matchers: list[Any], backend: Any, device: torch.device) -> None:
+        """Scheduler thread: one bitmask row per constrained row (GrammarBackend.fill_bitmask)."""
         try:
-            bitmask = allocate(len(matchers))
-            for i, matcher in enumerate(matchers):
-                if matcher is not None and not matcher.is_terminated():
-                    matcher.fill_next_token_bitmask(bitmask, i)
+            bitmask = backend.bitmask_buffer(len(matchers))
+            backend.fill_bitmask(matchers, bitmask)
             self._bitmask = bitmask.to(device, non_blocking=True)
         except BaseException as exc:  # the worker must never wait forever
             self._error = exc

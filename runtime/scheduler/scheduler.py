@@ -154,7 +154,7 @@ class Scheduler:
         t0 = time.perf_counter()
         sampling = batch.sampling_reqs
         matchers = [None if sampling[i].finished else sampling[i].grammar for i in mask.sample_indices]
-        mask.fill(matchers, self.grammar.allocate_bitmask, self.runner.device)  # type: ignore[union-attr]
+        mask.fill(matchers, self.grammar, self.runner.device)  # type: ignore[union-attr]
         self.stats.record_grammar_fill(time.perf_counter() - t0, len(matchers))
 
     def _receive(self, block_ms: int) -> None:

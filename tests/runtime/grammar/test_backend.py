@@ -48,7 +48,7 @@ def test_errors_are_xgrammars_message_without_its_prefix(backend, kind, text, fr
 def test_a_matcher_walks_to_the_end_and_the_mask_allows_only_the_grammar(backend, smol_tokenizer):
     matcher = backend.matcher(backend.compile("regex", "(?:yes|no)").result(timeout=60))
     mask = GrammarMask([1])
-    mask.fill([matcher], backend.allocate_bitmask, torch.device("cpu"))
+    mask.fill([matcher], backend, torch.device("cpu"))
     logits = torch.zeros(2, 49152)
     masked = mask.apply(logits)
     assert torch.isfinite(logits).all()  # the raw logits (and so the logprobs) are untouched
@@ -65,10 +65,22 @@ def test_a_matcher_walks_to_the_end_and_the_mask_allows_only_the_grammar(backend
 def test_a_failed_fill_never_leaves_the_worker_waiting(backend):
     mask = GrammarMask([0])
 
-    def broken_allocate(rows):
-        raise MemoryError("no room")
+    class Broken:
+        @staticmethod
+        def bitmask_buffer(rows):
+            raise MemoryError("no room")
 
     with pytest.raises(MemoryError):
-        mask.fill([None], broken_allocate, torch.device("cpu"))
+        mask.fill([None], Broken, torch.device("cpu"))
     with pytest.raises(RuntimeError, match="filling the grammar mask failed: no room"):
         mask.apply(torch.zeros(1, 8))
+
+
+def test_bitmask_buffers_alternate_and_reused_rows_allow_everything(backend):
+    a, b, c = backend.bitmask_buffer(2), backend.bitmask_buffer(3), backend.bitmask_buffer(2)
+    assert a.data_ptr() != b.data_ptr() and a.data_ptr() == c.data_ptr()  # two buffers, in turn
+    a.zero_()
+    mask = GrammarMask([0, 1])
+    backend.bitmask_buffer(1)  # the next fill gets buffer `a` again
+    mask.fill([None, None], backend, torch.device("cpu"))  # finished rows: no stale bits
+    assert torch.isfinite(mask.apply(torch.zeros(2, 49152))).all()
