@@ -54,6 +54,7 @@ class ServerArgs:
     speculative_disable_batch_size: int | None = None  # more running requests than this: decode plainly
     speculative_ngram_min_match_window_size: int = 1
     speculative_ngram_max_match_window_size: int = 12
+    chat_template: str | None = None  # a Jinja file overriding the tokenizer's chat template (OpenAI chat)
     stream_interval: int = 1
     log_level: str = "info"
     random_seed: int = 0

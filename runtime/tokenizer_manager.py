@@ -14,6 +14,7 @@ import logging
 import secrets
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any, AsyncIterator, Callable
 
 import msgspec
@@ -51,6 +52,7 @@ class TokenizerManager:
         self.args = args
         self.on_child_death = on_child_death
         self.tokenizer = load_tokenizer(args.tokenizer_path or args.model_path)
+        self.chat_template = Path(args.chat_template).read_text() if args.chat_template else None
         self.addrs = IPCAddresses.fresh()
         self.ctx = zmq.asyncio.Context()
         self.from_detok = bind_pull(self.ctx, self.addrs.detokenizer_to_tokenizer)
@@ -114,6 +116,11 @@ class TokenizerManager:
                 if self.on_child_death is not None:
                     self.on_child_death(reason)
                 return
+
+    def render_chat(self, messages: list[dict], template_kwargs: dict) -> str:
+        """The prompt text of a chat: the tokenizer's chat template (or --chat-template's)."""
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                                  chat_template=self.chat_template, **template_kwargs)
 
     # -- submission -------------------------------------------------------------------------------------
     def _tokenize(self, text: str) -> list[int]:

@@ -15,6 +15,7 @@ from fastapi.responses import PlainTextResponse, Response, StreamingResponse
 from tandem.runtime.server.validation import ValidationError
 from tandem.runtime.server_args import ServerArgs
 from tandem.runtime.request_groups import ClientDisconnected, RequestError
+from tandem.runtime.server import openai
 from tandem.runtime.server.auth import SECRET_ARGS, ApiKeyMiddleware, is_admin
 from tandem.runtime.tokenizer_manager import DEFAULT_MODEL_NAME, SHUTTING_DOWN, TokenizerManager
 
@@ -44,7 +45,8 @@ def create_app(args: ServerArgs, on_child_death: Callable[[str], None] | None = 
             raise
         holder["tm"] = tm
         app.state.tm = tm
-        logger.info("tandem is ready on http://%s:%d", args.host, args.port)
+        logger.info("tandem is ready on http://%s:%d (OpenAI API: http://%s:%d/v1)", args.host, args.port,
+                    args.host, args.port)
         try:
             yield
         finally:
@@ -79,11 +81,15 @@ def create_app(args: ServerArgs, on_child_death: Callable[[str], None] | None = 
             raise ValidationError("body", f"is not valid JSON: {exc}") from None
 
     @app.exception_handler(ValidationError)
-    async def _bad_request(_: Request, exc: ValidationError) -> Response:
+    async def _bad_request(request: Request, exc: ValidationError) -> Response:
+        if request.url.path.startswith("/v1/"):
+            return _json(openai.error_body(400, str(exc), exc.field), 400)
         return _error(400, str(exc))
 
     @app.exception_handler(RequestError)
-    async def _request_error(_: Request, exc: RequestError) -> Response:
+    async def _request_error(request: Request, exc: RequestError) -> Response:
+        if request.url.path.startswith("/v1/"):
+            return _json(openai.error_body(exc.status_code, exc.message), exc.status_code)
         return _error(exc.status_code, exc.message)
 
     @app.exception_handler(ClientDisconnected)
@@ -101,6 +107,32 @@ def create_app(args: ServerArgs, on_child_death: Callable[[str], None] | None = 
             # encoding a large logprob / hidden-state answer must not stall the event loop
             return await asyncio.get_running_loop().run_in_executor(None, _json, result)
         return _json(result)
+
+    async def openai_call(request: Request, req: openai.OpenAIRequest) -> Response:
+        tm = holder["tm"]
+        n = req.native["sampling_params"].get("n") or 1
+        try:
+            if req.stream:
+                cumulative = await tm.generate_stream(req.native)
+                return StreamingResponse(_sse(openai.stream_chunks(req, cumulative, n)),
+                                         media_type="text/event-stream")
+            results = await tm.generate({**req.native}, request.is_disconnected)
+        except ValidationError as exc:
+            raise req.rename(exc) from None
+        results = results if isinstance(results, list) else [results]
+        return _json(openai.response(req, results, n))
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        req = openai.completion_request(await read_json(request), served_name(),
+                                        lambda ids: holder["tm"].tokenizer.decode(ids))
+        return await openai_call(request, req)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        tm = holder["tm"]
+        req = openai.chat_request(await read_json(request), served_name(), tm.render_chat)
+        return await openai_call(request, req)
 
     @app.get("/health")
     async def health() -> Response:

@@ -1,0 +1,294 @@
+"""The OpenAI API (`/v1/completions`, `/v1/chat/completions`) as a translation onto `/generate`.
+
+A request becomes a native body (so every field is validated exactly as `/generate` validates
+it; a native field name in an error is mapped back to the OpenAI one), runs through the
+tokenizer manager, and the native results become OpenAI's response, chunk or error shapes.
+Unknown fields are ignored, as OpenAI-compatible servers do; known fields this server cannot
+honour (tools, audio, ...) are a 400 rather than a silently different answer.
+"""
+from __future__ import annotations
+
+import re
+import secrets
+import time
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Callable
+
+import orjson
+
+from tandem.runtime.sampling.params import ValidationError
+
+# OpenAI name -> native sampling_params name (None: the same name)
+_SAMPLING = {
+    "temperature": None, "top_p": None, "top_k": None, "min_p": None, "n": None, "stop": None, "seed": None,
+    "presence_penalty": None, "frequency_penalty": None, "repetition_penalty": None, "logit_bias": None,
+    "ignore_eos": None, "skip_special_tokens": None, "spaces_between_special_tokens": None, "no_stop_trim": None,
+    "stop_token_ids": None, "min_tokens": "min_new_tokens", "regex": None, "ebnf": None, "json_schema": None,
+}
+_NATIVE_TO_OPENAI = {"min_new_tokens": "min_tokens", "sampling_seed": "seed"}
+# known OpenAI fields whose meaning this server does not implement: a 400, never ignored
+_UNSUPPORTED = ("tools", "tool_choice", "functions", "function_call", "audio", "modalities", "prediction",
+                "suffix", "parallel_tool_calls", "web_search_options")
+_SAMPLING_FIELD = re.compile(r"sampling_params(?:\[\d+\])?\.(\w+)(.*)")
+_PROMPT_FIELD = re.compile(r"(?:text|input_ids)(.*)")
+_FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
+
+
+@dataclass
+class OpenAIRequest:
+    """A translated request: the native body and what shaping the answer needs."""
+
+    kind: str  # "completion" | "chat"
+    model: str
+    native: dict[str, Any]
+    max_tokens_name: str = "max_tokens"
+    logprobs: bool = False
+    echo_texts: list[str] = field(default_factory=list)  # completions with echo: each prompt's text
+    include_usage: bool = False
+    stream: bool = False
+
+    def rename(self, exc: ValidationError) -> ValidationError:
+        """A native field name in a validation error -> the OpenAI one the client sent."""
+        name = exc.field
+        if m := _SAMPLING_FIELD.match(name):  # sampling_params[.i].<native>[rest]
+            native, rest = m.groups()
+            name = (self.max_tokens_name if native == "max_new_tokens" else _NATIVE_TO_OPENAI.get(native, native)) + rest
+        elif m := _PROMPT_FIELD.match(name):
+            name = "messages" if self.kind == "chat" else "prompt" + m.group(1)
+        elif name.startswith("top_logprobs_num"):
+            name = "top_logprobs" if self.kind == "chat" else "logprobs"
+        return ValidationError(name, exc.message)
+
+
+# -- requests ---------------------------------------------------------------------------------------------
+def completion_request(body: Any, served_model: str, decode: Callable[[list[int]], str]) -> OpenAIRequest:
+    _check_object(body)
+    prompt = body.get("prompt")
+    req = OpenAIRequest("completion", _model(body, served_model), {}, stream=_stream(body),
+                        include_usage=_include_usage(body))
+    native = req.native
+    if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt)):
+        native["text"] = prompt
+        texts = [prompt] if isinstance(prompt, str) else prompt
+    elif isinstance(prompt, list) and prompt and all(isinstance(t, list) for t in prompt):
+        native["input_ids"] = prompt
+        texts = [decode(p) for p in prompt] if body.get("echo") else []
+    elif isinstance(prompt, list) and prompt:
+        native["input_ids"] = prompt
+        texts = [decode(prompt)] if body.get("echo") else []
+    else:
+        raise ValidationError("prompt", "must be a string, a list of strings, token ids or lists of token ids")
+    native["sampling_params"] = _sampling(body, req, default_max_tokens=16)
+    logprobs = body.get("logprobs")
+    if logprobs is not None:
+        if not isinstance(logprobs, int) or isinstance(logprobs, bool) or not 0 <= logprobs <= 20:
+            raise ValidationError("logprobs", f"must be an integer in [0, 20], got {logprobs!r}")
+        req.logprobs = True
+        native.update(return_logprob=True, top_logprobs_num=logprobs, return_text_in_logprobs=True)
+    if _flag(body, "echo"):
+        req.echo_texts = texts
+    return req
+
+
+def chat_request(body: Any, served_model: str, render: Callable[[list, dict], str]) -> OpenAIRequest:
+    _check_object(body)
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
+        raise ValidationError("messages", "must be a non-empty list of message objects")
+    for i, m in enumerate(messages):
+        if not isinstance(m.get("role"), str):
+            raise ValidationError(f"messages[{i}].role", "must be a string")
+        if not isinstance(m.get("content"), (str, type(None))):
+            raise ValidationError(f"messages[{i}].content", "must be a string (content parts are not supported)")
+    kwargs = body.get("chat_template_kwargs") or {}
+    if not isinstance(kwargs, dict):
+        raise ValidationError("chat_template_kwargs", "must be an object")
+    req = OpenAIRequest("chat", _model(body, served_model), {}, stream=_stream(body),
+                        include_usage=_include_usage(body))
+    try:
+        req.native["text"] = render(messages, kwargs)
+    except Exception as exc:  # a template error is the request's fault (a role it does not accept, ...)
+        raise ValidationError("messages", f"cannot be rendered by the chat template: {exc}") from None
+    req.native["sampling_params"] = _sampling(body, req, default_max_tokens=None)
+    if _flag(body, "logprobs"):
+        top = body.get("top_logprobs") or 0
+        if not isinstance(top, int) or isinstance(top, bool) or not 0 <= top <= 20:
+            raise ValidationError("top_logprobs", f"must be an integer in [0, 20], got {top!r}")
+        req.logprobs = True
+        req.native.update(return_logprob=True, top_logprobs_num=top, return_text_in_logprobs=True)
+    elif body.get("top_logprobs") is not None:
+        raise ValidationError("top_logprobs", "needs logprobs: true")
+    return req
+
+
+def _check_object(body: Any) -> None:
+    if not isinstance(body, dict):
+        raise ValidationError("body", "must be a JSON object")
+    for name in _UNSUPPORTED:
+        if body.get(name) not in (None, [], {}):
+            raise ValidationError(name, "is not supported by this server")
+
+
+def _model(body: dict, served_model: str) -> str:
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise ValidationError("model", "must be a string")
+    return model or served_model
+
+
+def _flag(body: dict, name: str) -> bool:
+    v = body.get(name)
+    if v is not None and not isinstance(v, bool):
+        raise ValidationError(name, f"must be a boolean, got {v!r}")
+    return bool(v)
+
+
+def _stream(body: dict) -> bool:
+    return _flag(body, "stream")
+
+
+def _include_usage(body: dict) -> bool:
+    opts = body.get("stream_options")
+    if opts is None:
+        return False
+    if not isinstance(opts, dict):
+        raise ValidationError("stream_options", "must be an object")
+    return _flag(opts, "include_usage")
+
+
+def _sampling(body: dict, req: OpenAIRequest, default_max_tokens: int | None) -> dict[str, Any]:
+    sp: dict[str, Any] = {}
+    for name, native in _SAMPLING.items():
+        if body.get(name) is not None:
+            sp[native or name] = body[name]
+    for name in ("max_completion_tokens", "max_tokens"):  # the newer name wins when both are given
+        if body.get(name) is not None:
+            sp["max_new_tokens"], req.max_tokens_name = body[name], name
+            break
+    else:
+        if default_max_tokens is not None:
+            sp["max_new_tokens"] = default_max_tokens
+    fmt = body.get("response_format")
+    if fmt is not None:
+        _response_format(fmt, sp)
+    return sp
+
+
+def _response_format(fmt: Any, sp: dict[str, Any]) -> None:
+    if not isinstance(fmt, dict) or fmt.get("type") not in ("text", "json_object", "json_schema"):
+        raise ValidationError("response_format", "must be {\"type\": \"text\" | \"json_object\" | \"json_schema\"}")
+    if fmt["type"] == "json_object":
+        sp["json_schema"] = '{"type": "object"}'
+    elif fmt["type"] == "json_schema":
+        spec = fmt.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
+            raise ValidationError("response_format.json_schema", "must be an object with a `schema` object")
+        sp["json_schema"] = orjson.dumps(spec.get("schema", {})).decode()
+
+
+# -- responses -------------------------------------------------------------------------------------------
+def _id(kind: str) -> str:
+    return ("chatcmpl-" if kind == "chat" else "cmpl-") + secrets.token_hex(12)
+
+
+def _finish(meta: dict) -> tuple[str | None, Any]:
+    fr = meta.get("finish_reason")
+    if fr is None:
+        return None, None
+    return _FINISH.get(fr["type"], fr["type"]), fr.get("matched")
+
+
+def usage(results: list[dict], n: int) -> dict[str, Any]:
+    """Prompt tokens once per prompt (not per choice), as OpenAI counts them."""
+    metas = [r["meta_info"] for r in results]
+    prompt = sum(m["prompt_tokens"] for m in metas[::max(n, 1)])
+    completion = sum(m["completion_tokens"] for m in metas)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": sum(m.get("cached_tokens", 0) for m in metas[::max(n, 1)])}}
+
+
+def _chat_logprobs(meta: dict, start: int = 0) -> dict[str, Any]:
+    tops = meta.get("output_top_logprobs") or []
+    content = []
+    for i, (lp, _tid, text) in enumerate(meta["output_token_logprobs"][start:], start):
+        top = [{"token": t, "logprob": v, "bytes": list(t.encode())} for v, _, t in (tops[i] if i < len(tops) else [])]
+        content.append({"token": text, "logprob": lp, "bytes": list(text.encode()), "top_logprobs": top})
+    return {"content": content}
+
+
+def _completion_logprobs(meta: dict, offset: int, start: int = 0) -> dict[str, Any]:
+    """The legacy shape: parallel lists, top_logprobs as {token: logprob} per position."""
+    tokens, lps, tops, offsets = [], [], [], []
+    top_rows = meta.get("output_top_logprobs") or []
+    for i, (lp, _tid, text) in enumerate(meta["output_token_logprobs"][start:], start):
+        offsets.append(offset)
+        offset += len(text)
+        tokens.append(text)
+        lps.append(lp)
+        tops.append({t: v for v, _, t in (top_rows[i] if i < len(top_rows) else [])})
+    return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def response(req: OpenAIRequest, results: list[dict], n: int) -> dict[str, Any]:
+    choices = []
+    for i, r in enumerate(results):
+        meta = r["meta_info"]
+        reason, matched = _finish(meta)
+        if req.kind == "chat":
+            choice = {"index": i, "message": {"role": "assistant", "content": r["text"]},
+                      "logprobs": _chat_logprobs(meta) if req.logprobs else None}
+        else:
+            echo = req.echo_texts[i // max(n, 1)] if req.echo_texts else ""
+            choice = {"index": i, "text": echo + r["text"],
+                      "logprobs": _completion_logprobs(meta, len(echo)) if req.logprobs else None}
+        choices.append({**choice, "finish_reason": reason, "matched_stop": matched})
+    return {"id": _id(req.kind), "object": "chat.completion" if req.kind == "chat" else "text_completion",
+            "created": int(time.time()), "model": req.model, "choices": choices, "usage": usage(results, n)}
+
+
+async def stream_chunks(req: OpenAIRequest, cumulative: AsyncIterator[dict], n: int) -> AsyncIterator[dict]:
+    """Native cumulative results -> OpenAI delta chunks (then a usage chunk when asked)."""
+    rid, created = _id(req.kind), int(time.time())
+    obj = "chat.completion.chunk" if req.kind == "chat" else "text_completion"
+    sent_text: dict[int, int] = {}
+    sent_lp: dict[int, int] = {}
+    last: dict[int, dict] = {}
+
+    def chunk(choice: dict) -> dict:
+        return {"id": rid, "object": obj, "created": created, "model": req.model, "choices": [choice]}
+
+    async for item in cumulative:
+        if "error" in item:
+            yield item
+            return
+        i = item.get("index", 0)
+        last[i] = item
+        meta = item["meta_info"]
+        text = item["text"]
+        first = i not in sent_text
+        delta_text = text[sent_text.get(i, 0):]
+        sent_text[i] = len(text)
+        reason, matched = _finish(meta)
+        lp_start, text_start = sent_lp.get(i, 0), len(text) - len(delta_text)
+        sent_lp[i] = len(meta.get("output_token_logprobs") or [])
+        if req.kind == "chat":
+            delta: dict[str, Any] = {"role": "assistant"} if first else {}
+            if delta_text or not first:
+                delta["content"] = delta_text
+            choice = {"index": i, "delta": delta,
+                      "logprobs": _chat_logprobs(meta, lp_start) if req.logprobs else None}
+        else:
+            echo = req.echo_texts[i // max(n, 1)] if req.echo_texts else ""
+            choice = {"index": i, "text": (echo if first else "") + delta_text,
+                      "logprobs": _completion_logprobs(meta, len(echo) + text_start, lp_start) if req.logprobs else None}
+        yield chunk({**choice, "finish_reason": reason, "matched_stop": matched})
+    if req.include_usage and last:
+        yield {"id": rid, "object": obj, "created": created, "model": req.model, "choices": [],
+               "usage": usage([last[i] for i in sorted(last)], n)}
+
+
+def error_body(status: int, message: str, param: str | None = None) -> dict[str, Any]:
+    kind = {400: "BadRequestError", 401: "AuthenticationError", 403: "PermissionDeniedError", 404: "NotFoundError",
+            408: "RequestTimeoutError", 413: "BadRequestError", 415: "BadRequestError", 429: "RateLimitError",
+            503: "ServiceUnavailableError"}.get(status, "InternalServerError")
+    return {"error": {"message": message, "type": kind, "param": param, "code": status}}

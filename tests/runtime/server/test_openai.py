@@ -1,0 +1,132 @@
+"""OpenAI requests -> native /generate bodies, and native results -> OpenAI shapes, without a server."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from tandem.runtime.sampling.params import ValidationError
+from tandem.runtime.server import openai as oa
+
+
+def _completion(body: dict) -> oa.OpenAIRequest:
+    return oa.completion_request(body, "served", lambda ids: "".join(f"<{i}>" for i in ids))
+
+
+def _chat(body: dict) -> oa.OpenAIRequest:
+    return oa.chat_request(body, "served", lambda messages, kw: f"{len(messages)} messages {kw}")
+
+
+def test_completion_fields_map_onto_generate():
+    req = _completion({"prompt": "hi", "temperature": 0.5, "seed": 3, "stop": "x", "min_tokens": 2, "logprobs": 2,
+                       "response_format": {"type": "json_object"}, "user": "ignored", "unknown_field": 1})
+    assert req.native == {"text": "hi", "return_logprob": True, "top_logprobs_num": 2, "return_text_in_logprobs": True,
+                          "sampling_params": {"temperature": 0.5, "seed": 3, "stop": "x", "min_new_tokens": 2,
+                                              "max_new_tokens": 16, "json_schema": '{"type": "object"}'}}
+    assert req.model == "served" and req.logprobs
+    assert _completion({"prompt": [[1, 2], [3]], "echo": True}).echo_texts == ["<1><2>", "<3>"]
+    assert _completion({"prompt": [5, 6], "max_tokens": 3}).native["input_ids"] == [5, 6]
+    both = _completion({"prompt": "a", "max_tokens": 3, "max_completion_tokens": 4})
+    assert both.native["sampling_params"]["max_new_tokens"] == 4 and both.max_tokens_name == "max_completion_tokens"
+
+
+def test_chat_fields_map_onto_generate():
+    req = _chat({"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 3,
+                 "chat_template_kwargs": {"enable_thinking": False}, "stream": True,
+                 "stream_options": {"include_usage": True},
+                 "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": {"type": "array"}}}})
+    assert req.native["text"] == "1 messages {'enable_thinking': False}"
+    assert req.native["top_logprobs_num"] == 3 and req.stream and req.include_usage
+    assert req.native["sampling_params"] == {"json_schema": '{"type":"array"}'}  # chat: the native max_new_tokens
+
+
+@pytest.mark.parametrize("body, field", [
+    ({"prompt": None}, "prompt"),
+    ({"prompt": "a", "logprobs": 21}, "logprobs"),
+    ({"prompt": "a", "tools": [{"type": "function"}]}, "tools"),
+    ({"prompt": "a", "echo": "yes"}, "echo"),
+    ({"prompt": "a", "response_format": {"type": "json_schema", "json_schema": {"schema": 3}}},
+     "response_format.json_schema"),
+])
+def test_bad_completion_fields(body, field):
+    with pytest.raises(ValidationError) as err:
+        _completion(body)
+    assert err.value.field == field
+
+
+@pytest.mark.parametrize("body, field", [
+    ({"messages": []}, "messages"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content"),
+    ({"messages": [{"content": "x"}]}, "messages[0].role"),
+    ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
+    ({"messages": [{"role": "user", "content": "x"}], "stream_options": 1}, "stream_options"),
+])
+def test_bad_chat_fields(body, field):
+    with pytest.raises(ValidationError) as err:
+        _chat(body)
+    assert err.value.field == field
+
+
+def test_native_field_names_in_errors_become_openai_ones():
+    req = _chat({"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 5})
+    assert req.rename(ValidationError("sampling_params.max_new_tokens", "too big")).field == "max_completion_tokens"
+    assert req.rename(ValidationError("sampling_params.sampling_seed", "bad")).field == "seed"
+    assert req.rename(ValidationError("sampling_params[1].temperature", "bad")).field == "temperature"
+    assert req.rename(ValidationError("text", "too long")).field == "messages"
+    assert _completion({"prompt": "a"}).rename(ValidationError("input_ids[0]", "bad")).field == "prompt[0]"
+
+
+def _result(text: str, index: int, prompt: int = 5, completion: int = 2, cached: int = 1,
+            finish: dict | None = None) -> dict:
+    return {"text": text, "index": index, "meta_info": {
+        "prompt_tokens": prompt, "completion_tokens": completion, "cached_tokens": cached,
+        "finish_reason": finish, "output_token_logprobs": [[-0.5, 7, text[:1]], [-1.0, 8, text[1:]]][:completion],
+        "output_top_logprobs": [[[-0.5, 7, text[:1]], [-2.0, 9, "z"]], [[-1.0, 8, text[1:]]]][:completion]}}
+
+
+def test_response_shapes_and_usage_count_each_prompt_once():
+    stop = {"type": "stop", "matched": "\n"}
+    results = [_result("ab", 0, finish=stop), _result("cd", 1, finish=stop), _result("ef", 2, prompt=7,
+                                                                                       finish={"type": "length"})]
+    req = _completion({"prompt": ["p", "q"], "echo": True, "logprobs": 1})
+    # two prompts, n = 2 for the first only in this toy; prompts counted at choices 0 and 2
+    out = oa.response(req, results, 2)
+    assert out["usage"] == {"prompt_tokens": 12, "completion_tokens": 6, "total_tokens": 18,
+                            "prompt_tokens_details": {"cached_tokens": 2}}
+    first = out["choices"][0]
+    assert first["text"] == "pab" and first["finish_reason"] == "stop" and first["matched_stop"] == "\n"
+    assert first["logprobs"] == {"tokens": ["a", "b"], "token_logprobs": [-0.5, -1.0],
+                                 "top_logprobs": [{"a": -0.5, "z": -2.0}, {"b": -1.0}], "text_offset": [1, 2]}
+    assert out["choices"][2]["finish_reason"] == "length" and out["choices"][2]["text"] == "qef"
+    chat = oa.response(_chat({"messages": [{"role": "user", "content": "x"}], "logprobs": True}), results[:1], 1)
+    assert chat["choices"][0]["message"] == {"role": "assistant", "content": "ab"}
+    assert chat["choices"][0]["logprobs"]["content"][0] == {"token": "a", "logprob": -0.5, "bytes": [97],
+                                                            "top_logprobs": [{"token": "a", "logprob": -0.5,
+                                                                              "bytes": [97]},
+                                                                             {"token": "z", "logprob": -2.0,
+                                                                              "bytes": [122]}]}
+
+
+def test_stream_chunks_are_deltas_then_usage():
+    async def cumulative():
+        yield _result("a", 0, completion=1)
+        yield _result("ab", 0, completion=2, finish={"type": "stop", "matched": 2})
+
+    req = _chat({"messages": [{"role": "user", "content": "x"}], "stream": True,
+                 "stream_options": {"include_usage": True}})
+
+    async def collect():
+        return [c async for c in oa.stream_chunks(req, cumulative(), 1)]
+
+    chunks = asyncio.run(collect())
+    deltas = [c["choices"][0]["delta"] for c in chunks[:-1]]
+    assert deltas == [{"role": "assistant", "content": "a"}, {"content": "b"}]
+    assert [c["choices"][0]["finish_reason"] for c in chunks[:-1]] == [None, "stop"]
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 2
+    assert all(c["object"] == "chat.completion.chunk" and c["id"] == chunks[0]["id"] for c in chunks)
+
+
+def test_errors_have_openai_shape():
+    assert oa.error_body(400, "max_tokens must be >= 0", "max_tokens") == {"error": {
+        "message": "max_tokens must be >= 0", "type": "BadRequestError", "param": "max_tokens", "code": 400}}
+    assert oa.error_body(503, "draining")["error"]["type"] == "ServiceUnavailableError"

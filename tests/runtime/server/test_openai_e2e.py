@@ -1,0 +1,126 @@
+"""The OpenAI API through the PyPI `openai` client against a running tandem (SmolLM2): chat and
+completions, streaming with usage, n>1 and seeds, logprobs in both shapes, stop, response_format,
+errors in OpenAI's shape naming the field, and a client timeout that aborts the request."""
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import openai
+import pytest
+
+from server_utils import assert_no_leaks
+
+pytestmark = pytest.mark.timeout(600)
+
+CHAT = [{"role": "user", "content": "Name three colors."}]
+GREEDY = {"temperature": 0, "max_tokens": 24}
+
+
+@pytest.fixture(scope="module")
+def client(smol_server):
+    return openai.OpenAI(base_url=smol_server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def test_chat_answer_equals_generate_on_the_rendered_template(client, smol_server, smol_tokenizer):
+    """The chat template is transformers' apply_chat_template: multi-turn, with and without a system message."""
+    conversations = [CHAT, [{"role": "system", "content": "You answer in one word."},
+                            {"role": "user", "content": "Capital of France?"},
+                            {"role": "assistant", "content": "Paris."}, {"role": "user", "content": "And Italy?"}]]
+    for messages in conversations:
+        chat = client.chat.completions.create(model="any", messages=messages, **GREEDY)
+        text = smol_tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        native = smol_server.generate({"text": text, "sampling_params": {"temperature": 0, "max_new_tokens": 24}})
+        choice = chat.choices[0]
+        assert choice.message.role == "assistant" and choice.message.content == native["text"]
+        assert choice.finish_reason == native["meta_info"]["finish_reason"]["type"]
+        assert chat.usage.prompt_tokens == len(smol_tokenizer.encode(text, add_special_tokens=False))
+        assert chat.usage.completion_tokens == native["meta_info"]["completion_tokens"]
+        assert chat.object == "chat.completion" and chat.id.startswith("chatcmpl-")
+
+
+def test_greedy_completions_equal_generate_and_echo(client, smol_server):
+    prompt = "The three primary colors are"
+    out = client.completions.create(model="m", prompt=prompt, max_tokens=12, temperature=0)
+    native = smol_server.generate({"text": prompt, "sampling_params": {"temperature": 0, "max_new_tokens": 12}})
+    assert out.choices[0].text == native["text"] and out.object == "text_completion"
+    echoed = client.completions.create(model="m", prompt=prompt, max_tokens=12, temperature=0, echo=True)
+    assert echoed.choices[0].text == prompt + native["text"]
+    default = client.completions.create(model="m", prompt=prompt, temperature=0, extra_body={"ignore_eos": True})
+    assert default.usage.completion_tokens == 16  # OpenAI's legacy default max_tokens
+    batch = client.completions.create(model="m", prompt=[prompt, "Once upon a time"], max_tokens=5, temperature=0)
+    assert [c.index for c in batch.choices] == [0, 1] and batch.choices[0].text == native["text"][:len(
+        batch.choices[0].text)]
+
+
+def test_streaming_deltas_add_up_and_usage_comes_last(client):
+    full = client.chat.completions.create(model="m", messages=CHAT, **GREEDY)
+    chunks = list(client.chat.completions.create(model="m", messages=CHAT, stream=True,
+                                                 stream_options={"include_usage": True}, **GREEDY))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == full.choices[0].message.content
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == full.choices[0].finish_reason
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+    plain = list(client.completions.create(model="m", prompt="One, two,", max_tokens=8, temperature=0, stream=True))
+    assert "".join(c.choices[0].text for c in plain) == client.completions.create(
+        model="m", prompt="One, two,", max_tokens=8, temperature=0).choices[0].text
+
+
+def test_n_choices_and_seeds(client):
+    kw = dict(model="m", messages=CHAT, n=3, temperature=1.0, max_tokens=12, seed=1234)
+    a, b = client.chat.completions.create(**kw), client.chat.completions.create(**kw)
+    assert [c.index for c in a.choices] == [0, 1, 2]
+    assert [c.message.content for c in a.choices] == [c.message.content for c in b.choices]
+    assert len({c.message.content for c in a.choices}) > 1  # choice i uses seed + i
+    assert a.usage.prompt_tokens == b.usage.prompt_tokens  # the prompt counts once, not per choice
+
+
+def test_logprobs_in_both_shapes(client):
+    chat = client.chat.completions.create(model="m", messages=CHAT, logprobs=True, top_logprobs=2, **GREEDY)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens
+    # one entry per generated token, the stop token included (as completion_tokens counts it)
+    assert "".join(t.token for t in content).startswith(chat.choices[0].message.content)
+    assert all(len(t.top_logprobs) == 2 and t.top_logprobs[0].logprob >= t.logprob - 1e-5 for t in content)
+    legacy = client.completions.create(model="m", prompt="Roses are", max_tokens=6, temperature=0, logprobs=2)
+    lp = legacy.choices[0].logprobs
+    assert "".join(lp.tokens) == legacy.choices[0].text and len(lp.token_logprobs) == len(lp.tokens)
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+    assert all(len(top) <= 2 for top in lp.top_logprobs)
+
+
+def test_stop_and_response_format(client):
+    full = client.chat.completions.create(model="m", messages=CHAT, **GREEDY).choices[0].message.content
+    stop = full[len(full) // 2:len(full) // 2 + 2]
+    out = client.chat.completions.create(model="m", messages=CHAT, stop=[stop], **GREEDY).choices[0]
+    assert out.message.content == full[:full.index(stop)] and out.finish_reason == "stop" and out.matched_stop == stop
+    schema = {"type": "object", "properties": {"color": {"type": "string", "enum": ["red", "green", "blue"]},
+                                               "count": {"type": "integer", "minimum": 1, "maximum": 9}},
+              "required": ["color", "count"]}
+    out = client.chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "Pick a color and a count as JSON."}], temperature=0,
+        max_tokens=64, response_format={"type": "json_schema", "json_schema": {"name": "pick", "schema": schema}})
+    jsonschema.validate(json.loads(out.choices[0].message.content), schema)
+
+
+@pytest.mark.parametrize("kwargs, param", [
+    ({"max_tokens": -1}, "max_tokens"),
+    ({"temperature": "hot"}, "temperature"),
+    ({"top_logprobs": 3}, "top_logprobs"),
+    ({"extra_body": {"tools": [{"type": "function", "function": {"name": "f"}}]}}, "tools"),
+    ({"response_format": {"type": "xml"}}, "response_format"),
+])
+def test_bad_fields_are_openai_errors_naming_the_field(client, kwargs, param):
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model="m", messages=CHAT, **kwargs)
+    body = err.value.body
+    assert param in body["message"] and body["param"] == param and body["type"] == "BadRequestError"
+
+
+def test_a_client_timeout_aborts_the_request(smol_server):
+    impatient = openai.OpenAI(base_url=smol_server.url + "/v1", api_key="x", max_retries=0, timeout=1.0)
+    with pytest.raises(openai.APITimeoutError):
+        impatient.completions.create(model="m", prompt="Tell a very long story.", max_tokens=3000,
+                                     extra_body={"ignore_eos": True})
+    assert_no_leaks(smol_server)  # the server noticed the disconnect and aborted the request
