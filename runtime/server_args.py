@@ -55,6 +55,7 @@ class ServerArgs:
     speculative_ngram_min_match_window_size: int = 1
     speculative_ngram_max_match_window_size: int = 12
     chat_template: str | None = None  # a Jinja file overriding the tokenizer's chat template (OpenAI chat)
+    reasoning_parser: str | None = None  # deepseek-r1 | qwen3: chat answers carry reasoning_content
     stream_interval: int = 1
     log_level: str = "info"
     random_seed: int = 0
@@ -71,6 +72,7 @@ class ServerArgs:
             "tp_size": self.tp_size >= 1,
             "max_batch_items": self.max_batch_items >= 1,
             "grammar_backend": self.grammar_backend in ("xgrammar", "none"),
+            "reasoning_parser": self.reasoning_parser in (None, "deepseek-r1", "qwen3"),
             "max_top_logprobs_num": self.max_top_logprobs_num >= 0,
         }
         bad = [name for name, ok in checks.items() if not ok]

@@ -17,6 +17,7 @@ from typing import Any, AsyncIterator, Callable
 import orjson
 
 from tandem.runtime.sampling.params import ValidationError
+from tandem.runtime.server.reasoning import ReasoningParser, StreamSplitter
 
 # OpenAI name -> native sampling_params name (None: the same name)
 _SAMPLING = {
@@ -46,6 +47,7 @@ class OpenAIRequest:
     echo_texts: list[str] = field(default_factory=list)  # completions with echo: each prompt's text
     include_usage: bool = False
     stream: bool = False
+    reasoning: ReasoningParser | None = None  # chat: split reasoning_content off the answer
 
     def rename(self, exc: ValidationError) -> ValidationError:
         """A native field name in a validation error -> the OpenAI one the client sent."""
@@ -90,7 +92,8 @@ def completion_request(body: Any, served_model: str, decode: Callable[[list[int]
     return req
 
 
-def chat_request(body: Any, served_model: str, render: Callable[[list, dict], str]) -> OpenAIRequest:
+def chat_request(body: Any, served_model: str, render: Callable[[list, dict], str],
+                 reasoning_parser: str | None = None) -> OpenAIRequest:
     _check_object(body)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
@@ -105,6 +108,11 @@ def chat_request(body: Any, served_model: str, render: Callable[[list, dict], st
         raise ValidationError("chat_template_kwargs", "must be an object")
     req = OpenAIRequest("chat", _model(body, served_model), {}, stream=_stream(body),
                         include_usage=_include_usage(body))
+    separate = body.get("separate_reasoning")
+    if separate is not None and not isinstance(separate, bool):
+        raise ValidationError("separate_reasoning", f"must be a boolean, got {separate!r}")
+    if reasoning_parser and separate is not False:  # SGLang's default: separate when a parser is set
+        req.reasoning = ReasoningParser(reasoning_parser)
     try:
         req.native["text"] = render(messages, kwargs)
     except Exception as exc:  # a template error is the request's fault (a role it does not accept, ...)
@@ -235,8 +243,11 @@ def response(req: OpenAIRequest, results: list[dict], n: int) -> dict[str, Any]:
         meta = r["meta_info"]
         reason, matched = _finish(meta)
         if req.kind == "chat":
-            choice = {"index": i, "message": {"role": "assistant", "content": r["text"]},
-                      "logprobs": _chat_logprobs(meta) if req.logprobs else None}
+            message: dict[str, Any] = {"role": "assistant", "content": r["text"]}
+            if req.reasoning is not None:
+                reasoning, content = req.reasoning.split(r["text"])
+                message.update(content=content, reasoning_content=reasoning or None)
+            choice = {"index": i, "message": message, "logprobs": _chat_logprobs(meta) if req.logprobs else None}
         else:
             echo = req.echo_texts[i // max(n, 1)] if req.echo_texts else ""
             choice = {"index": i, "text": echo + r["text"],
@@ -253,6 +264,7 @@ async def stream_chunks(req: OpenAIRequest, cumulative: AsyncIterator[dict], n: 
     sent_text: dict[int, int] = {}
     sent_lp: dict[int, int] = {}
     last: dict[int, dict] = {}
+    splitters: dict[int, StreamSplitter] = {}
 
     def chunk(choice: dict) -> dict:
         return {"id": rid, "object": obj, "created": created, "model": req.model, "choices": [choice]}
@@ -273,7 +285,12 @@ async def stream_chunks(req: OpenAIRequest, cumulative: AsyncIterator[dict], n: 
         sent_lp[i] = len(meta.get("output_token_logprobs") or [])
         if req.kind == "chat":
             delta: dict[str, Any] = {"role": "assistant"} if first else {}
-            if delta_text or not first:
+            if req.reasoning is not None:
+                splitter = splitters.setdefault(i, StreamSplitter(req.reasoning))
+                reasoning_delta, delta_text = splitter.feed(text, final=reason is not None)
+                if reasoning_delta:
+                    delta["reasoning_content"] = reasoning_delta
+            if delta_text or not (first or "reasoning_content" in delta):
                 delta["content"] = delta_text
             choice = {"index": i, "delta": delta,
                       "logprobs": _chat_logprobs(meta, lp_start) if req.logprobs else None}

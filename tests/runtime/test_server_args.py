@@ -52,3 +52,9 @@ def test_speculative_flags():
                             "speculative_ngram_max_match_window_size": 2}, "min_match_window_size=5")]:
         with pytest.raises(ValueError, match=fragment.replace("(", r"\(").replace(")", r"\)")):
             ServerArgs(**bad)
+
+
+def test_reasoning_parser_names():
+    assert _cli(["--reasoning-parser", "deepseek-r1"]).reasoning_parser == "deepseek-r1"
+    with pytest.raises(ValueError, match="reasoning_parser='r2'"):
+        ServerArgs(reasoning_parser="r2")

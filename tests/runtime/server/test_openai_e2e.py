@@ -124,3 +124,25 @@ def test_a_client_timeout_aborts_the_request(smol_server):
         impatient.completions.create(model="m", prompt="Tell a very long story.", max_tokens=3000,
                                      extra_body={"ignore_eos": True})
     assert_no_leaks(smol_server)  # the server noticed the disconnect and aborted the request
+
+
+def test_reasoning_content_is_split_off_whole_and_streamed(servers):
+    """--reasoning-parser qwen3 on a tiny model whose answer a regex forces into
+    `<think>...</think>answer`: reasoning_content and content, the same when streamed."""
+    server = servers("tiny_reasoning")
+    body = {"model": "m", "messages": CHAT, "temperature": 0, "max_tokens": 60,
+            "regex": r"<think>[a-z]{4,12} [a-z]{4,12}</think>[A-Z][a-z]{3,10}"}
+    whole = server.post("/v1/chat/completions", body).json()["choices"][0]["message"]
+    assert whole["reasoning_content"] and " " in whole["reasoning_content"] and "<" not in whole["reasoning_content"]
+    assert whole["content"][:1].isupper() and "<" not in whole["content"]
+    raw = server.post("/v1/chat/completions", {**body, "separate_reasoning": False}).json()["choices"][0]["message"]
+    assert raw["content"] == f"<think>{whole['reasoning_content']}</think>{whole['content']}"
+    assert raw.get("reasoning_content") is None
+    resp = server.post("/v1/chat/completions", {**body, "stream": True}, stream=True)
+    events = [json.loads(line[6:]) for line in resp.iter_lines(decode_unicode=True)
+              if line.startswith("data: ") and line != "data: [DONE]"]
+    deltas = [e["choices"][0]["delta"] for e in events]
+    assert "".join(d.get("reasoning_content", "") for d in deltas) == whole["reasoning_content"]
+    assert "".join(d.get("content") or "" for d in deltas) == whole["content"]
+    bad = server.post("/v1/chat/completions", {**body, "separate_reasoning": "yes"})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "separate_reasoning"

@@ -1,0 +1,67 @@
+"""Reasoning parsers: split a chat answer into `reasoning_content` and `content` at the think tags.
+
+`deepseek-r1`: the chat template opens `<think>` itself, so the answer starts inside the
+reasoning: everything before `</think>` is reasoning (all of it while `</think>` has not come).
+`qwen3`: reasoning only when the answer opens with `<think>` (thinking can be switched off
+through `chat_template_kwargs`), up to `</think>`.
+
+Streaming splits the cumulative text each time, holding back a tail that could be the start of
+a tag, so what was sent as reasoning is never taken back.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+THINK_START, THINK_END = "<think>", "</think>"
+PARSERS = ("deepseek-r1", "qwen3")
+
+
+@dataclass(frozen=True)
+class ReasoningParser:
+    name: str
+
+    @property
+    def starts_inside(self) -> bool:
+        return self.name == "deepseek-r1"
+
+    def split(self, text: str, final: bool = True) -> tuple[str, str]:
+        """(reasoning, content). Not final: a tail that may still grow into a tag is left out."""
+        body = text.lstrip()
+        if body.startswith(THINK_START):
+            body = body[len(THINK_START):]
+        elif not self.starts_inside:
+            if not final and THINK_START.startswith(body):  # "<thi" may become "<think>"
+                return "", ""
+            return "", text
+        body = body.lstrip()
+        end = body.find(THINK_END)
+        if end >= 0:
+            return body[:end].rstrip(), body[end + len(THINK_END):].lstrip()
+        if not final:  # whitespace may turn out to precede the end tag: hold it back too
+            body = body[:len(body) - _partial_tag(body, THINK_END)].rstrip()
+        return body, ""
+
+
+def _partial_tag(text: str, tag: str) -> int:
+    """Length of the longest proper prefix of `tag` that `text` ends with."""
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:n]):
+            return n
+    return 0
+
+
+class StreamSplitter:
+    """Deltas of reasoning and content from cumulative answers."""
+
+    def __init__(self, parser: ReasoningParser) -> None:
+        self.parser = parser
+        self.sent_reasoning = 0
+        self.sent_content = 0
+
+    def feed(self, text: str, final: bool) -> tuple[str, str]:
+        reasoning, content = self.parser.split(text, final)
+        r_delta = reasoning[self.sent_reasoning:]
+        c_delta = content[self.sent_content:]
+        self.sent_reasoning = max(self.sent_reasoning, len(reasoning))
+        self.sent_content = max(self.sent_content, len(content))
+        return r_delta, c_delta
