@@ -56,6 +56,7 @@ class ServerArgs:
     speculative_ngram_max_match_window_size: int = 12
     chat_template: str | None = None  # a Jinja file overriding the tokenizer's chat template (OpenAI chat)
     reasoning_parser: str | None = None  # deepseek-r1 | qwen3: chat answers carry reasoning_content
+    enable_strict_thinking: bool = False  # allow max_thinking_tokens (a forced end of the reasoning)
     stream_interval: int = 1
     log_level: str = "info"
     random_seed: int = 0

@@ -99,7 +99,7 @@ class TokenizerManager:
             vocab_size=self.vocab_size, context_len=self.context_len, max_batch_items=args.max_batch_items,
             max_top_logprobs_num=args.max_top_logprobs_num,
             max_text_chars=self.context_len * max_chars_per_token(self.tokenizer) * TEXT_CHARS_SLACK,
-            guided_decoding=args.grammar_backend != "none")
+            guided_decoding=args.grammar_backend != "none", strict_thinking=args.enable_strict_thinking)
         self._tasks = [asyncio.ensure_future(self._detok_loop()),
                        asyncio.ensure_future(self._control_loop(self.from_scheduler)),
                        asyncio.ensure_future(self._watch_children())]

@@ -58,6 +58,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     n: int = 1
     sampling_seed: int | None = None
     stream_interval: int | None = None
+    # strict thinking: after this many output tokens still inside the reasoning, the think-end
+    # token(s) are forced (needs --enable-strict-thinking)
+    max_thinking_tokens: int | None = None
     # guided decoding: at most one is set (`choice` arrives as a regex alternation)
     json_schema: str | None = None
     regex: str | None = None
@@ -132,7 +135,7 @@ def is_number(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
-_INT_FIELDS = ("max_new_tokens", "min_new_tokens", "top_k", "n", "stream_interval")
+_INT_FIELDS = ("max_new_tokens", "min_new_tokens", "top_k", "n", "stream_interval", "max_thinking_tokens")
 _FLOAT_FIELDS = (
     "temperature",
     "top_p",
@@ -177,6 +180,9 @@ class _Checker:
         self._logit_bias()
         self._seed()
         self._grammar()
+        if self.out.get("max_thinking_tokens") is not None and any(k in self.out for k in GRAMMAR_KINDS):
+            raise self.fail("max_thinking_tokens", "cannot be combined with a constraint (require_reasoning is not "
+                                                   "implemented yet)")
         return SamplingParams(**self.out)
 
     def _present(self, name: str) -> bool:
@@ -213,6 +219,8 @@ class _Checker:
         for name in ("max_new_tokens", "min_new_tokens"):
             v = getattr(p, name)
             self._check(v >= 0, name, f"must be >= 0, got {v}")
+        if p.max_thinking_tokens is not None:
+            self._check(p.max_thinking_tokens >= 0, "max_thinking_tokens", f"must be >= 0, got {p.max_thinking_tokens}")
         self._check(
             p.min_new_tokens <= p.max_new_tokens,
             "min_new_tokens",

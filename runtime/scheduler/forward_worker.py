@@ -97,6 +97,7 @@ class ForwardJob:
     penalties: PenaltyInfo | None = None
     grammar_mask: GrammarMask | None = None  # filled by the scheduler while this step's forward runs
     spec: SpecInfo | None = None
+    forced_ids: list[int] | None = None  # per sampling request: a token to emit instead of sampling (-1: none)
     follows_busy_step: bool = False  # the scheduler had work since the previous job: a gap before it is idling
 
 
@@ -253,7 +254,12 @@ class ForwardWorker:
                                      logit_bias=pen.logit_bias, min_tokens_mask=pen.min_tokens_mask,
                                      banned_ids=pen.banned_ids)
         info = job.sampling if per_row is None else job.sampling.take(per_row)  # type: ignore[union-attr]
-        return sample(logits, info, positions)  # type: ignore[arg-type]
+        sampled = sample(logits, info, positions)  # type: ignore[arg-type]
+        if job.forced_ids is not None:  # requests with a forced token never draft: their run is one token
+            rows = [i if layout is None else layout.offsets[i] for i, t in enumerate(job.forced_ids) if t >= 0]
+            sampled[rows] = torch.tensor([t for t in job.forced_ids if t >= 0], dtype=sampled.dtype,
+                                         device=sampled.device)
+        return sampled
 
     def _output_logprobs(self, logits: torch.Tensor, tokens: torch.Tensor, job: ForwardJob, owner: list[int],
                          counts: list[int]) -> list[list[LogprobArrays] | None]:

@@ -226,7 +226,7 @@ class Planner:
         """Drafts one verify may check: none for what a draft run cannot honour token by token
         (penalties, grammars, hidden states, min_new_tokens not reached), and never past max_new_tokens."""
         sp = req.sampling_params
-        if sp.has_penalties or req.grammar is not None or req.return_hidden_states:
+        if not self._drafts_ok(req):
             return 0
         if len(req.output_ids) + min(req.outputs_in_flight, 1) < sp.min_new_tokens:
             return 0
@@ -254,7 +254,8 @@ class Planner:
     @staticmethod
     def _drafts_ok(req: Req) -> bool:
         sp = req.sampling_params
-        return not (sp.has_penalties or req.grammar is not None or req.return_hidden_states)
+        return not (sp.has_penalties or req.grammar is not None or req.return_hidden_states
+                    or sp.max_thinking_tokens is not None)
 
     def _preempt_for(self, req: Req) -> bool:
         """--priority-preemption: a much more urgent arrival retracts the least urgent running request."""

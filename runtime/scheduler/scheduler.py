@@ -90,7 +90,8 @@ class Scheduler:
         self.stats = StepStats()
         self.worker = ForwardWorker(runner, future_map, penalty_counts, self.stats, drafter)
         self.planner = Planner(planner_config(args, runner), self.kv,
-                               BatchContext(runner.config.vocab_size, eos_ids, runner.device))
+                               BatchContext(runner.config.vocab_size, eos_ids, runner.device,
+                                            tuple(self.tokenizer.encode("</think>", add_special_tokens=False))))
         self.checker = FinishChecker(eos_ids, lambda ids: self.tokenizer.decode(ids))
         self.streamer = OutputStreamer(args.stream_interval)
         self.grammar: GrammarBackend | None = None

@@ -25,6 +25,7 @@ _SAMPLING = {
     "presence_penalty": None, "frequency_penalty": None, "repetition_penalty": None, "logit_bias": None,
     "ignore_eos": None, "skip_special_tokens": None, "spaces_between_special_tokens": None, "no_stop_trim": None,
     "stop_token_ids": None, "min_tokens": "min_new_tokens", "regex": None, "ebnf": None, "json_schema": None,
+    "max_thinking_tokens": None,
 }
 _NATIVE_TO_OPENAI = {"min_new_tokens": "min_tokens", "sampling_seed": "seed"}
 # known OpenAI fields whose meaning this server does not implement: a 400, never ignored

@@ -116,6 +116,7 @@ class RequestLimits:
     # longer text cannot fit the context whatever it tokenizes to: refused before tokenizing
     max_text_chars: int | None = None
     guided_decoding: bool = True  # False with --grammar-backend none: constraints are a 400
+    strict_thinking: bool = False  # --enable-strict-thinking: max_thinking_tokens is allowed
 
 
 def normalize_generate_request(
@@ -131,6 +132,9 @@ def normalize_generate_request(
     rids = _rids(body.get("rid"), n, is_batch)
     params = _sampling_params(body.get("sampling_params"), n, is_batch, vocab_size, limits.guided_decoding)
     _check_batch_items(prompts, params, limits.max_batch_items)
+    for f, sp in params:
+        if sp.max_thinking_tokens is not None and not limits.strict_thinking:
+            raise ValidationError(f"{f}.max_thinking_tokens", "needs --enable-strict-thinking on the server")
     return_logprob = _per_item(body, "return_logprob", n, is_batch, False, _bool)
     start_lens = _per_item(body, "logprob_start_len", n, is_batch, -1, _start_len)
     top_check = _top_num(min(vocab_size, limits.max_top_logprobs_num))

@@ -241,3 +241,11 @@ def test_deeply_nested_values_are_a_400_not_a_recursion_error(field) -> None:
     value = {"1": deep} if field == "logit_bias" else deep
     with pytest.raises(ValidationError, match=f"sampling_params.{field}"):
         parse({field: value})
+
+
+def test_max_thinking_tokens():
+    assert parse({"max_thinking_tokens": 7}).max_thinking_tokens == 7
+    with pytest.raises(ValidationError, match="sampling_params.max_thinking_tokens must be >= 0"):
+        parse({"max_thinking_tokens": -1})
+    with pytest.raises(ValidationError, match="max_thinking_tokens cannot be combined with a constraint"):
+        parse({"max_thinking_tokens": 3, "regex": "a+"})

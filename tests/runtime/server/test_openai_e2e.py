@@ -146,3 +146,21 @@ def test_reasoning_content_is_split_off_whole_and_streamed(servers):
     assert "".join(d.get("content") or "" for d in deltas) == whole["content"]
     bad = server.post("/v1/chat/completions", {**body, "separate_reasoning": "yes"})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "separate_reasoning"
+
+
+def test_max_thinking_tokens_forces_the_end_of_the_reasoning(servers, smol_tokenizer):
+    """A budget of k reasoning tokens (the deepseek-r1 template opens <think>): output tokens
+    k, k+1, ... are exactly "</think>", whatever the model wanted; a 400 without strict thinking."""
+    server = servers("tiny_strict_thinking")
+    end = smol_tokenizer.encode("</think>", add_special_tokens=False)
+    for k in (0, 1, 5):
+        out = server.generate({"input_ids": [5, 6, 7, 8], "sampling_params": {
+            "temperature": 0, "max_new_tokens": 16, "ignore_eos": True, "max_thinking_tokens": k}})
+        assert out["output_ids"][k:k + len(end)] == end, k
+    chat = server.post("/v1/chat/completions", {"messages": CHAT, "max_tokens": 16, "temperature": 0.8, "seed": 3,
+                                                "max_thinking_tokens": 4}).json()
+    ids_text = chat["choices"][0]["message"]
+    assert "</think>" not in (ids_text["content"] or "") and ids_text["reasoning_content"] is not None
+    bad = servers("tiny").post("/generate", {"text": "hi", "sampling_params": {
+        "max_thinking_tokens": 3}})
+    assert bad.status_code == 400 and "max_thinking_tokens needs --enable-strict-thinking" in bad.json()["error"]["message"]
