@@ -19,7 +19,7 @@ from typing import Any
 
 import requests
 
-from tandem.launch.managed_server import BenchError, leak_check, report_checks, start_server
+from tandem.launch.managed_server import leak_check, run_checked, start_server
 
 REQUEST_TIMEOUT_S = 30.0
 REFERENCE = {"input_ids": [11, 12, 13, 14], "sampling_params": {"max_new_tokens": 8, "temperature": 0}}
@@ -161,14 +161,8 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError:
         print("error: tandem bench fuzz needs hypothesis: pip install hypothesis", file=sys.stderr)
         return 1
-    server_args = args.server_args + (f" --model-path {args.model_path}" if args.model_path else "")
-    try:
-        result = run(args.cases, args.seed, server_args)
-    except BenchError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
-    print_report(result)
-    return report_checks(result, result["server_errors"], args.output_file)
+    return run_checked(lambda server_args: run(args.cases, args.seed, server_args), print_report, "server_errors",
+                       args.server_args, args.model_path, args.output_file)
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ from typing import Any
 import aiohttp
 import orjson
 
-from tandem.launch.managed_server import (BenchError, alive, ipc_dirs, leak_check, report_checks, rss_bytes,
+from tandem.launch.managed_server import (alive, ipc_dirs, leak_check, rss_bytes, run_checked,
                                           start_server, stop_server)
 
 REQUEST_TIMEOUT_S = 120.0  # a request still unanswered after this long counts as hung
@@ -232,14 +232,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="passed to the launched server (forced retraction is always on)")
     p.add_argument("--output-file", default=None)
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
-    server_args = args.server_args + (f" --model-path {args.model_path}" if args.model_path else "")
-    try:
-        result = run(SoakConfig(args.minutes, args.concurrency, args.seed, args.max_rss_drift, server_args))
-    except BenchError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
-    print_report(result)
-    return report_checks(result, result["problems"], args.output_file)
+    return run_checked(lambda server_args: run(SoakConfig(args.minutes, args.concurrency, args.seed,
+                                                          args.max_rss_drift, server_args)),
+                       print_report, "problems", args.server_args, args.model_path, args.output_file)
 
 
 if __name__ == "__main__":

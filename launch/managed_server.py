@@ -19,7 +19,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 STOP_GRACE_S = 10.0
 
@@ -137,6 +137,19 @@ def leak_check(base_url: str) -> dict:
             "req_rows_total": info["req_rows_total"], "num_retractions": info["num_retractions"],
             "ok": status == 200 and info["kv_slots_free"] == info["max_total_num_tokens"]
             and info["req_rows_free"] == info["req_rows_total"]}
+
+
+def run_checked(run: Callable[[str], dict], print_report: Callable[[dict], None], problems_key: str,
+                server_args: str, model_path: str | None, output_file: str | None) -> int:
+    """A checking bench's main: run it against a launched server, print its report and checks;
+    0 when every check passed, 1 on a check failure or a server that would not start."""
+    try:
+        result = run(server_args + (f" --model-path {model_path}" if model_path else ""))
+    except BenchError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    print_report(result)
+    return report_checks(result, result[problems_key], output_file)
 
 
 def report_checks(result: dict, problems: list[str], output_file: str | None) -> int:

@@ -172,7 +172,7 @@ class ForwardWorker:
         logits = r.model.logits(sampled_hidden).float()
         sample_rows = rows[job.sample_indices]
         positions = torch.tensor(job.sample_positions, dtype=torch.int64, device=device)
-        next_ids = self._sample(logits, job, positions)
+        next_ids = self._sample(logits, job, positions, sample_rows)
         self.penalty_counts.add(sample_rows, next_ids)
         runs = [[t] for t in next_ids.tolist()]
         self._relay(sample_rows, next_ids, job, runs, [p - 1 for p in job.sample_positions])
@@ -202,7 +202,7 @@ class ForwardWorker:
                                    out_cache_loc, list(range(layout.num_tokens)), device)
         hidden = r.model.hidden_states(batch, r.attn_backend)
         logits = r.model.logits(hidden).float()
-        sampled = self._sample(logits, job, positions + 1, layout)
+        sampled = self._sample(logits, job, positions + 1, rows[row_of], (layout, row_of))
         runs = accept_runs(sampled.tolist(), drafts.tolist(), layout)
         kept = torch.tensor(layout.kept_indices(runs), dtype=torch.int64, device=device)
         self.penalty_counts.add(rows[row_of[kept]], sampled[kept])
@@ -233,11 +233,12 @@ class ForwardWorker:
             rows=rows, bonus_tokens=bonus, seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=device),
             draft_tokens=torch.from_numpy(drafts).to(device), draft_lens=torch.from_numpy(lens).to(device)))
 
-    def _sample(self, logits: torch.Tensor, job: ForwardJob, positions: torch.Tensor,
-                layout: VerifyLayout | None = None) -> torch.Tensor:
-        """Sample every row of `logits`; a verify's rows are tokens of the requests' runs, and the
-        per-request settings are spread over them."""
-        per_row = None if layout is None else torch.tensor(layout.row_of, dtype=torch.int64, device=logits.device)
+    def _sample(self, logits: torch.Tensor, job: ForwardJob, positions: torch.Tensor, pool_rows: torch.Tensor,
+                verify: tuple[VerifyLayout, torch.Tensor] | None = None) -> torch.Tensor:
+        """Sample every row of `logits` (`pool_rows`: each one's request row). A verify's logits rows
+        are the tokens of the requests' runs (`verify`: the layout and its row_of on the device),
+        and the per-request settings are spread over them."""
+        layout, per_row = verify if verify is not None else (None, None)
         if job.grammar_mask is not None:  # before penalties: a bias cannot revive a masked token
             # constrained requests never draft, so their run is one token: the first of the run
             logit_rows = None if layout is None else [layout.offsets[i] for i in job.grammar_mask.sample_indices]
@@ -245,11 +246,7 @@ class ForwardWorker:
         pen = job.penalties
         if pen is not None:
             pen = pen if per_row is None else pen.spread(per_row)
-            sample_rows = torch.tensor([job.rows[i] for i in job.sample_indices], dtype=torch.int64,
-                                       device=logits.device)
-            if per_row is not None:
-                sample_rows = sample_rows[per_row]
-            counts = self.penalty_counts.gather(sample_rows) if pen.counts_active else None
+            counts = self.penalty_counts.gather(pool_rows) if pen.counts_active else None
             logits = apply_penalties(logits, counts, pen.frequency, pen.presence, pen.repetition,
                                      logit_bias=pen.logit_bias, min_tokens_mask=pen.min_tokens_mask,
                                      banned_ids=pen.banned_ids)
