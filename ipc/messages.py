@@ -137,6 +137,8 @@ class TokenizedGenerateReq(_Msg, kw_only=True):
     return_hidden_states: bool = False
     priority: int | None = None
     extra_key: str | None = None
+    # a constrained request reasons freely first; its grammar applies after the think-end token
+    require_reasoning: bool = False
     created_time: float
 
     def __post_init__(self) -> None:

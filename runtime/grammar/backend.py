@@ -13,12 +13,14 @@ from typing import Any
 
 import orjson
 
+from tandem.runtime.grammar.matcher import RequestGrammar
+
 _CACHE_SIZE = 1024  # distinct grammars kept compiled
 _XGRAMMAR_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:\d+: ")  # "[19:49:01] /project/cpp/x.cc:83: "
 
 
 class GrammarBackend:
-    def __init__(self, tokenizer: Any, vocab_size: int, threads: int = 2) -> None:
+    def __init__(self, tokenizer: Any, vocab_size: int, threads: int = 2, any_whitespace: bool = True) -> None:
         import xgrammar as xgr  # heavy (and imports torch): only schedulers with guided decoding load it
 
         self._xgr = xgr
@@ -30,6 +32,7 @@ class GrammarBackend:
         self._batch = xgr.BatchGrammarMatcher(max_threads=1)  # one C++ call per step, the GIL released
         self._turn = 0
         self.vocab_size = vocab_size
+        self._any_whitespace = any_whitespace  # False: JSON with SGLang's compact separators
 
     def compile(self, kind: str, text: str) -> Future:
         """A future of the compiled grammar; resolves to an exception with xgrammar's message."""
@@ -43,12 +46,13 @@ class GrammarBackend:
             self._cache.move_to_end(key)
         return fut
 
-    def matcher(self, compiled: Any) -> Any:
-        return self._xgr.GrammarMatcher(compiled)
+    def matcher(self, compiled: Any, think_end_ids: tuple[int, ...] | None = None) -> RequestGrammar:
+        """A request's grammar state; with `think_end_ids` it starts in the reasoning phase."""
+        return RequestGrammar(self._xgr.GrammarMatcher(compiled), think_end_ids)
 
     def fill_bitmask(self, matchers: list[Any], bitmask: Any) -> None:
-        """Row i of `bitmask`: the tokens matchers[i] allows next; all tokens where it is None (a
-        finished request: its sample is thrown away anyway)."""
+        """Row i of `bitmask`: the tokens xgrammar matcher i allows next; all tokens where it is
+        None (a request still reasoning, or a finished one whose sample is thrown away)."""
         live = [i for i, m in enumerate(matchers) if m is not None and not m.is_terminated()]
         for i in set(range(len(matchers))) - set(live):
             bitmask[i] = -1  # all bits set (the buffer is reused)
@@ -69,7 +73,9 @@ class GrammarBackend:
     def _compile(self, kind: str, text: str) -> Any:
         c = self._compiler
         if kind == "json_schema":
-            return c.compile_json_schema(text)
+            if self._any_whitespace:
+                return c.compile_json_schema(text)
+            return c.compile_json_schema(text, any_whitespace=False, separators=(",", ":"))
         if kind == "regex":
             return c.compile_regex(text)
         if kind == "ebnf":

@@ -180,9 +180,6 @@ class _Checker:
         self._logit_bias()
         self._seed()
         self._grammar()
-        if self.out.get("max_thinking_tokens") is not None and any(k in self.out for k in GRAMMAR_KINDS):
-            raise self.fail("max_thinking_tokens", "cannot be combined with a constraint (require_reasoning is not "
-                                                   "implemented yet)")
         return SamplingParams(**self.out)
 
     def _present(self, name: str) -> bool:

@@ -1,8 +1,8 @@
 """GrammarQueue: requests whose grammar is still compiling.
 
 A constrained request waits here, not in the planner's queue, until its grammar is ready, so a
-slow compile never holds up anyone else; then it gets its own matcher and joins the waiting
-queue. A compile error or `--grammar-compile-timeout` ends it with a 400 quoting xgrammar.
+slow compile never holds up anyone else; then it gets its own matcher (in the reasoning phase
+first when it has `require_reasoning`) and joins the waiting queue. A compile error or `--grammar-compile-timeout` ends it with a 400 quoting xgrammar.
 """
 from __future__ import annotations
 
@@ -23,9 +23,10 @@ class _Waiting:
 
 
 class GrammarQueue:
-    def __init__(self, backend: GrammarBackend, timeout_s: float) -> None:
+    def __init__(self, backend: GrammarBackend, timeout_s: float, think_end_ids: tuple[int, ...] = ()) -> None:
         self.backend = backend
         self.timeout_s = timeout_s
+        self.think_end_ids = think_end_ids  # where a require_reasoning request's grammar starts
         self._waiting: list[_Waiting] = []
 
     def __len__(self) -> int:
@@ -46,7 +47,8 @@ class GrammarQueue:
             if w.compiled.done():
                 exc = w.compiled.exception()
                 if exc is None:
-                    w.req.grammar = self.backend.matcher(w.compiled.result())
+                    think_end = self.think_end_ids if w.req.require_reasoning else None
+                    w.req.grammar = self.backend.matcher(w.compiled.result(), think_end)
                     ready.append(w.req)
                 else:
                     failed.append((w.req, _bad_request(f"sampling_params.{kind} does not compile: "

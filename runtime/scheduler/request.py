@@ -31,14 +31,15 @@ class Req:
     return_hidden_states: bool = False
     priority: int = 0
     extra_key: str | None = None
+    require_reasoning: bool = False  # the grammar starts after the think-end token
     # logit_bias as (ids int64, values float32), made once: a full-vocabulary bias must not cost
     # a Python loop every step
     logit_bias: tuple[np.ndarray, np.ndarray] | None = None
 
     output_ids: list[int] = field(default_factory=list)
     finished_reason: FinishReason | None = None
-    # guided decoding: an xgrammar GrammarMatcher that has accepted every output token so far
-    # (retraction keeps the output, so the matcher stays valid across it)
+    # guided decoding: a RequestGrammar that has seen every output token so far (retraction
+    # keeps the output, so it stays valid across it)
     grammar: Any | None = None
 
     # memory: the row in ReqToTokenPool and how many of its positions hold allocated KV slots;
@@ -81,7 +82,7 @@ class Req:
         req = Req(rid=msg.rid, origin_input_ids=np.asarray(msg.input_ids).tolist(), sampling_params=sp,
                   stream=msg.stream, seed=seed, arrival_seq=arrival_seq, logprob=msg.logprob,
                   return_hidden_states=msg.return_hidden_states, priority=msg.priority or 0,
-                  extra_key=msg.extra_key)
+                  extra_key=msg.extra_key, require_reasoning=msg.require_reasoning)
         if sp.logit_bias:
             req.logit_bias = (np.fromiter(sp.logit_bias.keys(), np.int64, len(sp.logit_bias)),
                               np.fromiter(sp.logit_bias.values(), np.float32, len(sp.logit_bias)))

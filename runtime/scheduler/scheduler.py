@@ -89,16 +89,17 @@ class Scheduler:
         self.kv = KVManager(self.rows, runner.allocator, args.disable_radix_cache)
         self.stats = StepStats()
         self.worker = ForwardWorker(runner, future_map, penalty_counts, self.stats, drafter)
+        think_end_ids = tuple(self.tokenizer.encode("</think>", add_special_tokens=False))
         self.planner = Planner(planner_config(args, runner), self.kv,
-                               BatchContext(runner.config.vocab_size, eos_ids, runner.device,
-                                            tuple(self.tokenizer.encode("</think>", add_special_tokens=False))))
+                               BatchContext(runner.config.vocab_size, eos_ids, runner.device, think_end_ids))
         self.checker = FinishChecker(eos_ids, lambda ids: self.tokenizer.decode(ids))
         self.streamer = OutputStreamer(args.stream_interval)
         self.grammar: GrammarBackend | None = None
         self.grammar_queue: GrammarQueue | None = None
         if args.grammar_backend == "xgrammar":
-            self.grammar = GrammarBackend(self.tokenizer, runner.config.vocab_size)
-            self.grammar_queue = GrammarQueue(self.grammar, args.grammar_compile_timeout)
+            self.grammar = GrammarBackend(self.tokenizer, runner.config.vocab_size,
+                                          any_whitespace=not args.constrained_json_disable_any_whitespace)
+            self.grammar_queue = GrammarQueue(self.grammar, args.grammar_compile_timeout, think_end_ids)
         self.watchdog = Watchdog(args.watchdog_timeout)
         self._arrivals = 0
         self._flush_pending: list[int] = []  # flush requests waiting for no step in flight
@@ -154,7 +155,7 @@ class Scheduler:
             return
         t0 = time.perf_counter()
         sampling = batch.sampling_reqs
-        matchers = [None if sampling[i].finished else sampling[i].grammar for i in mask.sample_indices]
+        matchers = [None if sampling[i].finished else sampling[i].grammar.constraining for i in mask.sample_indices]
         mask.fill(matchers, self.grammar, self.runner.device)  # type: ignore[union-attr]
         self.stats.record_grammar_fill(time.perf_counter() - t0, len(matchers))
 

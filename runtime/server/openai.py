@@ -27,6 +27,7 @@ _SAMPLING = {
     "stop_token_ids": None, "min_tokens": "min_new_tokens", "regex": None, "ebnf": None, "json_schema": None,
     "max_thinking_tokens": None,
 }
+_CONSTRAINTS = ("regex", "ebnf", "json_schema")
 _NATIVE_TO_OPENAI = {"min_new_tokens": "min_tokens", "sampling_seed": "seed"}
 # known OpenAI fields whose meaning this server does not implement: a 400, never ignored
 _UNSUPPORTED = ("tools", "tool_choice", "functions", "function_call", "audio", "modalities", "prediction",
@@ -46,6 +47,7 @@ class OpenAIRequest:
     max_tokens_name: str = "max_tokens"
     logprobs: bool = False
     echo_texts: list[str] = field(default_factory=list)  # completions with echo: each prompt's text
+    echo_logprobs: bool = False  # echo with logprobs: the legacy logprobs start at the prompt
     include_usage: bool = False
     stream: bool = False
     reasoning: ReasoningParser | None = None  # chat: split reasoning_content off the answer
@@ -82,6 +84,8 @@ def completion_request(body: Any, served_model: str, decode: Callable[[list[int]
     else:
         raise ValidationError("prompt", "must be a string, a list of strings, token ids or lists of token ids")
     native["sampling_params"] = _sampling(body, req, default_max_tokens=16)
+    if body.get("require_reasoning") is not None:
+        native["require_reasoning"] = body["require_reasoning"]
     logprobs = body.get("logprobs")
     if logprobs is not None:
         if not isinstance(logprobs, int) or isinstance(logprobs, bool) or not 0 <= logprobs <= 20:
@@ -90,6 +94,9 @@ def completion_request(body: Any, served_model: str, decode: Callable[[list[int]
         native.update(return_logprob=True, top_logprobs_num=logprobs, return_text_in_logprobs=True)
     if _flag(body, "echo"):
         req.echo_texts = texts
+        if req.logprobs:  # OpenAI's echo + logprobs: the prompt's tokens are scored too
+            req.echo_logprobs = True
+            native["logprob_start_len"] = 0
     return req
 
 
@@ -99,11 +106,7 @@ def chat_request(body: Any, served_model: str, render: Callable[[list, dict], st
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
         raise ValidationError("messages", "must be a non-empty list of message objects")
-    for i, m in enumerate(messages):
-        if not isinstance(m.get("role"), str):
-            raise ValidationError(f"messages[{i}].role", "must be a string")
-        if not isinstance(m.get("content"), (str, type(None))):
-            raise ValidationError(f"messages[{i}].content", "must be a string (content parts are not supported)")
+    messages = [_flat_message(i, m) for i, m in enumerate(messages)]
     kwargs = body.get("chat_template_kwargs") or {}
     if not isinstance(kwargs, dict):
         raise ValidationError("chat_template_kwargs", "must be an object")
@@ -119,6 +122,7 @@ def chat_request(body: Any, served_model: str, render: Callable[[list, dict], st
     except Exception as exc:  # a template error is the request's fault (a role it does not accept, ...)
         raise ValidationError("messages", f"cannot be rendered by the chat template: {exc}") from None
     req.native["sampling_params"] = _sampling(body, req, default_max_tokens=None)
+    _require_reasoning(body, req.native, reasoning_parser, kwargs)
     if _flag(body, "logprobs"):
         top = body.get("top_logprobs") or 0
         if not isinstance(top, int) or isinstance(top, bool) or not 0 <= top <= 20:
@@ -128,6 +132,37 @@ def chat_request(body: Any, served_model: str, render: Callable[[list, dict], st
     elif body.get("top_logprobs") is not None:
         raise ValidationError("top_logprobs", "needs logprobs: true")
     return req
+
+
+def _flat_message(i: int, message: dict) -> dict:
+    """Text content parts joined by newlines: the templates of text-only models take a string."""
+    if not isinstance(message.get("role"), str):
+        raise ValidationError(f"messages[{i}].role", "must be a string")
+    content = message.get("content")
+    if isinstance(content, (str, type(None))):
+        return message
+    if not isinstance(content, list):
+        raise ValidationError(f"messages[{i}].content", "must be a string or a list of content parts")
+    texts = []
+    for j, part in enumerate(content):
+        where = f"messages[{i}].content[{j}]"
+        if not isinstance(part, dict) or part.get("type") != "text":
+            kind = part.get("type") if isinstance(part, dict) else None
+            raise ValidationError(f"{where}.type", f"only text parts are supported, got {kind!r}")
+        if not isinstance(part.get("text"), str):
+            raise ValidationError(f"{where}.text", "must be a string")
+        texts.append(part["text"])
+    return {**message, "content": "\n".join(texts)}
+
+
+def _require_reasoning(body: dict, native: dict[str, Any], parser: str | None, kwargs: dict) -> None:
+    """Chat on a reasoning server: a constrained answer is reasoned freely first and the grammar
+    holds after `</think>` (SGLang's chat default), unless the client says otherwise or the
+    template switched thinking off."""
+    if body.get("require_reasoning") is not None:
+        native["require_reasoning"] = body["require_reasoning"]
+    elif parser and any(k in native["sampling_params"] for k in _CONSTRAINTS):
+        native["require_reasoning"] = parser == "deepseek-r1" or kwargs.get("enable_thinking") is not False
 
 
 def _check_object(body: Any) -> None:
@@ -225,17 +260,22 @@ def _chat_logprobs(meta: dict, start: int = 0) -> dict[str, Any]:
     return {"content": content}
 
 
-def _completion_logprobs(meta: dict, offset: int, start: int = 0) -> dict[str, Any]:
-    """The legacy shape: parallel lists, top_logprobs as {token: logprob} per position."""
-    tokens, lps, tops, offsets = [], [], [], []
-    top_rows = meta.get("output_top_logprobs") or []
-    for i, (lp, _tid, text) in enumerate(meta["output_token_logprobs"][start:], start):
-        offsets.append(offset)
-        offset += len(text)
-        tokens.append(text)
-        lps.append(lp)
-        tops.append({t: v for v, _, t in (top_rows[i] if i < len(top_rows) else [])})
-    return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
+def _completion_logprobs(meta: dict, offset: int, start: int = 0, prompt: bool = False) -> dict[str, Any]:
+    """The legacy shape: parallel lists, top_logprobs as {token: logprob} per position. With
+    `prompt` (echo), the prompt's tokens come first; the first has no logprob (null), as OpenAI's."""
+    out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    sides = [("input", 0)] if prompt else []
+    for side, first in [*sides, ("output", start)]:
+        top_rows = meta.get(f"{side}_top_logprobs") or []
+        for i, (lp, _tid, text) in enumerate(meta[f"{side}_token_logprobs"][first:], first):
+            text = text or ""
+            top = top_rows[i] if i < len(top_rows) else []
+            out["text_offset"].append(offset)
+            offset += len(text)
+            out["tokens"].append(text)
+            out["token_logprobs"].append(lp)
+            out["top_logprobs"].append(None if lp is None else {t: v for v, _, t in top or []})
+    return out
 
 
 def response(req: OpenAIRequest, results: list[dict], n: int) -> dict[str, Any]:
@@ -251,8 +291,9 @@ def response(req: OpenAIRequest, results: list[dict], n: int) -> dict[str, Any]:
             choice = {"index": i, "message": message, "logprobs": _chat_logprobs(meta) if req.logprobs else None}
         else:
             echo = req.echo_texts[i // max(n, 1)] if req.echo_texts else ""
-            choice = {"index": i, "text": echo + r["text"],
-                      "logprobs": _completion_logprobs(meta, len(echo)) if req.logprobs else None}
+            logprobs = _completion_logprobs(meta, 0, prompt=True) if req.echo_logprobs else (
+                _completion_logprobs(meta, len(echo)) if req.logprobs else None)
+            choice = {"index": i, "text": echo + r["text"], "logprobs": logprobs}
         choices.append({**choice, "finish_reason": reason, "matched_stop": matched})
     return {"id": _id(req.kind), "object": "chat.completion" if req.kind == "chat" else "text_completion",
             "created": int(time.time()), "model": req.model, "choices": choices, "usage": usage(results, n)}
@@ -297,8 +338,10 @@ async def stream_chunks(req: OpenAIRequest, cumulative: AsyncIterator[dict], n: 
                       "logprobs": _chat_logprobs(meta, lp_start) if req.logprobs else None}
         else:
             echo = req.echo_texts[i // max(n, 1)] if req.echo_texts else ""
+            with_prompt = first and req.echo_logprobs
+            offset = 0 if with_prompt else len(echo) + text_start
             choice = {"index": i, "text": (echo if first else "") + delta_text,
-                      "logprobs": _completion_logprobs(meta, len(echo) + text_start, lp_start) if req.logprobs else None}
+                      "logprobs": _completion_logprobs(meta, offset, lp_start, with_prompt) if req.logprobs else None}
         yield chunk({**choice, "finish_reason": reason, "matched_stop": matched})
     if req.include_usage and last:
         yield {"id": rid, "object": obj, "created": created, "model": req.model, "choices": [],

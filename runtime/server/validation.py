@@ -47,7 +47,7 @@ HANDLED_KEYS = frozenset(
         "logprob_start_len", "top_logprobs_num", "token_ids_logprob", "return_text_in_logprobs",
         "priority", "extra_key", "return_flat_raw_top_logprobs",
         "return_flat_raw_output_top_logprobs", "return_flat_raw_top_logprobs_b64",
-        "return_hidden_states",
+        "return_hidden_states", "require_reasoning",
     }
 )  # fmt: skip
 # Routing, disaggregation, logging and tracing fields: they do not change the answer.
@@ -82,6 +82,7 @@ class GenerateItem(msgspec.Struct, kw_only=True):
     logprob: LogprobParams = LogprobParams()
     return_hidden_states: bool = False
     return_text_in_logprobs: bool = False
+    require_reasoning: bool = False
     priority: int | None = None
     extra_key: str | None = None
     return_flat_raw_top_logprobs: bool = False
@@ -132,9 +133,9 @@ def normalize_generate_request(
     rids = _rids(body.get("rid"), n, is_batch)
     params = _sampling_params(body.get("sampling_params"), n, is_batch, vocab_size, limits.guided_decoding)
     _check_batch_items(prompts, params, limits.max_batch_items)
-    for f, sp in params:
-        if sp.max_thinking_tokens is not None and not limits.strict_thinking:
-            raise ValidationError(f"{f}.max_thinking_tokens", "needs --enable-strict-thinking on the server")
+    reasoning = _per_item(body, "require_reasoning", n, is_batch, False, _bool)
+    for (f, sp), (_, require_reasoning) in zip(params, reasoning):
+        _check_thinking_budget(f, sp, require_reasoning, limits.strict_thinking)
     return_logprob = _per_item(body, "return_logprob", n, is_batch, False, _bool)
     start_lens = _per_item(body, "logprob_start_len", n, is_batch, -1, _start_len)
     top_check = _top_num(min(vocab_size, limits.max_top_logprobs_num))
@@ -165,11 +166,21 @@ def normalize_generate_request(
                     token_ids_logprob=None if token_ids is None else tuple(token_ids),
                 ),
                 return_hidden_states=hidden[i][1],
+                require_reasoning=reasoning[i][1],
                 extra_key=extra_keys[i][1],
                 **shared,
             )
         )
     return NormalizedBatch(is_batch=is_batch, items=items)
+
+
+def _check_thinking_budget(field: str, sp: SamplingParams, require_reasoning: bool, strict: bool) -> None:
+    if sp.max_thinking_tokens is None:
+        return
+    if not strict:
+        raise ValidationError(f"{field}.max_thinking_tokens", "needs --enable-strict-thinking on the server")
+    if sp.constraint is not None and not require_reasoning:  # the grammar would hold from the first token
+        raise ValidationError(f"{field}.max_thinking_tokens", "with a constraint needs require_reasoning=true")
 
 
 def _type_name(v: Any) -> str:

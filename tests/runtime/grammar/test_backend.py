@@ -48,7 +48,7 @@ def test_errors_are_xgrammars_message_without_its_prefix(backend, kind, text, fr
 def test_a_matcher_walks_to_the_end_and_the_mask_allows_only_the_grammar(backend, smol_tokenizer):
     matcher = backend.matcher(backend.compile("regex", "(?:yes|no)").result(timeout=60))
     mask = GrammarMask([1])
-    mask.fill([matcher], backend, torch.device("cpu"))
+    mask.fill([matcher.constraining], backend, torch.device("cpu"))
     logits = torch.zeros(2, 49152)
     masked = mask.apply(logits)
     assert torch.isfinite(logits).all()  # the raw logits (and so the logprobs) are untouched

@@ -247,5 +247,4 @@ def test_max_thinking_tokens():
     assert parse({"max_thinking_tokens": 7}).max_thinking_tokens == 7
     with pytest.raises(ValidationError, match="sampling_params.max_thinking_tokens must be >= 0"):
         parse({"max_thinking_tokens": -1})
-    with pytest.raises(ValidationError, match="max_thinking_tokens cannot be combined with a constraint"):
-        parse({"max_thinking_tokens": 3, "regex": "a+"})
+    assert parse({"max_thinking_tokens": 3, "regex": "a+"}).constraint == ("regex", "a+")  # see require_reasoning

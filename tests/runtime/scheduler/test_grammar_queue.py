@@ -22,17 +22,17 @@ class FakeBackend:
     def compile(self, kind: str, text: str) -> Future:
         return self.futures.setdefault((kind, text), Future())
 
-    def matcher(self, compiled: object) -> str:
-        return f"matcher of {compiled}"
+    def matcher(self, compiled: object, think_end_ids: tuple[int, ...] | None = None) -> str:
+        return f"matcher of {compiled}" + (f" after {think_end_ids}" if think_end_ids else "")
 
     @staticmethod
     def error_message(exc: BaseException) -> str:
         return str(exc)
 
 
-def _req(rid: str, **constraint) -> Req:
+def _req(rid: str, require_reasoning: bool = False, **constraint) -> Req:
     msg = TokenizedGenerateReq(rid=rid, input_ids=np.array([1, 2], np.int32), stream=False, created_time=0.0,
-                               sampling_params=SamplingParams(**constraint))
+                               sampling_params=SamplingParams(**constraint), require_reasoning=require_reasoning)
     return Req.from_message(msg, 1)
 
 
@@ -53,6 +53,17 @@ def test_ready_failed_and_timed_out():
     ready, failed = queue.poll()
     assert ready == [] and failed[0][0] is slow and "--grammar-compile-timeout (0.2 s)" in failed[0][1].message
     assert len(queue) == 0
+
+
+def test_require_reasoning_gets_a_matcher_that_starts_after_the_think_end():
+    backend = FakeBackend()
+    queue = GrammarQueue(backend, timeout_s=10, think_end_ids=(9, 8))  # type: ignore[arg-type]
+    plain, reasoning = _req("a_0", regex="x"), _req("b_0", require_reasoning=True, regex="x")
+    queue.add(plain)
+    queue.add(reasoning)
+    backend.futures[("regex", "x")].set_result("G")
+    assert queue.poll() == ([plain, reasoning], [])
+    assert (plain.grammar, reasoning.grammar) == ("matcher of G", "matcher of G after (9, 8)")
 
 
 def test_abort_reaches_requests_still_compiling():

@@ -48,7 +48,8 @@ def servers(tmp_path_factory, tiny_model_dir):
                 "tiny_ngram_disable_2": (["--model-path", tiny, *TINY_ARGS, *NGRAM,
                                           "--speculative-disable-batch-size", "2"], {"TANDEM_DEBUG_FUTURE_MAP": "1"}),
                 "tiny_strict_thinking": (["--model-path", tiny, *TINY_ARGS, "--reasoning-parser", "deepseek-r1",
-                                          "--enable-strict-thinking"], {"TANDEM_DEBUG_FUTURE_MAP": "1"}),
+                                          "--enable-strict-thinking", "--constrained-json-disable-any-whitespace"],
+                                         {"TANDEM_DEBUG_FUTURE_MAP": "1"}),
                 "tiny_reasoning": (["--model-path", tiny, *TINY_ARGS, "--reasoning-parser", "qwen3"], None),
                 "smol_ngram": (["--max-total-tokens", "20000", "--max-running-requests", "32", *NGRAM], None),
                 # STANDALONE: the draft is the tiny model cut to its first layer (SmolLM2: first 6 of 30)

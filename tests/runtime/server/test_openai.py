@@ -40,6 +40,30 @@ def test_chat_fields_map_onto_generate():
     assert req.native["sampling_params"] == {"json_schema": '{"type":"array"}'}  # chat: the native max_new_tokens
 
 
+def test_text_content_parts_are_joined_for_the_template():
+    seen = []
+    oa.chat_request({"messages": [{"role": "user", "content": [{"type": "text", "text": "a"},
+                                                               {"type": "text", "text": "b"}]}]},
+                    "served", lambda messages, kw: seen.append(messages) or "x")
+    assert seen == [[{"role": "user", "content": "a\nb"}]]
+
+
+def test_require_reasoning_defaults_on_for_constrained_chat_on_a_reasoning_server():
+    msgs = [{"role": "user", "content": "x"}]
+    fmt = {"response_format": {"type": "json_object"}}
+
+    def native(body: dict, parser: str | None) -> dict:
+        return oa.chat_request({"messages": msgs, **body}, "served", lambda m, kw: "t", parser).native
+
+    assert native(fmt, "deepseek-r1")["require_reasoning"] is True
+    assert native(fmt, "qwen3")["require_reasoning"] is True
+    assert native({**fmt, "chat_template_kwargs": {"enable_thinking": False}}, "qwen3")["require_reasoning"] is False
+    assert native({**fmt, "require_reasoning": False}, "deepseek-r1")["require_reasoning"] is False  # explicit wins
+    assert "require_reasoning" not in native(fmt, None)  # no parser: the grammar holds from the start
+    assert "require_reasoning" not in native({}, "deepseek-r1")  # nothing to constrain
+    assert _completion({"prompt": "a", "regex": "b", "require_reasoning": True}).native["require_reasoning"] is True
+
+
 @pytest.mark.parametrize("body, field", [
     ({"prompt": None}, "prompt"),
     ({"prompt": "a", "logprobs": 21}, "logprobs"),
@@ -56,7 +80,9 @@ def test_bad_completion_fields(body, field):
 
 @pytest.mark.parametrize("body, field", [
     ({"messages": []}, "messages"),
-    ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content[0].type"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": 3}]}]}, "messages[0].content[0].text"),
+    ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
     ({"messages": [{"content": "x"}]}, "messages[0].role"),
     ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
     ({"messages": [{"role": "user", "content": "x"}], "stream_options": 1}, "stream_options"),
@@ -80,7 +106,8 @@ def _result(text: str, index: int, prompt: int = 5, completion: int = 2, cached:
             finish: dict | None = None) -> dict:
     return {"text": text, "index": index, "meta_info": {
         "prompt_tokens": prompt, "completion_tokens": completion, "cached_tokens": cached,
-        "finish_reason": finish, "output_token_logprobs": [[-0.5, 7, text[:1]], [-1.0, 8, text[1:]]][:completion],
+        "finish_reason": finish, "input_token_logprobs": [[None, 1, "p"], [-3.0, 2, "q"]],
+        "input_top_logprobs": [None, [[-0.1, 4, "r"]]], "output_token_logprobs": [[-0.5, 7, text[:1]], [-1.0, 8, text[1:]]][:completion],
         "output_top_logprobs": [[[-0.5, 7, text[:1]], [-2.0, 9, "z"]], [[-1.0, 8, text[1:]]]][:completion]}}
 
 
@@ -95,8 +122,14 @@ def test_response_shapes_and_usage_count_each_prompt_once():
                             "prompt_tokens_details": {"cached_tokens": 2}}
     first = out["choices"][0]
     assert first["text"] == "pab" and first["finish_reason"] == "stop" and first["matched_stop"] == "\n"
-    assert first["logprobs"] == {"tokens": ["a", "b"], "token_logprobs": [-0.5, -1.0],
-                                 "top_logprobs": [{"a": -0.5, "z": -2.0}, {"b": -1.0}], "text_offset": [1, 2]}
+    # echo + logprobs: the prompt's tokens are scored first (the very first has no logprob)
+    assert first["logprobs"] == {"tokens": ["p", "q", "a", "b"], "token_logprobs": [None, -3.0, -0.5, -1.0],
+                                 "top_logprobs": [None, {"r": -0.1}, {"a": -0.5, "z": -2.0}, {"b": -1.0}],
+                                 "text_offset": [0, 1, 2, 3]}
+    assert _completion({"prompt": "p", "echo": True, "logprobs": 0}).native["logprob_start_len"] == 0
+    plain = oa.response(_completion({"prompt": ["p", "q"], "logprobs": 1}), results, 2)["choices"][0]["logprobs"]
+    assert plain == {"tokens": ["a", "b"], "token_logprobs": [-0.5, -1.0],
+                     "top_logprobs": [{"a": -0.5, "z": -2.0}, {"b": -1.0}], "text_offset": [0, 1]}
     assert out["choices"][2]["finish_reason"] == "length" and out["choices"][2]["text"] == "qef"
     chat = oa.response(_chat({"messages": [{"role": "user", "content": "x"}], "logprobs": True}), results[:1], 1)
     assert chat["choices"][0]["message"] == {"role": "assistant", "content": "ab"}
@@ -105,6 +138,22 @@ def test_response_shapes_and_usage_count_each_prompt_once():
                                                                               "bytes": [97]},
                                                                              {"token": "z", "logprob": -2.0,
                                                                               "bytes": [122]}]}
+
+
+def test_streamed_echo_scores_the_prompt_in_the_first_chunk_only():
+    async def cumulative():
+        yield _result("a", 0, completion=1)
+        yield _result("ab", 0, completion=2, finish={"type": "length"})
+
+    req = _completion({"prompt": "pq", "echo": True, "logprobs": 0, "stream": True})
+
+    async def collect():
+        return [c["choices"][0] async for c in oa.stream_chunks(req, cumulative(), 1)]
+
+    first, second = asyncio.run(collect())
+    assert first["text"] == "pqa" and first["logprobs"]["tokens"] == ["p", "q", "a"]
+    assert first["logprobs"]["text_offset"] == [0, 1, 2] and first["logprobs"]["token_logprobs"][0] is None
+    assert second["text"] == "b" and second["logprobs"]["tokens"] == ["b"] and second["logprobs"]["text_offset"] == [3]
 
 
 def test_stream_chunks_are_deltas_then_usage():

@@ -1,6 +1,7 @@
 """The OpenAI API through the PyPI `openai` client against a running tandem (SmolLM2): chat and
 completions, streaming with usage, n>1 and seeds, logprobs in both shapes, stop, response_format,
-errors in OpenAI's shape naming the field, and a client timeout that aborts the request."""
+errors in OpenAI's shape naming the field, a client timeout that aborts the request, echo with
+prompt logprobs, and the reasoning controls (parser, strict thinking, require_reasoning)."""
 from __future__ import annotations
 
 import json
@@ -37,6 +38,10 @@ def test_chat_answer_equals_generate_on_the_rendered_template(client, smol_serve
         assert chat.usage.prompt_tokens == len(smol_tokenizer.encode(text, add_special_tokens=False))
         assert chat.usage.completion_tokens == native["meta_info"]["completion_tokens"]
         assert chat.object == "chat.completion" and chat.id.startswith("chatcmpl-")
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Name three"}, {"type": "text", "text": "colors."}]}]
+    joined = [{"role": "user", "content": "Name three\ncolors."}]
+    assert (client.chat.completions.create(model="m", messages=parts, **GREEDY).choices[0].message.content
+            == client.chat.completions.create(model="m", messages=joined, **GREEDY).choices[0].message.content)
 
 
 def test_greedy_completions_equal_generate_and_echo(client, smol_server):
@@ -90,6 +95,25 @@ def test_logprobs_in_both_shapes(client):
     assert all(len(top) <= 2 for top in lp.top_logprobs)
 
 
+def test_echo_with_logprobs_scores_the_prompt(client, smol_server):
+    """OpenAI's echo + logprobs: the prompt's tokens come first (the first without a logprob),
+    scored as /generate scores them, then the completion's."""
+    prompt = "Roses are red, violets"
+    out = client.completions.create(model="m", prompt=prompt, max_tokens=5, temperature=0, logprobs=1, echo=True)
+    lp, text = out.choices[0].logprobs, out.choices[0].text
+    native = smol_server.generate({"text": prompt, "return_logprob": True, "logprob_start_len": 0,
+                                   "sampling_params": {"temperature": 0, "max_new_tokens": 5}})["meta_info"]
+    n_prompt = len(native["input_token_logprobs"])
+    assert "".join(lp.tokens) == text and text.startswith(prompt)
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.token_logprobs[1:n_prompt] == pytest.approx([t[0] for t in native["input_token_logprobs"][1:]], abs=1e-4)
+    assert lp.token_logprobs[n_prompt:] == pytest.approx([t[0] for t in native["output_token_logprobs"]], abs=1e-4)
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+    streamed = list(client.completions.create(model="m", prompt=prompt, max_tokens=5, temperature=0, logprobs=1,
+                                              echo=True, stream=True))
+    assert "".join(t for c in streamed for t in c.choices[0].logprobs.tokens) == text
+
+
 def test_stop_and_response_format(client):
     full = client.chat.completions.create(model="m", messages=CHAT, **GREEDY).choices[0].message.content
     stop = full[len(full) // 2:len(full) // 2 + 2]
@@ -131,7 +155,8 @@ def test_reasoning_content_is_split_off_whole_and_streamed(servers):
     `<think>...</think>answer`: reasoning_content and content, the same when streamed."""
     server = servers("tiny_reasoning")
     body = {"model": "m", "messages": CHAT, "temperature": 0, "max_tokens": 60,
-            "regex": r"<think>[a-z]{4,12} [a-z]{4,12}</think>[A-Z][a-z]{3,10}"}
+            "regex": r"<think>[a-z]{4,12} [a-z]{4,12}</think>[A-Z][a-z]{3,10}",
+            "require_reasoning": False}  # the regex writes the tags itself: it holds from the first token
     whole = server.post("/v1/chat/completions", body).json()["choices"][0]["message"]
     assert whole["reasoning_content"] and " " in whole["reasoning_content"] and "<" not in whole["reasoning_content"]
     assert whole["content"][:1].isupper() and "<" not in whole["content"]
@@ -164,3 +189,40 @@ def test_max_thinking_tokens_forces_the_end_of_the_reasoning(servers, smol_token
     bad = servers("tiny").post("/generate", {"text": "hi", "sampling_params": {
         "max_thinking_tokens": 3}})
     assert bad.status_code == 400 and "max_thinking_tokens needs --enable-strict-thinking" in bad.json()["error"]["message"]
+
+
+COLOR = {"type": "object", "properties": {"c": {"enum": ["red", "blue"]}, "n": {"type": "integer", "minimum": 0,
+                                                                            "maximum": 99}},
+         "required": ["c", "n"], "additionalProperties": False}
+
+
+def test_require_reasoning_reasons_freely_then_the_grammar_holds(servers, smol_tokenizer):
+    """require_reasoning + json_schema: the reasoning tokens are the unconstrained ones, then
+    `</think>`, then JSON that validates (the budget forces the end: a random model never writes
+    it); without an end the answer stays free; a budget with a constraint needs require_reasoning."""
+    server = servers("tiny_strict_thinking")
+    end = smol_tokenizer.encode("</think>", add_special_tokens=False)
+    prompt = {"input_ids": [5, 6, 7, 8]}
+    for k in (0, 5):
+        free = server.generate({**prompt, "sampling_params": {"temperature": 0, "max_new_tokens": 16,
+                                                              "ignore_eos": True, "max_thinking_tokens": k}})
+        out = server.generate({**prompt, "require_reasoning": True, "sampling_params": {
+            "temperature": 0, "max_new_tokens": 64, "max_thinking_tokens": k, "json_schema": json.dumps(COLOR)}})
+        ids = out["output_ids"]
+        assert ids[:k + len(end)] == free["output_ids"][:k] + end, k
+        answer = smol_tokenizer.decode(ids[k + len(end):], skip_special_tokens=True)
+        jsonschema.validate(json.loads(answer), COLOR)
+        assert out["meta_info"]["finish_reason"]["type"] == "stop"
+    unclosed = server.generate({**prompt, "require_reasoning": True, "sampling_params": {
+        "temperature": 0, "max_new_tokens": 12, "ignore_eos": True, "json_schema": json.dumps(COLOR)}})
+    plain = server.generate({**prompt, "sampling_params": {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}})
+    assert unclosed["output_ids"] == plain["output_ids"]  # no </think> written: never constrained
+    bad = server.post("/generate", {**prompt, "sampling_params": {"max_thinking_tokens": 2, "regex": "a+"}})
+    assert bad.status_code == 400 and "needs require_reasoning" in bad.json()["error"]["message"]
+    # chat on a reasoning server: a constrained answer reasons first by default (SGLang's chat default)
+    chat = server.post("/v1/chat/completions", {
+        "messages": CHAT, "max_tokens": 64, "temperature": 0, "max_thinking_tokens": 4,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "c", "schema": COLOR}}}).json()
+    message = chat["choices"][0]["message"]
+    assert message["reasoning_content"] and chat["choices"][0]["finish_reason"] == "stop"
+    jsonschema.validate(json.loads(message["content"]), COLOR)

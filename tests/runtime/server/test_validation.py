@@ -69,6 +69,21 @@ def test_single_input_ids_and_options() -> None:
     assert it.sampling_params.is_greedy and it.sampling_params.sampling_seed == 3
 
 
+def test_require_reasoning_and_the_thinking_budget() -> None:
+    assert norm({"text": "ab"}).items[0].require_reasoning is False
+    out = norm({"text": ["ab", "cd"], "require_reasoning": [True, False]})
+    assert [i.require_reasoning for i in out.items] == [True, False]
+    with pytest.raises(ValidationError, match="require_reasoning must be a boolean"):
+        norm({"text": "ab", "require_reasoning": 1})
+    budget = {"max_thinking_tokens": 4, "regex": "a+"}
+    with pytest.raises(ValidationError, match="max_thinking_tokens needs --enable-strict-thinking"):
+        norm({"text": "ab", "require_reasoning": True, "sampling_params": budget})
+    with pytest.raises(ValidationError, match="max_thinking_tokens with a constraint needs require_reasoning"):
+        norm({"text": "ab", "sampling_params": budget}, strict_thinking=True)
+    ok = norm({"text": "ab", "require_reasoning": True, "sampling_params": budget}, strict_thinking=True).items[0]
+    assert ok.require_reasoning and ok.sampling_params.max_thinking_tokens == 4
+
+
 def test_batch_text_shared_params_and_rid_prefix() -> None:
     out = norm({"text": ["ab", "cd", "ef"], "rid": "job", "sampling_params": {"top_k": 5}})
     assert out.is_batch and [i.rid for i in out.items] == ["job_0", "job_1", "job_2"]
