@@ -55,6 +55,7 @@ class ServerArgs:
     speculative_disable_batch_size: int | None = None  # more running requests than this: decode plainly
     speculative_ngram_min_match_window_size: int = 1
     speculative_ngram_max_match_window_size: int = 12
+    grpc_port: int | None = None  # serve SGLang's gRPC service and the gateway's scheduler service here
     chat_template: str | None = None  # a Jinja file overriding the tokenizer's chat template (OpenAI chat)
     reasoning_parser: str | None = None  # deepseek-r1 | qwen3: chat answers carry reasoning_content
     enable_strict_thinking: bool = False  # allow max_thinking_tokens (a forced end of the reasoning)

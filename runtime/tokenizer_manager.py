@@ -265,12 +265,16 @@ class TokenizerManager:
             while self.groups and time.monotonic() < deadline and not self.dead_reason:
                 await asyncio.sleep(0.05)
 
-    def abort(self, rid: str = "", abort_all: bool = False) -> None:
-        """Abort one logical request by its exact rid (an unknown rid aborts nothing), or all."""
+    def abort(self, rid: str = "", abort_all: bool = False) -> bool:
+        """Abort one logical request by its exact rid (an unknown rid aborts nothing), or all.
+        True when something was running to abort."""
         if abort_all:
             send(self.to_scheduler, AbortReq(abort_all=True))
-        elif (group := self.groups.get(rid)) is not None:
+            return bool(self.groups)
+        if (group := self.groups.get(rid)) is not None:
             send(self.to_scheduler, AbortReq(group_prefixes=[group.prefix]))
+            return True
+        return False
 
     # -- receiving ------------------------------------------------------------------------------------------------
     async def _detok_loop(self) -> None:

@@ -16,11 +16,11 @@ from tandem.runtime.server.validation import ValidationError
 from tandem.runtime.server_args import ServerArgs
 from tandem.runtime.request_groups import ClientDisconnected, RequestError
 from tandem.runtime.server import openai
-from tandem.runtime.server.auth import SECRET_ARGS, ApiKeyMiddleware, is_admin
-from tandem.runtime.tokenizer_manager import DEFAULT_MODEL_NAME, SHUTTING_DOWN, TokenizerManager
+from tandem.runtime.server.info import VERSION, current_loads, model_info, served_model_name, server_info
+from tandem.runtime.server.auth import ApiKeyMiddleware, is_admin
+from tandem.runtime.tokenizer_manager import SHUTTING_DOWN, TokenizerManager
 
 logger = logging.getLogger("tandem.http")
-VERSION = "0.1.0"
 
 
 def _json(content: Any, status: int = 200) -> Response:
@@ -45,11 +45,18 @@ def create_app(args: ServerArgs, on_child_death: Callable[[str], None] | None = 
             raise
         holder["tm"] = tm
         app.state.tm = tm
+        grpc_server = None
+        if args.grpc_port is not None:
+            from tandem.runtime.server.grpc_server import start_grpc_server  # lazy: grpc only when asked for
+
+            grpc_server = await start_grpc_server(tm, args.host, args.grpc_port)
         logger.info("tandem is ready on http://%s:%d (OpenAI API: http://%s:%d/v1)", args.host, args.port,
                     args.host, args.port)
         try:
             yield
         finally:
+            if grpc_server is not None:
+                await grpc_server.stop(grace=1.0)
             tm.close()
 
     docs = {} if args.enable_docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
@@ -153,32 +160,31 @@ def create_app(args: ServerArgs, on_child_death: Callable[[str], None] | None = 
             return _error(503, f"a 1-token generation did not finish within {args.health_generate_timeout:g} s")
         return Response(status_code=200)
 
-    def model_info() -> dict[str, Any]:
-        tm = holder["tm"]
-        return {"model_path": tm.args.model_path or "SmolLM2-135M-Instruct (embedded)",
-                "tokenizer_path": tm.args.tokenizer_path or tm.args.model_path, "is_generation": True,
-                "served_model_name": served_name(), **tm.model_info}
-
     def served_name() -> str:
-        return args.served_model_name or args.model_path or DEFAULT_MODEL_NAME
+        return served_model_name(args)
 
-    async def server_info() -> dict[str, Any]:
-        tm = holder["tm"]
-        info = {k: v for k, v in vars(args).items() if k != "extra" and k not in SECRET_ARGS}
-        info.update(await tm.server_info())
-        info["version"] = VERSION
-        return info
+    async def get_model_info() -> dict[str, Any]:
+        return model_info(holder["tm"])
+
+    async def get_server_info() -> dict[str, Any]:
+        return await server_info(holder["tm"])
 
     for path in ("/model_info", "/get_model_info"):
-        app.add_api_route(path, model_info, methods=["GET"])
+        app.add_api_route(path, get_model_info, methods=["GET"])
     for path in ("/server_info", "/get_server_info"):
-        app.add_api_route(path, server_info, methods=["GET"])
+        app.add_api_route(path, get_server_info, methods=["GET"])
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
         tm = holder["tm"]
-        return {"object": "list", "data": [{"id": served_name(), "object": "model", "created": 0, "owned_by": "tandem",
+        return {"object": "list", "data": [{"id": served_name(), "object": "model", "created": 0,
+                                            "owned_by": "sglang",  # the gateway treats the worker as SGLang's
                                             "root": served_name(), "max_model_len": tm.model_info["context_len"]}]}
+
+    @app.get("/v1/loads")
+    async def v1_loads(request: Request) -> dict[str, Any]:
+        include = request.query_params.get("include")
+        return await current_loads(holder["tm"], None if include is None else set(include.split(",")))
 
     @app.post("/flush_cache")
     async def flush_cache(request: Request) -> Response:

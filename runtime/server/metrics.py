@@ -79,6 +79,10 @@ class ServerMetrics:
         self._cached_total += cached_tokens
         self.cache_hit_rate.set(self._cached_total / self._prompt_total if self._prompt_total else 0.0)
 
+    @property
+    def prefix_hit_rate(self) -> float:
+        return self._cached_total / self._prompt_total if self._prompt_total else 0.0
+
     # -- scheduler gauges (at scrape time) ----------------------------------------------------------------
     def update_from_scheduler(self, info: dict) -> None:
         self.num_running_reqs.set(info.get("num_running_reqs", 0))

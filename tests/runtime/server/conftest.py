@@ -81,3 +81,20 @@ def tiny_server(servers):
 @pytest.fixture(scope="session")
 def smol_server(servers):
     return servers("smol")
+
+
+@pytest.fixture(scope="session")
+def grpc_server(tmp_path_factory, tiny_model_dir):
+    """A tiny-model server that also serves gRPC (both services), with strict thinking and a
+    reasoning parser for the reasoning controls; `.grpc_target` is its host:port."""
+    from server_utils import free_port
+
+    port = free_port()
+    logs = tmp_path_factory.mktemp("grpc_logs")
+    handle = start_server(["--model-path", tiny_model_dir("llama"), *TINY_ARGS, "--grpc-port", str(port),
+                           "--enable-strict-thinking", "--reasoning-parser", "deepseek-r1",
+                           "--constrained-json-disable-any-whitespace"], str(logs / "grpc.log"),
+                          {"TANDEM_DEBUG_FUTURE_MAP": "1"})
+    handle.grpc_target = f"127.0.0.1:{port}"  # type: ignore[attr-defined]
+    yield handle
+    handle.stop()

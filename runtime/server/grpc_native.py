@@ -1,0 +1,103 @@
+"""SGLang's native gRPC service `sglang.runtime.v1.SglangService` over the tokenizer manager.
+
+Generation answers as `/generate` does: cumulative `text` / `output_ids` per choice, one message
+per update when streaming, one finished message per choice otherwise; `meta_info` is SGLang's,
+each value a string (JSON for anything that is not one), with `index` for n > 1.
+"""
+from __future__ import annotations
+
+import asyncio
+from typing import Any, AsyncIterator
+
+import grpc
+import orjson
+
+from tandem.runtime.server.grpc_requests import native_service_request
+from tandem.runtime.server.grpc_server import GrpcError, native_results
+from tandem.runtime.server.info import current_loads, model_info, served_model_name, server_info
+from tandem.runtime.server.proto import sglang_pb2 as pb
+from tandem.runtime.tokenizer_manager import TokenizerManager
+
+HEALTH_TIMEOUT_S = 20.0
+
+
+def _meta(result: dict) -> dict[str, str]:
+    meta = dict(result["meta_info"])
+    if "index" in result:
+        meta["index"] = result["index"]
+    return {k: v if isinstance(v, str) else orjson.dumps(v, option=orjson.OPT_SERIALIZE_NUMPY).decode()
+            for k, v in meta.items()}
+
+
+class NativeService:
+    def __init__(self, tm: TokenizerManager) -> None:
+        self.tm = tm
+
+    async def TextGenerate(self, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        async for result in self._generate(request, text=True):
+            yield pb.TextGenerateResponse(text=result["text"], meta_info=_meta(result),
+                                          finished=result["meta_info"]["finish_reason"] is not None)
+
+    async def Generate(self, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        async for result in self._generate(request, text=False):
+            yield pb.GenerateResponse(output_ids=result["output_ids"], meta_info=_meta(result),
+                                      finished=result["meta_info"]["finish_reason"] is not None)
+
+    async def _generate(self, request: Any, text: bool) -> AsyncIterator[dict]:
+        req = native_service_request(request, text=text)
+        stream = req.native.get("stream", False)
+        last: dict[int, dict] = {}
+        async for result in native_results(self.tm, req):
+            if stream:
+                yield result
+            else:
+                last[result.get("index", 0)] = result
+        for index in sorted(last):
+            yield last[index]
+
+    async def HealthCheck(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        """Healthy when a one-token generation goes through every process in time."""
+        body = {"input_ids": [0], "sampling_params": {"max_new_tokens": 1, "temperature": 0}}
+        try:
+            await asyncio.wait_for(self.tm.generate(body), HEALTH_TIMEOUT_S)
+        except Exception:  # noqa: BLE001 - any failure is "not healthy", never an RPC error
+            return pb.HealthCheckResponse(healthy=False)
+        return pb.HealthCheckResponse(healthy=True)
+
+    async def GetModelInfo(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        info = model_info(self.tm)
+        return pb.GetModelInfoResponse(model_path=info["model_path"], json_info=orjson.dumps(info).decode())
+
+    async def GetServerInfo(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        return pb.GetServerInfoResponse(json_info=orjson.dumps(await server_info(self.tm), default=str).decode())
+
+    async def ListModels(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        name = served_model_name(self.tm.args)
+        return pb.ListModelsResponse(models=[pb.ModelCard(id=name, root=name,
+                                                          max_model_len=self.tm.model_info["context_len"])])
+
+    async def GetLoad(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        if request.HasField("dp_rank") and request.dp_rank != 0:
+            raise GrpcError(grpc.StatusCode.INVALID_ARGUMENT, f"dp_rank: this server has rank 0 only, "
+                                                              f"got {request.dp_rank}")
+        return pb.GetLoadResponse(json_info=orjson.dumps(await current_loads(self.tm)).decode())
+
+    async def Abort(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        return pb.AbortResponse(success=self.tm.abort(request.rid, request.abort_all))
+
+    async def FlushCache(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        reply = await self.tm.flush_cache()
+        return pb.FlushCacheResponse(success=reply.success, message=reply.message or "Cache flushed.")
+
+    async def Tokenize(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        add_special = request.add_special_tokens if request.HasField("add_special_tokens") else True
+        ids = self.tm.tokenizer.encode(request.text, add_special_tokens=add_special)
+        return pb.TokenizeResponse(tokens=ids, count=len(ids), max_model_len=self.tm.model_info["context_len"],
+                                   input_text=request.text)
+
+    async def Detokenize(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        vocab = self.tm.model_info["vocab_size"]
+        for i, t in enumerate(request.tokens):
+            if not 0 <= t < vocab:
+                raise GrpcError(grpc.StatusCode.INVALID_ARGUMENT, f"tokens[{i}]: {t} is not in [0, {vocab})")
+        return pb.DetokenizeResponse(text=self.tm.tokenizer.decode(list(request.tokens)))

@@ -1,0 +1,146 @@
+"""gRPC requests -> native `/generate` bodies, so gRPC, HTTP and OpenAI share one request core.
+
+Two services arrive here: SGLang's native `sglang.runtime.v1.SglangService` (tandem's proto,
+with seed 004's fields) and the gateway's `sglang.grpc.scheduler.SglangScheduler`
+(smg-grpc-proto). Only fields that are set are forwarded: proto3 `optional` fields by presence,
+and, where a proto has no presence, the zero values that mean "unset" in SGLang's own servicer
+(n = 0, top_p = 0, ...). Everything else is validated by `normalize_generate_request` exactly
+as `/generate` validates it; `rename` maps a native field name in an error back to the proto's.
+Torch-free: this runs in the main process.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from tandem.runtime.sampling.params import ValidationError
+
+# native SamplingParams name -> proto field, where the names differ
+_GUIDED = ("json_schema", "regex", "ebnf", "choice", "structural_tag")
+_NATIVE_SCALARS = ("temperature", "top_p", "top_k", "min_p", "frequency_penalty", "presence_penalty",
+                   "repetition_penalty", "max_new_tokens", "min_new_tokens", "ignore_eos", "n", "seed")
+_SAMPLING_FIELD = re.compile(r"sampling_params\.(\w+)(.*)")
+
+
+@dataclass
+class GrpcRequest:
+    """A translated request: the native body, and how to name fields in errors."""
+
+    native: dict[str, Any]
+    renames: dict[str, str] = field(default_factory=dict)  # native sampling field -> proto path
+
+    def rename(self, exc: ValidationError) -> ValidationError:
+        m = _SAMPLING_FIELD.match(exc.field)
+        if m and m.group(1) in self.renames:
+            return ValidationError(self.renames[m.group(1)] + m.group(2), exc.message)
+        if exc.field == "input_ids" and "text" in self.native:
+            return ValidationError("text", exc.message)
+        return exc
+
+
+# -- SglangService (tandem's proto) ---------------------------------------------------------------------
+def native_service_request(req: Any, *, text: bool) -> GrpcRequest:
+    """TextGenerateRequest / GenerateRequest -> a /generate body."""
+    out = GrpcRequest({"text": req.text} if text else {"input_ids": list(req.input_ids)})
+    body = out.native
+    if req.HasField("sampling_params"):
+        body["sampling_params"] = _native_sampling(req.sampling_params, out.renames)
+    for name in ("stream", "return_logprob", "top_logprobs_num", "logprob_start_len", "rid", "priority",
+                 "require_reasoning"):
+        if req.HasField(name):
+            body[name] = getattr(req, name)
+    if text and req.HasField("return_text_in_logprobs"):
+        body["return_text_in_logprobs"] = req.return_text_in_logprobs
+    if req.HasField("lora_path") and req.lora_path:
+        raise ValidationError("lora_path", "is not supported by this server")
+    if req.HasField("max_thinking_tokens"):
+        body.setdefault("sampling_params", {})["max_thinking_tokens"] = req.max_thinking_tokens
+        out.renames["max_thinking_tokens"] = "max_thinking_tokens"
+    return out
+
+
+def _native_sampling(sp: Any, renames: dict[str, str]) -> dict[str, Any]:
+    out = {name: getattr(sp, name) for name in _NATIVE_SCALARS if sp.HasField(name)}
+    if sp.stop:
+        out["stop"] = list(sp.stop)
+    if sp.stop_token_ids:
+        out["stop_token_ids"] = list(sp.stop_token_ids)
+    legacy = [name for name in ("json_schema", "regex") if sp.HasField(name)]
+    if len(legacy) > 1:
+        raise ValidationError("sampling_params.regex", "cannot be combined with sampling_params.json_schema; "
+                                                       "give one constraint")
+    for name in legacy:
+        out[name] = getattr(sp, name)
+    if sp.HasField("guided_decoding"):
+        kind = sp.guided_decoding.WhichOneof("constraint")
+        where = "sampling_params.guided_decoding"
+        if kind is None:
+            raise ValidationError(where, "must set one constraint (json_schema, regex, ebnf, choice or structural_tag)")
+        if legacy:
+            raise ValidationError(f"{where}.{kind}", f"cannot be combined with the deprecated "
+                                                     f"sampling_params.{legacy[0]}; give one constraint")
+        value = getattr(sp.guided_decoding, kind)
+        out[kind] = list(value.choices) if kind == "choice" else value
+        renames.update({k: f"{where}.{k}" for k in _GUIDED})
+        if kind == "choice":
+            renames["regex"] = f"{where}.choice"  # a choice is validated as the regex it becomes
+    return out
+
+
+# -- SglangScheduler (the gateway's proto, smg-grpc-proto) -------------------------------------------------
+_SMG_CONSTRAINT = {"regex": "regex", "json_schema": "json_schema", "ebnf_grammar": "ebnf",
+                   "structural_tag": "structural_tag"}
+
+
+def scheduler_service_request(req: Any) -> GrpcRequest:
+    """smg's GenerateRequest (token ids the gateway tokenized itself) -> a /generate body."""
+    if req.HasField("mm_inputs") and req.mm_inputs.ByteSize():
+        raise ValidationError("mm_inputs", "is not supported by this server (text-only model)")
+    for name in ("input_embeds", "lora_id", "custom_logit_processor"):
+        if getattr(req, name):
+            raise ValidationError(name, "is not supported by this server")
+    out = GrpcRequest({"input_ids": list(req.tokenized.input_ids), "stream": req.stream})
+    body = out.native
+    if req.request_id:
+        body["rid"] = req.request_id
+    body["sampling_params"] = _scheduler_sampling(req.sampling_params, out.renames)
+    if req.return_logprob:
+        body.update(return_logprob=True, logprob_start_len=req.logprob_start_len,
+                    top_logprobs_num=req.top_logprobs_num)
+        if req.token_ids_logprob:
+            body["token_ids_logprob"] = list(req.token_ids_logprob)
+    if req.return_hidden_states:
+        body["return_hidden_states"] = True
+    if req.require_reasoning:
+        body["require_reasoning"] = True
+    return out
+
+
+def _scheduler_sampling(sp: Any, renames: dict[str, str]) -> dict[str, Any]:
+    """No presence on most fields: the values SGLang's servicer treats as "unset" are left out."""
+    out: dict[str, Any] = {"temperature": sp.temperature, "min_p": sp.min_p,
+                           "frequency_penalty": sp.frequency_penalty, "presence_penalty": sp.presence_penalty}
+    for name in ("top_p", "repetition_penalty", "n", "min_new_tokens"):
+        if getattr(sp, name):
+            out[name] = getattr(sp, name)
+    if sp.top_k:  # 0 is proto's unset; SGLang's "no top-k" is -1
+        out["top_k"] = sp.top_k
+    for name in ("max_new_tokens", "stream_interval"):
+        if sp.HasField(name):
+            out[name] = getattr(sp, name)
+    for name in ("skip_special_tokens", "spaces_between_special_tokens", "ignore_eos", "no_stop_trim"):
+        out[name] = getattr(sp, name)
+    if sp.stop:
+        out["stop"] = list(sp.stop)
+    if sp.stop_token_ids:
+        out["stop_token_ids"] = list(sp.stop_token_ids)
+    if sp.logit_bias:
+        out["logit_bias"] = dict(sp.logit_bias)
+    if sp.HasField("custom_params") and sp.custom_params.fields:
+        raise ValidationError("sampling_params.custom_params", "is not supported by this server")
+    kind = sp.WhichOneof("constraint")
+    if kind is not None:
+        out[_SMG_CONSTRAINT[kind]] = getattr(sp, kind)
+        renames["ebnf"] = "sampling_params.ebnf_grammar"
+    return out

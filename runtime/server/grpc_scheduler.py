@@ -1,0 +1,166 @@
+"""The gateway's gRPC service `sglang.grpc.scheduler.SglangScheduler` (smg-grpc-proto's stubs).
+
+The SGLang Model Gateway tokenizes, applies chat templates and stop strings itself, and sends
+token ids. Streaming: one `chunk` per update with the new tokens (and their logprobs; the
+prompt's logprobs in the first), then one `complete` per choice once it finishes, carrying its
+finish reason and the whole output. Non-streaming: one `complete` per choice. `index` tells the
+choices of an n > 1 request apart; the stream ends when every choice has finished.
+"""
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import io
+import tempfile
+import time
+import zipfile
+from pathlib import Path
+from typing import Any, AsyncIterator
+
+import grpc
+from google.protobuf.struct_pb2 import Struct
+from google.protobuf.timestamp_pb2 import Timestamp
+from smg_grpc_proto import sglang_scheduler_pb2 as pb
+from smg_grpc_proto.generated import common_pb2
+
+from tandem.runtime.server.grpc_requests import scheduler_service_request
+from tandem.runtime.server.grpc_server import native_results
+from tandem.runtime.server.info import VERSION, current_loads, model_info, served_model_name, server_info
+from tandem.runtime.tokenizer_manager import TokenizerManager
+
+HEALTH_TIMEOUT_S = 20.0
+_TOKENIZER_CHUNK = 1 << 20
+
+
+def _output_logprobs(meta: dict, start: int) -> Any:
+    rows = meta.get("output_token_logprobs")
+    if rows is None:
+        return None
+    tops = meta.get("output_top_logprobs") or []
+    return pb.OutputLogProbs(
+        token_logprobs=[r[0] for r in rows[start:]], token_ids=[r[1] for r in rows[start:]],
+        top_logprobs=[pb.TopLogProbs(values=[t[0] for t in top or []], token_ids=[t[1] for t in top or []])
+                      for top in tops[start:]])
+
+
+def _input_logprobs(meta: dict) -> Any:
+    rows = meta.get("input_token_logprobs")
+    if not rows:
+        return None
+    tops = meta.get("input_top_logprobs") or []
+    return pb.InputLogProbs(
+        token_logprobs=[pb.InputTokenLogProb() if r[0] is None else pb.InputTokenLogProb(value=r[0]) for r in rows],
+        token_ids=[r[1] for r in rows],
+        top_logprobs=[pb.TopLogProbs(values=[t[0] for t in top or []], token_ids=[t[1] for t in top or []])
+                      for top in tops])
+
+
+def _complete(rid: str, result: dict) -> Any:
+    meta = result["meta_info"]
+    reason = meta["finish_reason"] or {}
+    matched = reason.get("matched")
+    stop = {"matched_token_id": matched} if isinstance(matched, int) else (
+        {"matched_stop_str": matched} if isinstance(matched, str) else {})
+    return pb.GenerateResponse(request_id=rid, complete=pb.GenerateComplete(
+        output_ids=result["output_ids"], finish_reason=reason.get("type", "stop"),
+        prompt_tokens=meta["prompt_tokens"], completion_tokens=meta["completion_tokens"],
+        cached_tokens=meta["cached_tokens"], output_logprobs=_output_logprobs(meta, 0),
+        input_logprobs=_input_logprobs(meta), index=result.get("index", 0), **stop))
+
+
+def _struct(values: dict) -> Struct:
+    s = Struct()
+    s.update({k: v if isinstance(v, (str, int, float, bool, type(None))) else str(v) for k, v in values.items()})
+    return s
+
+
+class SchedulerService:
+    def __init__(self, tm: TokenizerManager) -> None:
+        self.tm = tm
+        self.started = time.time()
+
+    async def Generate(self, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        req = scheduler_service_request(request)
+        rid, stream = request.request_id, request.stream
+        sent_tokens: dict[int, int] = {}
+        async for result in native_results(self.tm, req):
+            index, meta = result.get("index", 0), result["meta_info"]
+            if stream:
+                start = sent_tokens.get(index, 0)
+                new = result["output_ids"][start:]
+                if new or index not in sent_tokens:
+                    sent_tokens[index] = len(result["output_ids"])
+                    yield pb.GenerateResponse(request_id=rid, chunk=pb.GenerateStreamChunk(
+                        token_ids=new, prompt_tokens=meta["prompt_tokens"],
+                        completion_tokens=meta["completion_tokens"], cached_tokens=meta["cached_tokens"],
+                        output_logprobs=_output_logprobs(meta, start),
+                        input_logprobs=_input_logprobs(meta) if start == 0 else None, index=index))
+            if meta["finish_reason"] is not None:
+                yield _complete(rid, result)
+
+    async def Abort(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        found = self.tm.abort(request.request_id)
+        return pb.AbortResponse(success=found, message=f"request {request.request_id} "
+                                                       f"{'aborted' if found else 'not found'}")
+
+    async def HealthCheck(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        body = {"input_ids": [0], "sampling_params": {"max_new_tokens": 1, "temperature": 0}}
+        try:
+            await asyncio.wait_for(self.tm.generate(body), HEALTH_TIMEOUT_S)
+        except Exception as exc:  # noqa: BLE001 - any failure is "not healthy", never an RPC error
+            return pb.HealthCheckResponse(healthy=False, message=f"a 1-token generation failed: {exc}")
+        return pb.HealthCheckResponse(healthy=True, message="a 1-token generation went through")
+
+    async def GetModelInfo(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        info, tok = model_info(self.tm), self.tm.tokenizer
+        eos = tok.eos_token_id
+        return pb.GetModelInfoResponse(
+            model_path=info["model_path"], tokenizer_path=info["tokenizer_path"] or "", is_generation=True,
+            served_model_name=served_model_name(self.tm.args), max_context_length=info["context_len"],
+            vocab_size=info["vocab_size"], model_type="llama", eos_token_ids=[] if eos is None else [eos],
+            pad_token_id=tok.pad_token_id or 0, bos_token_id=tok.bos_token_id or 0,
+            max_req_input_len=info["context_len"] - 1)
+
+    async def GetServerInfo(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        info = await server_info(self.tm)
+        started = Timestamp()
+        started.FromSeconds(int(self.started))
+        return pb.GetServerInfoResponse(
+            server_args=_struct({k: v for k, v in vars(self.tm.args).items() if k in info}),
+            scheduler_info=_struct(await self.tm.server_info()), active_requests=len(self.tm.groups),
+            uptime_seconds=time.time() - self.started, sglang_version=VERSION, server_type="grpc",
+            start_time=started, max_total_num_tokens=info.get("max_total_num_tokens", 0))
+
+    async def GetLoads(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        report = await current_loads(self.tm, set(request.include) or None)
+        load = dict(report["loads"][0])
+        queues = load.pop("queues", None)
+        return pb.GetLoadsResponse(
+            timestamp=report["timestamp"], version=report["version"], dp_rank_count=1,
+            loads=[pb.SchedulerLoad(**load, queues=pb.QueueMetrics(**queues) if queues else None)],
+            aggregate=pb.AggregateMetrics(**report["aggregate"]))
+
+    async def FlushCache(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        deadline = time.monotonic() + max(request.timeout_s, 0.0)
+        reply = await self.tm.flush_cache()
+        while not reply.success and time.monotonic() < deadline:  # wait for the scheduler to go idle
+            await asyncio.sleep(0.05)
+            reply = await self.tm.flush_cache()
+        return common_pb2.FlushCacheResponse(success=reply.success, message=reply.message or "Cache flushed.")
+
+    async def GetTokenizer(self, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        """The tokenizer's files (saved by transformers, so a GGUF's embedded tokenizer works too)
+        as one zip, in chunks; the last carries its sha256."""
+        data = await asyncio.get_running_loop().run_in_executor(None, self._tokenizer_zip)
+        digest = hashlib.sha256(data).hexdigest()
+        for start in range(0, len(data), _TOKENIZER_CHUNK):
+            last = start + _TOKENIZER_CHUNK >= len(data)
+            yield common_pb2.GetTokenizerChunk(data=data[start:start + _TOKENIZER_CHUNK], sha256=digest if last else "")
+
+    def _tokenizer_zip(self) -> bytes:
+        buf = io.BytesIO()
+        with tempfile.TemporaryDirectory() as tmp, zipfile.ZipFile(buf, "w", zipfile.ZIP_DEFLATED) as zf:
+            self.tm.tokenizer.save_pretrained(tmp)
+            for path in sorted(Path(tmp).iterdir()):
+                zf.write(path, path.name)
+        return buf.getvalue()

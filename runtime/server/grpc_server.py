@@ -1,0 +1,118 @@
+"""The gRPC server (`--grpc-port`): SGLang's native service and the gateway's scheduler service
+on one grpc.aio server, on the main process's event loop beside HTTP, over the same tokenizer
+manager.
+
+Handlers are built from each service's descriptor: a method the servicer implements gets its
+coroutine, every other declared method answers UNIMPLEMENTED with a reason. Requests become
+native `/generate` bodies (grpc_requests.py); a cancelled RPC closes its result stream, which
+aborts exactly that request's choices.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, AsyncIterator, Callable
+
+import grpc
+from google.protobuf import message_factory
+
+from tandem.runtime.request_groups import RequestError
+from tandem.runtime.sampling.params import ValidationError
+from tandem.runtime.server.grpc_requests import GrpcRequest
+from tandem.runtime.tokenizer_manager import TokenizerManager
+
+logger = logging.getLogger("tandem.grpc")
+_STATUS = {400: grpc.StatusCode.INVALID_ARGUMENT, 408: grpc.StatusCode.DEADLINE_EXCEEDED,
+           413: grpc.StatusCode.RESOURCE_EXHAUSTED, 429: grpc.StatusCode.RESOURCE_EXHAUSTED,
+           499: grpc.StatusCode.CANCELLED, 503: grpc.StatusCode.UNAVAILABLE}
+
+
+class GrpcError(Exception):
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+def status_of(http_status: int) -> grpc.StatusCode:
+    return _STATUS.get(http_status, grpc.StatusCode.INTERNAL)
+
+
+async def native_results(tm: TokenizerManager, req: GrpcRequest) -> AsyncIterator[dict]:
+    """The cumulative native results of one request (per choice, as /generate streams them);
+    bad input and request errors become GrpcError; closing the iterator aborts the request."""
+    try:
+        stream = await tm.generate_stream(req.native)
+    except ValidationError as exc:
+        raise GrpcError(grpc.StatusCode.INVALID_ARGUMENT, str(req.rename(exc))) from None
+    except RequestError as exc:
+        raise GrpcError(status_of(exc.status_code), exc.message) from None
+    try:
+        async for item in stream:
+            if "error" in item:
+                err = item["error"]
+                raise GrpcError(status_of(err.get("code", 500)), err["message"])
+            yield item
+    finally:
+        await stream.aclose()  # a cancelled RPC lands here: the request's choices are aborted
+
+
+def service_handler(descriptor: Any, servicer: Any) -> grpc.GenericRpcHandler:
+    handlers = {}
+    for method in descriptor.methods:
+        request_cls = message_factory.GetMessageClass(method.input_type)
+        response_cls = message_factory.GetMessageClass(method.output_type)
+        impl = getattr(servicer, method.name, None) or _unimplemented(descriptor.full_name, method.name)
+        make = grpc.unary_stream_rpc_method_handler if method.server_streaming else grpc.unary_unary_rpc_method_handler
+        wrapped = _streaming(impl) if method.server_streaming else _unary(impl)
+        handlers[method.name] = make(wrapped, request_deserializer=request_cls.FromString,
+                                     response_serializer=response_cls.SerializeToString)
+    return grpc.method_handlers_generic_handler(descriptor.full_name, handlers)
+
+
+def _unimplemented(service: str, name: str) -> Callable:
+    async def impl(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        raise GrpcError(grpc.StatusCode.UNIMPLEMENTED, f"{service}/{name} is not implemented by tandem")
+    return impl
+
+
+def _unary(impl: Callable) -> Callable:
+    async def handler(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        try:
+            return await impl(request, context)
+        except ValidationError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except GrpcError as exc:
+            await context.abort(exc.code, exc.message)
+    return handler
+
+
+def _streaming(impl: Callable) -> Callable:
+    async def handler(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        try:
+            async for response in impl(request, context):
+                yield response
+        except ValidationError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except GrpcError as exc:
+            await context.abort(exc.code, exc.message)
+    return handler
+
+
+async def start_grpc_server(tm: TokenizerManager, host: str, port: int) -> grpc.aio.Server:
+    from smg_grpc_proto import sglang_scheduler_pb2
+
+    from tandem.runtime.server.grpc_native import NativeService
+    from tandem.runtime.server.grpc_scheduler import SchedulerService
+    from tandem.runtime.server.proto import sglang_pb2
+
+    server = grpc.aio.server(options=[("grpc.max_send_message_length", 256 << 20),
+                                      ("grpc.max_receive_message_length", 256 << 20)])
+    server.add_generic_rpc_handlers([
+        service_handler(sglang_pb2.DESCRIPTOR.services_by_name["SglangService"], NativeService(tm)),
+        service_handler(sglang_scheduler_pb2.DESCRIPTOR.services_by_name["SglangScheduler"], SchedulerService(tm)),
+    ])
+    if server.add_insecure_port(f"{host}:{port}") == 0:
+        raise RuntimeError(f"cannot listen for gRPC on {host}:{port}")
+    await server.start()
+    logger.info("gRPC (sglang.runtime.v1.SglangService, sglang.grpc.scheduler.SglangScheduler) on %s:%d", host, port)
+    return server

@@ -1,0 +1,81 @@
+"""gRPC requests -> /generate bodies, without a server: only set fields are forwarded (unset and
+explicit false stay distinct), the guided oneof and the deprecated fields are exclusive, and
+errors name the proto's fields."""
+from __future__ import annotations
+
+import pytest
+from smg_grpc_proto import sglang_scheduler_pb2 as spb
+
+from tandem.runtime.sampling.params import ValidationError
+from tandem.runtime.server.grpc_requests import native_service_request, scheduler_service_request
+from tandem.runtime.server.proto import sglang_pb2 as pb
+
+
+def test_only_set_fields_are_forwarded():
+    req = pb.GenerateRequest(input_ids=[1, 2])
+    assert native_service_request(req, text=False).native == {"input_ids": [1, 2]}
+    explicit = pb.GenerateRequest(input_ids=[1], stream=False, require_reasoning=False, priority=0,
+                                  sampling_params=pb.SamplingParams(temperature=0.0, ignore_eos=False, seed=0))
+    body = native_service_request(explicit, text=False).native
+    assert body == {"input_ids": [1], "stream": False, "require_reasoning": False, "priority": 0,
+                    "sampling_params": {"temperature": 0.0, "ignore_eos": False, "seed": 0}}
+    text = pb.TextGenerateRequest(text="hi", rid="r", max_thinking_tokens=3, return_text_in_logprobs=True)
+    assert native_service_request(text, text=True).native == {
+        "text": "hi", "rid": "r", "return_text_in_logprobs": True, "sampling_params": {"max_thinking_tokens": 3}}
+
+
+@pytest.mark.parametrize("guided, native", [
+    (pb.GuidedDecoding(json_schema='{"type": "object"}'), {"json_schema": '{"type": "object"}'}),
+    (pb.GuidedDecoding(regex="a+"), {"regex": "a+"}),
+    (pb.GuidedDecoding(ebnf='root ::= "x"'), {"ebnf": 'root ::= "x"'}),
+    (pb.GuidedDecoding(choice=pb.ChoiceConstraint(choices=["a.b", "c|d"])), {"choice": ["a.b", "c|d"]}),
+    (pb.GuidedDecoding(structural_tag="{}"), {"structural_tag": "{}"}),
+])
+def test_each_guided_kind(guided, native):
+    req = pb.GenerateRequest(input_ids=[1], sampling_params=pb.SamplingParams(guided_decoding=guided))
+    assert native_service_request(req, text=False).native["sampling_params"] == native
+
+
+@pytest.mark.parametrize("sp, field", [
+    (pb.SamplingParams(regex="a", json_schema="{}"), "sampling_params.regex"),
+    (pb.SamplingParams(regex="a", guided_decoding=pb.GuidedDecoding(ebnf="x")), "sampling_params.guided_decoding.ebnf"),
+    (pb.SamplingParams(guided_decoding=pb.GuidedDecoding()), "sampling_params.guided_decoding"),
+])
+def test_constraint_conflicts_name_the_field(sp, field):
+    with pytest.raises(ValidationError) as err:
+        native_service_request(pb.GenerateRequest(input_ids=[1], sampling_params=sp), text=False)
+    assert err.value.field == field
+
+
+def test_native_errors_are_renamed_to_the_proto_fields():
+    sp = pb.SamplingParams(guided_decoding=pb.GuidedDecoding(choice=pb.ChoiceConstraint()))
+    req = native_service_request(pb.GenerateRequest(input_ids=[1], max_thinking_tokens=2, sampling_params=sp), text=False)
+    assert req.rename(ValidationError("sampling_params.regex", "x")).field == "sampling_params.guided_decoding.choice"
+    assert req.rename(ValidationError("sampling_params.max_thinking_tokens", "x")).field == "max_thinking_tokens"
+    smg = scheduler_service_request(spb.GenerateRequest(sampling_params=spb.SamplingParams(ebnf_grammar="")))
+    assert smg.rename(ValidationError("sampling_params.ebnf", "x")).field == "sampling_params.ebnf_grammar"
+
+
+def test_scheduler_request_leaves_out_proto_zeros_that_mean_unset():
+    req = spb.GenerateRequest(request_id="g1", tokenized=spb.TokenizedInput(input_ids=[4, 5]), stream=True,
+                              sampling_params=spb.SamplingParams(temperature=0.7, max_new_tokens=0, regex="[0-9]"))
+    body = scheduler_service_request(req).native
+    assert body["rid"] == "g1" and body["input_ids"] == [4, 5] and body["stream"] is True
+    sp = body["sampling_params"]
+    assert sp["temperature"] == pytest.approx(0.7) and sp["max_new_tokens"] == 0 and sp["regex"] == "[0-9]"
+    assert not {"top_p", "top_k", "n", "repetition_penalty", "stream_interval"} & set(sp)
+    assert "return_logprob" not in body and "require_reasoning" not in body
+    logprobs = scheduler_service_request(spb.GenerateRequest(return_logprob=True, top_logprobs_num=2,
+                                                             logprob_start_len=-1, require_reasoning=True)).native
+    assert (logprobs["top_logprobs_num"], logprobs["logprob_start_len"], logprobs["require_reasoning"]) == (2, -1, True)
+
+
+@pytest.mark.parametrize("req, field", [
+    (spb.GenerateRequest(lora_id="x"), "lora_id"),
+    (spb.GenerateRequest(mm_inputs=spb.MultimodalInputs(image_urls=["u"])), "mm_inputs"),
+    (spb.GenerateRequest(input_embeds=[0.5]), "input_embeds"),
+])
+def test_scheduler_request_refuses_what_the_server_lacks(req, field):
+    with pytest.raises(ValidationError) as err:
+        scheduler_service_request(req)
+    assert err.value.field == field
