@@ -1,0 +1,143 @@
+"""The gateway's gRPC service (sglang.grpc.scheduler.SglangScheduler) through the smg-grpc-proto
+stubs against a running tandem: every RPC, streaming and not, n = 2, logprobs, each guided kind,
+each INVALID_ARGUMENT case, a client cancel that aborts, and greedy output equal to /generate."""
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import zipfile
+
+import grpc
+import pytest
+from smg_grpc_proto import sglang_scheduler_pb2 as pb
+from smg_grpc_proto import sglang_scheduler_pb2_grpc as pb_grpc
+from smg_grpc_proto.generated import common_pb2
+
+from server_utils import assert_no_leaks
+
+pytestmark = pytest.mark.timeout(600)
+PROMPT = [5, 6, 7, 8]
+
+
+@pytest.fixture(scope="module")
+def stub(grpc_server):
+    with grpc.insecure_channel(grpc_server.grpc_target) as ch:
+        yield pb_grpc.SglangSchedulerStub(ch)
+
+
+def params(**kw) -> pb.SamplingParams:
+    return pb.SamplingParams(**{"temperature": 0.0, "max_new_tokens": 8, **kw})
+
+
+def generate(stub, rid: str = "", stream: bool = False, **kw) -> list:
+    sp = kw.pop("sampling_params", params())
+    return list(stub.Generate(pb.GenerateRequest(request_id=rid, tokenized=pb.TokenizedInput(input_ids=PROMPT),
+                                                 sampling_params=sp, stream=stream, **kw), timeout=120))
+
+
+def test_greedy_equals_generate_streamed_and_not(stub, grpc_server):
+    http = grpc_server.generate({"input_ids": PROMPT, "return_logprob": True, "top_logprobs_num": 2,
+                                 "sampling_params": {"temperature": 0, "max_new_tokens": 8}})
+    (whole,) = generate(stub, "s1", return_logprob=True, top_logprobs_num=2, logprob_start_len=-1)
+    done = whole.complete
+    assert whole.request_id == "s1" and list(done.output_ids) == http["output_ids"]
+    assert done.finish_reason == "length" and done.completion_tokens == 8 and done.prompt_tokens == 4
+    assert list(done.output_logprobs.token_logprobs) == pytest.approx(
+        [r[0] for r in http["meta_info"]["output_token_logprobs"]], abs=1e-5)
+    assert all(len(t.token_ids) == 2 for t in done.output_logprobs.top_logprobs)
+    streamed = generate(stub, "s2", stream=True, return_logprob=True, top_logprobs_num=2, logprob_start_len=-1)
+    chunks = [r.chunk for r in streamed if r.HasField("chunk")]
+    assert streamed[-1].HasField("complete") and [r.HasField("complete") for r in streamed].count(True) == 1
+    assert [t for c in chunks for t in c.token_ids] == http["output_ids"]
+    assert [v for c in chunks for v in c.output_logprobs.token_logprobs] == pytest.approx(
+        list(done.output_logprobs.token_logprobs), abs=1e-5)
+    prompt_lp = generate(stub, return_logprob=True, logprob_start_len=0)[0].complete.input_logprobs
+    assert not prompt_lp.token_logprobs[0].HasField("value") and len(prompt_lp.token_ids) == len(PROMPT)
+
+
+def test_n2_answers_per_index(stub):
+    sp = params(temperature=1.0, n=2, max_new_tokens=6)
+    out = generate(stub, "n2", stream=True, sampling_params=sp)
+    completes = [r.complete for r in out if r.HasField("complete")]
+    assert sorted(c.index for c in completes) == [0, 1]
+    for c in completes:
+        assert [t for r in out if r.HasField("chunk") and r.chunk.index == c.index for t in r.chunk.token_ids] \
+            == list(c.output_ids)
+    assert sorted(r.complete.index for r in generate(stub, sampling_params=sp)) == [0, 1]
+
+
+@pytest.mark.parametrize("constraint, check", [
+    ({"regex": "[0-9]{4}"}, lambda t: len(t) == 4 and t.isdigit()),
+    ({"json_schema": json.dumps({"type": "object", "properties": {"a": {"type": "boolean"}}, "required": ["a"],
+                                 "additionalProperties": False})}, lambda t: isinstance(json.loads(t)["a"], bool)),
+    ({"ebnf_grammar": 'root ::= "red" | "blue"'}, lambda t: t in ("red", "blue")),
+    ({"structural_tag": json.dumps({"type": "structural_tag", "triggers": ["<x>"], "structures": [
+        {"begin": "<x>", "schema": {"type": "integer"}, "end": "</x>"}]})}, lambda t: True),
+])
+def test_each_guided_kind(stub, smol_tokenizer, constraint, check):
+    (out,) = generate(stub, sampling_params=params(max_new_tokens=40, **constraint))
+    text = smol_tokenizer.decode(list(out.complete.output_ids), skip_special_tokens=True)
+    assert check(text), text
+
+
+@pytest.mark.parametrize("kw, field", [
+    ({"sampling_params": params(regex="")}, "sampling_params.regex"),
+    ({"sampling_params": params(json_schema="{bad")}, "sampling_params.json_schema"),
+    ({"sampling_params": params(temperature=-2.0)}, "sampling_params.temperature"),
+    ({"sampling_params": params(logit_bias={"99999999": 1.0})}, "sampling_params.logit_bias"),
+    ({"lora_id": "adapter"}, "lora_id"),
+])
+def test_invalid_argument_names_the_field(stub, kw, field):
+    with pytest.raises(grpc.RpcError) as err:
+        generate(stub, **kw)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and err.value.details().startswith(field), \
+        err.value.details()
+
+
+def test_out_of_range_ids_and_two_constraints_are_refused(stub, grpc_server):
+    with pytest.raises(grpc.RpcError) as err:
+        list(stub.Generate(pb.GenerateRequest(tokenized=pb.TokenizedInput(input_ids=[49152]),
+                                              sampling_params=params()), timeout=60))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "input_ids" in err.value.details()
+    # a proto oneof cannot carry two constraints: the last one set wins on the client
+    sp = params(regex="a")
+    sp.json_schema = "{}"
+    assert sp.WhichOneof("constraint") == "json_schema"
+    assert_no_leaks(grpc_server)
+
+
+def test_abort_and_cancel(stub, grpc_server):
+    long = params(max_new_tokens=1500, ignore_eos=True)
+    call = stub.Generate(pb.GenerateRequest(request_id="gw-1", tokenized=pb.TokenizedInput(input_ids=PROMPT),
+                                            sampling_params=long, stream=True), timeout=120)
+    next(call)
+    reply = stub.Abort(pb.AbortRequest(request_id="gw-1"), timeout=30)
+    assert reply.success
+    assert [r.complete.finish_reason for r in call if r.HasField("complete")] == ["abort"]
+    assert not stub.Abort(pb.AbortRequest(request_id="gw-1"), timeout=30).success
+    cancelled = stub.Generate(pb.GenerateRequest(request_id="gw-2", tokenized=pb.TokenizedInput(input_ids=PROMPT),
+                                                 sampling_params=long, stream=True), timeout=120)
+    next(cancelled)
+    cancelled.cancel()
+    assert_no_leaks(grpc_server)
+
+
+def test_info_loads_flush_tokenizer_and_unimplemented(stub, grpc_server, smol_tokenizer):
+    health = stub.HealthCheck(pb.HealthCheckRequest(), timeout=60)
+    assert health.healthy
+    info = stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=30)
+    assert info.vocab_size == 49152 and info.max_context_length == 2048 and info.is_generation
+    assert list(info.eos_token_ids) == [smol_tokenizer.eos_token_id]
+    server = stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=30)
+    assert server.server_type == "grpc" and server.max_total_num_tokens == 6000
+    loads = stub.GetLoads(pb.GetLoadsRequest(include=["core", "queues"]), timeout=30)
+    assert loads.dp_rank_count == 1 and loads.loads[0].max_total_num_tokens == 6000
+    assert stub.FlushCache(common_pb2.FlushCacheRequest(timeout_s=5), timeout=30).success
+    chunks = list(stub.GetTokenizer(common_pb2.GetTokenizerRequest(), timeout=60))
+    data = b"".join(c.data for c in chunks)
+    assert chunks[-1].sha256 == hashlib.sha256(data).hexdigest()
+    assert "tokenizer.json" in zipfile.ZipFile(io.BytesIO(data)).namelist()
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Embed(pb.EmbedRequest(), timeout=30)
+    assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
