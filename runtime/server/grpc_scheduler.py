@@ -3,7 +3,8 @@
 The SGLang Model Gateway tokenizes, applies chat templates and stop strings itself, and sends
 token ids. Streaming: one `chunk` per update with the new tokens (and their logprobs; the
 prompt's logprobs in the first), then one `complete` per choice once it finishes, carrying its
-finish reason and the whole output. Non-streaming: one `complete` per choice. `index` tells the
+finish reason and, as SGLang's servicer does, the last chunk's tokens again (the gateway takes
+a stream's text from the chunks). Non-streaming: one `complete` per choice with the whole output. `index` tells the
 choices of an n > 1 request apart; the stream ends when every choice has finished.
 """
 from __future__ import annotations
@@ -55,16 +56,17 @@ def _input_logprobs(meta: dict) -> Any:
                       for top in tops])
 
 
-def _complete(rid: str, result: dict) -> Any:
+def _complete(rid: str, result: dict, start: int = 0) -> Any:
+    """`start`: where the output ids and logprobs it carries begin (a stream's last delta)."""
     meta = result["meta_info"]
     reason = meta["finish_reason"] or {}
     matched = reason.get("matched")
     stop = {"matched_token_id": matched} if isinstance(matched, int) else (
         {"matched_stop_str": matched} if isinstance(matched, str) else {})
     return pb.GenerateResponse(request_id=rid, complete=pb.GenerateComplete(
-        output_ids=result["output_ids"], finish_reason=reason.get("type", "stop"),
+        output_ids=result["output_ids"][start:], finish_reason=reason.get("type", "stop"),
         prompt_tokens=meta["prompt_tokens"], completion_tokens=meta["completion_tokens"],
-        cached_tokens=meta["cached_tokens"], output_logprobs=_output_logprobs(meta, 0),
+        cached_tokens=meta["cached_tokens"], output_logprobs=_output_logprobs(meta, start),
         input_logprobs=_input_logprobs(meta), index=result.get("index", 0), **stop))
 
 
@@ -85,6 +87,7 @@ class SchedulerService:
         sent_tokens: dict[int, int] = {}
         async for result in native_results(self.tm, req):
             index, meta = result.get("index", 0), result["meta_info"]
+            start = 0
             if stream:
                 start = sent_tokens.get(index, 0)
                 new = result["output_ids"][start:]
@@ -96,7 +99,7 @@ class SchedulerService:
                         output_logprobs=_output_logprobs(meta, start),
                         input_logprobs=_input_logprobs(meta) if start == 0 else None, index=index))
             if meta["finish_reason"] is not None:
-                yield _complete(rid, result)
+                yield _complete(rid, result, start)  # streaming: the last delta again, as SGLang's servicer
 
     async def Abort(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         found = self.tm.abort(request.request_id)

@@ -69,7 +69,7 @@ class OpenAIRequest:
 def completion_request(body: Any, served_model: str, decode: Callable[[list[int]], str]) -> OpenAIRequest:
     _check_object(body)
     prompt = body.get("prompt")
-    req = OpenAIRequest("completion", _model(body, served_model), {}, stream=_stream(body),
+    req = OpenAIRequest("completion", _model(body, served_model), _native_base(body), stream=_stream(body),
                         include_usage=_include_usage(body))
     native = req.native
     if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt)):
@@ -110,7 +110,7 @@ def chat_request(body: Any, served_model: str, render: Callable[[list, dict], st
     kwargs = body.get("chat_template_kwargs") or {}
     if not isinstance(kwargs, dict):
         raise ValidationError("chat_template_kwargs", "must be an object")
-    req = OpenAIRequest("chat", _model(body, served_model), {}, stream=_stream(body),
+    req = OpenAIRequest("chat", _model(body, served_model), _native_base(body), stream=_stream(body),
                         include_usage=_include_usage(body))
     separate = body.get("separate_reasoning")
     if separate is not None and not isinstance(separate, bool):
@@ -189,6 +189,11 @@ def _flag(body: dict, name: str) -> bool:
 
 def _stream(body: dict) -> bool:
     return _flag(body, "stream")
+
+
+def _native_base(body: dict) -> dict[str, Any]:
+    """A streamed answer streams from the scheduler too (else it arrives as one final delta)."""
+    return {"stream": True} if _stream(body) else {}
 
 
 def _include_usage(body: dict) -> bool:

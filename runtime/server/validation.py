@@ -56,7 +56,7 @@ IGNORED_KEYS = frozenset(
         "bootstrap_host", "bootstrap_port", "bootstrap_room", "bootstrap_pair_key",
         "decode_tp_size", "data_parallel_rank", "routed_dp_rank", "disagg_prefill_dp_rank",
         "log_metrics", "no_logs", "custom_labels", "conversation_id", "routing_key",
-        "received_time", "external_trace_header", "modalities",
+        "received_time", "external_trace_header", "modalities", "model",
     }
 )  # fmt: skip
 # Inputs and outputs this server does not have: accepted only when empty (or false), because

@@ -50,6 +50,7 @@ def test_greedy_equals_generate_streamed_and_not(stub, grpc_server):
     chunks = [r.chunk for r in streamed if r.HasField("chunk")]
     assert streamed[-1].HasField("complete") and [r.HasField("complete") for r in streamed].count(True) == 1
     assert [t for c in chunks for t in c.token_ids] == http["output_ids"]
+    assert list(streamed[-1].complete.output_ids) == list(chunks[-1].token_ids)  # the last delta, as SGLang
     assert [v for c in chunks for v in c.output_logprobs.token_logprobs] == pytest.approx(
         list(done.output_logprobs.token_logprobs), abs=1e-5)
     prompt_lp = generate(stub, return_logprob=True, logprob_start_len=0)[0].complete.input_logprobs
@@ -57,14 +58,15 @@ def test_greedy_equals_generate_streamed_and_not(stub, grpc_server):
 
 
 def test_n2_answers_per_index(stub):
-    sp = params(temperature=1.0, n=2, max_new_tokens=6)
+    sp = params(temperature=1.0, n=2, max_new_tokens=6, ignore_eos=True)
     out = generate(stub, "n2", stream=True, sampling_params=sp)
     completes = [r.complete for r in out if r.HasField("complete")]
     assert sorted(c.index for c in completes) == [0, 1]
+    whole = {r.complete.index: list(r.complete.output_ids) for r in generate(stub, sampling_params=sp)}
+    assert sorted(whole) == [0, 1] and all(len(ids) == 6 for ids in whole.values())
     for c in completes:
-        assert [t for r in out if r.HasField("chunk") and r.chunk.index == c.index for t in r.chunk.token_ids] \
-            == list(c.output_ids)
-    assert sorted(r.complete.index for r in generate(stub, sampling_params=sp)) == [0, 1]
+        streamed = [t for r in out if r.HasField("chunk") and r.chunk.index == c.index for t in r.chunk.token_ids]
+        assert len(streamed) == 6 and streamed[-len(c.output_ids):] == list(c.output_ids)
 
 
 @pytest.mark.parametrize("constraint, check", [

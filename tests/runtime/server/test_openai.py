@@ -36,7 +36,7 @@ def test_chat_fields_map_onto_generate():
                  "stream_options": {"include_usage": True},
                  "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": {"type": "array"}}}})
     assert req.native["text"] == "1 messages {'enable_thinking': False}"
-    assert req.native["top_logprobs_num"] == 3 and req.stream and req.include_usage
+    assert req.native["top_logprobs_num"] == 3 and req.stream and req.include_usage and req.native["stream"]
     assert req.native["sampling_params"] == {"json_schema": '{"type":"array"}'}  # chat: the native max_new_tokens
 
 

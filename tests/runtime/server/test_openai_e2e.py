@@ -64,6 +64,7 @@ def test_streaming_deltas_add_up_and_usage_comes_last(client):
                                                  stream_options={"include_usage": True}, **GREEDY))
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == full.choices[0].message.content
+    assert len([c for c in chunks if c.choices]) >= full.usage.completion_tokens // 2  # token by token, not at the end
     assert chunks[0].choices[0].delta.role == "assistant"
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == full.choices[0].finish_reason
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == full.usage.completion_tokens
