@@ -6,7 +6,6 @@ each value a string (JSON for anything that is not one), with `index` for n > 1.
 """
 from __future__ import annotations
 
-import asyncio
 from typing import Any, AsyncIterator
 
 import grpc
@@ -14,7 +13,7 @@ import orjson
 
 from tandem.runtime.server.grpc_requests import native_service_request
 from tandem.runtime.server.grpc_server import GrpcError, native_results
-from tandem.runtime.server.info import current_loads, model_info, served_model_name, server_info
+from tandem.runtime.server.info import current_loads, health_generate, model_info, served_model_name, server_info
 from tandem.runtime.server.proto import sglang_pb2 as pb
 from tandem.runtime.tokenizer_manager import TokenizerManager
 
@@ -57,9 +56,8 @@ class NativeService:
 
     async def HealthCheck(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         """Healthy when a one-token generation goes through every process in time."""
-        body = {"input_ids": [0], "sampling_params": {"max_new_tokens": 1, "temperature": 0}}
         try:
-            await asyncio.wait_for(self.tm.generate(body), HEALTH_TIMEOUT_S)
+            await health_generate(self.tm, HEALTH_TIMEOUT_S)
         except Exception:  # noqa: BLE001 - any failure is "not healthy", never an RPC error
             return pb.HealthCheckResponse(healthy=False)
         return pb.HealthCheckResponse(healthy=True)

@@ -26,7 +26,7 @@ from smg_grpc_proto.generated import common_pb2
 
 from tandem.runtime.server.grpc_requests import scheduler_service_request
 from tandem.runtime.server.grpc_server import native_results
-from tandem.runtime.server.info import VERSION, current_loads, model_info, served_model_name, server_info
+from tandem.runtime.server.info import VERSION, current_loads, health_generate, model_info, served_model_name, server_info
 from tandem.runtime.tokenizer_manager import TokenizerManager
 
 HEALTH_TIMEOUT_S = 20.0
@@ -107,9 +107,8 @@ class SchedulerService:
                                                        f"{'aborted' if found else 'not found'}")
 
     async def HealthCheck(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        body = {"input_ids": [0], "sampling_params": {"max_new_tokens": 1, "temperature": 0}}
         try:
-            await asyncio.wait_for(self.tm.generate(body), HEALTH_TIMEOUT_S)
+            await health_generate(self.tm, HEALTH_TIMEOUT_S)
         except Exception as exc:  # noqa: BLE001 - any failure is "not healthy", never an RPC error
             return pb.HealthCheckResponse(healthy=False, message=f"a 1-token generation failed: {exc}")
         return pb.HealthCheckResponse(healthy=True, message="a 1-token generation went through")

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator, Callable
 
@@ -16,7 +15,7 @@ from tandem.runtime.server.validation import ValidationError
 from tandem.runtime.server_args import ServerArgs
 from tandem.runtime.request_groups import ClientDisconnected, RequestError
 from tandem.runtime.server import openai
-from tandem.runtime.server.info import VERSION, current_loads, model_info, served_model_name, server_info
+from tandem.runtime.server.info import VERSION, current_loads, health_generate, model_info, served_model_name, server_info
 from tandem.runtime.server.auth import ApiKeyMiddleware, is_admin
 from tandem.runtime.tokenizer_manager import SHUTTING_DOWN, TokenizerManager
 
@@ -149,13 +148,10 @@ def create_app(args: ServerArgs, on_child_death: Callable[[str], None] | None = 
         return Response(status_code=200)
 
     @app.get("/health_generate")
-    async def health_generate() -> Response:
+    async def health_generate_route() -> Response:
         """A one-token generation through every process; 503 when it does not finish in time."""
-        tm = holder["tm"]
-        body = {"input_ids": [0], "sampling_params": {"max_new_tokens": 1, "temperature": 0},
-                "rid": f"health-{time.monotonic_ns()}"}
         try:
-            await asyncio.wait_for(tm.generate(body), args.health_generate_timeout)
+            await health_generate(holder["tm"], args.health_generate_timeout)
         except asyncio.TimeoutError:
             return _error(503, f"a 1-token generation did not finish within {args.health_generate_timeout:g} s")
         return Response(status_code=200)

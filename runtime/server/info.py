@@ -2,6 +2,8 @@
 info and the load report (HTTP routes and both gRPC services answer from these)."""
 from __future__ import annotations
 
+import asyncio
+import time
 from typing import Any
 
 from tandem.runtime.server.auth import SECRET_ARGS
@@ -34,3 +36,10 @@ async def current_loads(tm: TokenizerManager, include: set[str] | None = None) -
     """SGLang's load report (what the gateway polls), from the scheduler's current counters."""
     load = scheduler_load(await tm.server_info(), tm.args.max_running_requests, tm.metrics.prefix_hit_rate)
     return loads_report(load, VERSION, include)
+
+
+async def health_generate(tm: TokenizerManager, timeout_s: float) -> None:
+    """A one-token generation through every process; raises when it fails or takes too long."""
+    body = {"input_ids": [0], "sampling_params": {"max_new_tokens": 1, "temperature": 0},
+            "rid": f"health-{time.monotonic_ns()}"}
+    await asyncio.wait_for(tm.generate(body), timeout_s)
