@@ -99,7 +99,7 @@ async def _consume_stream(resp: aiohttp.ClientResponse, res: RequestResult) -> N
     last = time.perf_counter()
     async for raw in resp.content:
         line = raw.strip()
-        if not line:
+        if not line or line.startswith(b":"):  # an SSE comment: a proxy's keep-alive (smg sends them)
             continue
         last = time.perf_counter()
         body = line[5:].strip() if line.startswith(b"data:") else line
@@ -242,6 +242,9 @@ def build_parser() -> argparse.ArgumentParser:
     a("--json-schema", default=None, help="constrain every request by this JSON schema (a file), then run the "
                                           "same prompts unconstrained with matched output lengths, and compare")
     a("--flush-cache", action="store_true", help="POST /flush_cache after warmup")
+    a("--via-gateway", action="store_true", help="put the SGLang Model Gateway (smg) in front of the server and "
+                                                 "run the same workload straight and through it, alternating")
+    a("--gateway-rounds", type=int, default=2, help="with --via-gateway: straight/gateway pairs to run")
     a("--disable-tqdm", action="store_true")
     a("--output-file", default=None, help="write the result as JSON")
     a("--output-details", action="store_true", help="add per-request lists to the JSON")
@@ -318,6 +321,8 @@ def _run(args: argparse.Namespace, base_url: str) -> dict[str, Any]:
           f"#Output tokens: {sum(r.output_len for r in rows)}", flush=True)
     if args.json_schema_text:
         return _run_guided(args, rows, base_url)
+    if args.via_gateway:
+        return _run_via_gateway(args, rows, base_url)
     results, duration, t0 = asyncio.run(run_benchmark(args, rows, base_url))
     return report(args, results, duration, t0, server_accept_length(base_url))
 
@@ -352,6 +357,52 @@ def _run_guided(args: argparse.Namespace, rows: list[DatasetRow], base_url: str)
         with open(args.output_file, "w", encoding="utf-8") as f:
             json.dump(combined, f, indent=2)
     return guided
+
+
+def _flush(base_url: str) -> None:
+    import requests
+
+    requests.post(base_url + "/flush_cache", json={}, timeout=60).raise_for_status()
+
+
+def _run_via_gateway(args: argparse.Namespace, rows: list[DatasetRow], base_url: str) -> dict[str, Any]:
+    """--via-gateway: the same rows straight to the server and through smg in front of it, in
+    alternating rounds (the server's cache flushed before each), so drift hits both paths alike."""
+    from tandem.launch.managed_gateway import start_gateway
+
+    each = copy.copy(args)
+    each.output_file, each.plot, each.flush_cache = None, None, False
+    runs: dict[str, list[dict[str, Any]]] = {"direct": [], "gateway": []}
+    with start_gateway([base_url]) as gateway_url:
+        for round_no in range(args.gateway_rounds):
+            for path, url in (("direct", base_url), ("gateway", gateway_url)):
+                print(f"\n== round {round_no + 1}: {path} ({url})", flush=True)
+                _flush(base_url)
+                results, duration, t0 = asyncio.run(run_benchmark(each, rows, url))
+                runs[path].append(report(each, results, duration, t0))
+    summary = {path: _pooled(rs) for path, rs in runs.items()}
+    ratio = summary["gateway"]["output_throughput"] / summary["direct"]["output_throughput"]
+    print(f"\n{'path':<10}{'out tok/s':>12}{'req/s':>10}{'mean TTFT ms':>15}{'mean ITL ms':>14}{'failed':>8}")
+    for path, m in summary.items():
+        print(f"{path:<10}{m['output_throughput']:>12.1f}{m['request_throughput']:>10.2f}"
+              f"{m['mean_ttft_ms']:>15.1f}{m['mean_itl_ms']:>14.2f}{m['failed']:>8}")
+    print(f"gateway / direct output throughput: {ratio:.3f}x (cost {100 * (1 - ratio):.1f}%)", flush=True)
+    combined = {**summary, "gateway_over_direct": ratio, "rounds": runs}
+    if args.output_file:
+        with open(args.output_file, "w", encoding="utf-8") as f:
+            json.dump(combined, f, indent=2)
+    return {**summary["gateway"], "completed": min(m["completed"] for m in summary.values())}
+
+
+def _pooled(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Several runs of one path as one: throughputs over the summed durations, latencies averaged."""
+    duration = sum(r["duration_s"] for r in runs)
+    return {"duration_s": duration, "completed": sum(r["completed"] for r in runs),
+            "failed": sum(r["failed"] for r in runs),
+            "output_throughput": sum(r["total_output_tokens"] for r in runs) / duration,
+            "request_throughput": sum(r["completed"] for r in runs) / duration,
+            "mean_ttft_ms": float(np.mean([r["mean_ttft_ms"] for r in runs])),
+            "mean_itl_ms": float(np.mean([r["mean_itl_ms"] for r in runs]))}
 
 
 def main(argv: list[str] | None = None) -> int:

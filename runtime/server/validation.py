@@ -65,7 +65,7 @@ MEDIA_KEYS = frozenset(
     {
         "image_data", "video_data", "audio_data", "input_embeds", "session_params", "lora_path",
         "lora_id", "custom_logit_processor", "return_routed_experts", "return_entropy",
-        "return_sampling_mask",
+        "return_sampling_mask", "return_bytes", "background",
     }
 )  # fmt: skip
 FLAT_FLAGS = ("return_flat_raw_top_logprobs", "return_flat_raw_output_top_logprobs")

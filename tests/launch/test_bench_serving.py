@@ -317,3 +317,21 @@ def test_conversation_loader_jsonl_and_sharegpt(tmp_path: Path) -> None:
     one = load_conversations(str(jsonl), num_prompts=1, seed=0, fixed_output_len=64)
     assert len(one) == 1 and one[0].output_len == 64
     assert load_conversations(str(jsonl), 10, seed=0, context_len=7)[0].prompt == "name a color"
+
+
+def test_sse_comments_are_skipped() -> None:
+    """A proxy in front of the server (smg) sends `: keep-alive` comments during a long prefill."""
+
+    class Resp:
+        def __init__(self, lines: list[bytes]) -> None:
+            self.content = self._iter(lines)
+
+        @staticmethod
+        async def _iter(lines: list[bytes]):
+            for line in lines:
+                yield line
+
+    chunk = b'data: {"text": "ab", "output_ids": [5, 6], "meta_info": {"completion_tokens": 2}}\n'
+    res = RequestResult(prompt_len=3)
+    asyncio.run(bench_serving._consume_stream(Resp([b": keep-alive\n", b"\n", chunk, b"data: [DONE]\n"]), res))
+    assert res.success and res.output_len == 2 and res.text == "ab"

@@ -55,3 +55,38 @@ def test_launch_runs_against_a_real_server(tiny_model_dir, tmp_path: Path, monke
     for key in ("duration_s", "request_throughput", "output_throughput", "mean_ttft_ms", "mean_e2e_latency_ms"):
         assert r[key] > 0, key
     assert r["mean_ttft_ms"] <= r["mean_e2e_latency_ms"]
+
+
+@pytest.mark.timeout(300)
+def test_via_gateway_runs_the_workload_both_ways(tiny_model_dir, tmp_path: Path, monkeypatch) -> None:
+    """--via-gateway: smg in front of the launched server; the same rows straight and through it;
+    the server and the gateway are both stopped afterwards."""
+    monkeypatch.chdir(tmp_path)
+    started: list[subprocess.Popen] = []
+    real_popen = subprocess.Popen
+
+    def recording_popen(*args, **kwargs):
+        proc = real_popen(*args, **kwargs)
+        started.append(proc)
+        return proc
+
+    monkeypatch.setattr(managed_server.subprocess, "Popen", recording_popen)
+    out = tmp_path / "gateway.json"
+    server_args = f"--model-path {tiny_model_dir('llama')} --max-total-tokens 4000 --log-level warning"
+    try:
+        rc = bench_serving.main(["--launch", "--server-args", server_args, "--num-prompts", "6",
+                                 "--random-input-len", "16", "--random-output-len", "8", "--random-range-ratio", "1.0",
+                                 "--via-gateway", "--gateway-rounds", "1", "--disable-tqdm", "--output-file", str(out)])
+        assert [p.args[0] for p in started][1:] == ["smg"]
+        assert all(p.poll() is not None for p in started), "a server or the gateway was left running"
+    finally:
+        for proc in started:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(10)
+    assert rc == 0
+    r = json.loads(out.read_text())
+    for path in ("direct", "gateway"):
+        assert r[path]["completed"] == 6 and r[path]["failed"] == 0, r[path]
+        assert r["rounds"][path][0]["total_output_tokens"] == 6 * 8
+    assert r["gateway_over_direct"] == pytest.approx(r["gateway"]["output_throughput"] / r["direct"]["output_throughput"])

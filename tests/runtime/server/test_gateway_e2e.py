@@ -5,10 +5,7 @@ gateway's load view shows the workers' loads."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import signal
-import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -16,6 +13,7 @@ import pytest
 import requests
 
 from server_utils import assert_no_leaks, free_port, start_server
+from tandem.launch.managed_gateway import Gateway
 
 pytestmark = pytest.mark.timeout(600)
 CHAT = {"messages": [{"role": "user", "content": "Say something."}], "max_tokens": 8, "temperature": 0}
@@ -23,38 +21,19 @@ LONG = {"messages": [{"role": "user", "content": "Go on."}], "max_tokens": 1900,
         "ignore_eos": True, "stream": True}
 
 
-class Gateway:
-    def __init__(self, worker_urls: list[str], log_path: str) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.proc = subprocess.Popen(
-            ["smg", "launch", "--host", "127.0.0.1", "--port", str(self.port), "--worker-urls", *worker_urls,
-             "--prometheus-port", str(free_port()), "--shutdown-grace-period-secs", "1", "--policy", "round_robin"],
-            stdout=open(log_path, "w"), stderr=subprocess.STDOUT, start_new_session=True)
-
-    def wait_ready(self, timeout_s: float = 120) -> str:
-        """Until a chat goes through (a gRPC worker's tokenizer registers after the worker)."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            assert self.proc.poll() is None, "smg exited"
-            try:
-                models = requests.get(self.url + "/v1/models", timeout=5).json()["data"]
-                model = models[0]["id"]
-                if requests.post(self.url + "/v1/chat/completions", json={**CHAT, "model": model},
-                                 timeout=60).status_code == 200:
-                    return model
-            except (requests.RequestException, KeyError, IndexError, ValueError):
-                pass
-            assert time.monotonic() < deadline, "the gateway never served a chat"
-            time.sleep(0.5)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
+def wait_for_chat(gateway: Gateway, timeout_s: float = 120) -> str:
+    """A gRPC worker's model registers after the worker: ready once a chat goes through."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        assert gateway.proc.poll() is None, "smg exited"
+        try:
+            model = requests.get(gateway.url + "/v1/models", timeout=5).json()["data"][0]["id"]
+            gateway.wait_ready("/v1/chat/completions", {**CHAT, "model": model}, timeout_s=deadline - time.monotonic())
+            return model
+        except (requests.RequestException, KeyError, IndexError, ValueError):
+            pass
+        assert time.monotonic() < deadline, "the gateway never served a chat"
+        time.sleep(0.5)
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +53,7 @@ def deployment(tmp_path_factory, tiny_model_dir):
         started.append(http_gw)
         grpc_gw = Gateway([f"grpc://127.0.0.1:{grpc_port}"], str(logs / "smg_grpc.log"))
         started.append(grpc_gw)
-        http_gw.model, grpc_gw.model = http_gw.wait_ready(), grpc_gw.wait_ready()
+        http_gw.model, grpc_gw.model = wait_for_chat(http_gw), wait_for_chat(grpc_gw)
         yield {"http": (http_gw, http_workers), "grpc": (grpc_gw, [grpc_worker])}
     finally:
         for handle in reversed(started):

@@ -125,6 +125,14 @@ def test_ignored_and_empty_media_keys_are_accepted() -> None:
     assert norm({"text": ["a", "b"], "image_data": [None, None]}).is_batch
 
 
+def test_what_the_gateway_adds_to_generate_is_accepted() -> None:
+    # smg 1.13.0 re-serializes /generate bodies with these fields (observed with a logging worker)
+    body = {"model": "unknown", "input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 4},
+            "return_text_in_logprobs": False, "stream": True, "log_metrics": True, "background": False,
+            "no_logs": False, "return_bytes": False, "return_entropy": False}
+    assert norm(body).items[0].input_ids == [1, 2, 3]
+
+
 def test_key_sets_are_disjoint() -> None:
     assert not (HANDLED_KEYS & IGNORED_KEYS) and not (MEDIA_KEYS & (HANDLED_KEYS | IGNORED_KEYS))
 
@@ -147,7 +155,8 @@ def test_context_boundary_is_inclusive() -> None:
 
 
 @pytest.mark.parametrize("key, value", [("lora_path", "adapter"), ("custom_logit_processor", "x"),
-                                        ("return_entropy", True), ("image_data", "img.png")])
+                                        ("return_entropy", True), ("image_data", "img.png"),
+                                        ("return_bytes", True), ("background", True)])
 def test_inputs_and_outputs_the_server_lacks_are_refused(key: str, value: object) -> None:
     # accepting them would answer 200 with something else than what was asked for
     with pytest.raises(ValidationError, match=f"^{key} is not supported"):
