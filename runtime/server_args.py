@@ -20,7 +20,7 @@ class ServerArgs:
     tp_size: int = 1
     dtype: str = "auto"  # auto = float32 on CPU, bfloat16 on GPU
     device: str = "auto"  # auto = cuda when available
-    attention_backend: str = "auto"  # auto = triton on CUDA, torch on CPU
+    attention_backend: str = "auto"  # auto = triton on CUDA, cpu (torch + the paged decode op) on CPU
     max_total_tokens: int | None = None
     mem_fraction_static: float | None = None
     max_running_requests: int = 128
@@ -69,7 +69,7 @@ class ServerArgs:
         checks = {
             "schedule_policy": self.schedule_policy in ("fcfs", "lpm"),
             "dtype": self.dtype in ("auto", "float32", "bfloat16", "float16"),
-            "attention_backend": self.attention_backend in ("auto", "torch", "triton"),
+            "attention_backend": self.attention_backend in ("auto", "torch", "cpu", "triton"),
             "chunked_prefill_size": self.chunked_prefill_size > 0 or self.chunked_prefill_size == -1,
             "max_running_requests": self.max_running_requests > 0,
             "tp_size": self.tp_size >= 1,
@@ -122,7 +122,7 @@ class ServerArgs:
     def resolved_attention_backend(self) -> str:
         if self.attention_backend != "auto":
             return self.attention_backend
-        return "torch" if self.resolved_device() == "cpu" else "triton"
+        return "cpu" if self.resolved_device() == "cpu" else "triton"
 
     def replace(self, **changes: Any) -> "ServerArgs":
         return dataclasses.replace(self, **changes)

@@ -82,7 +82,7 @@ class TorchAttnBackend:
         # the whole batch's K/V first: a prefix read below may be slots this pass is filling
         self.kv_pool.set_kv(layer_id, batch.out_cache_loc, k, v)
         if batch.mode == ForwardMode.DECODE:
-            return self._decode(q, layer_id, batch.attn_metadata, scale)  # type: ignore[arg-type]
+            return self._decode(q, layer_id, batch.attn_metadata, scale, batch)  # type: ignore[arg-type]
         out = torch.empty_like(q)
         k_pool, v_pool = self.kv_pool.k_buffer[layer_id], self.kv_pool.v_buffer[layer_id]
         for span in batch.attn_metadata:  # type: ignore[union-attr]
@@ -97,7 +97,8 @@ class TorchAttnBackend:
             out[span.q_start:span.q_end] = o[0].transpose(0, 1)
         return out
 
-    def _decode(self, q: torch.Tensor, layer_id: int, meta: _DecodeMeta, scale: float) -> torch.Tensor:
+    def _decode(self, q: torch.Tensor, layer_id: int, meta: _DecodeMeta, scale: float,
+                batch: ForwardBatch | None = None) -> torch.Tensor:
         k_all = self.kv_pool.k_buffer[layer_id][meta.kv_slots].transpose(1, 2)  # [bs, Hkv, max_seq, D]
         v_all = self.kv_pool.v_buffer[layer_id][meta.kv_slots].transpose(1, 2)
         out = F.scaled_dot_product_attention(q[:, :, None, :], k_all, v_all, attn_mask=meta.mask, scale=scale,
@@ -105,11 +106,39 @@ class TorchAttnBackend:
         return out[:, :, 0, :]
 
 
+class CpuAttnBackend(TorchAttnBackend):
+    """The torch backend with decode in one C++ op (kernels/csrc) that reads each request's K/V in
+    place through its req_to_token row: no per-layer gather into a padded batch (that copy took
+    about a third of a batch-64 decode step). Extend stays the torch path. Without a toolchain to
+    build the op, decode stays the torch path too (logged)."""
+
+    def __init__(self, kv_pool: KVPool, req_to_token_pool: ReqToTokenPool) -> None:
+        super().__init__(kv_pool, req_to_token_pool)
+        from tandem.kernels.cpu_ops import load_cpu_ops
+
+        self.ops = load_cpu_ops()
+
+    def init_forward(self, batch: ForwardBatch) -> None:
+        if batch.mode == ForwardMode.DECODE and self.ops is not None:
+            batch.attn_metadata = None  # the op reads req_pool_indices and seq_lens itself
+        else:
+            super().init_forward(batch)
+
+    def _decode(self, q: torch.Tensor, layer_id: int, meta: _DecodeMeta | None, scale: float,
+                batch: ForwardBatch | None = None) -> torch.Tensor:
+        if self.ops is None:
+            return super()._decode(q, layer_id, meta, scale)
+        return self.ops.decode_attention(q, self.kv_pool.k_buffer[layer_id], self.kv_pool.v_buffer[layer_id],
+                                         self.req_to_token, batch.req_pool_indices, batch.seq_lens, scale)
+
+
 def create_attention_backend(name: str, kv_pool: KVPool, req_to_token_pool: ReqToTokenPool) -> AttentionBackend:
     if name == "torch":
         return TorchAttnBackend(kv_pool, req_to_token_pool)
+    if name == "cpu":
+        return CpuAttnBackend(kv_pool, req_to_token_pool)
     if name == "triton":
         from tandem.runtime.model.attention_triton import TritonAttnBackend  # lazy: imports triton
 
         return TritonAttnBackend(kv_pool, req_to_token_pool)
-    raise ValueError(f"unknown attention backend {name!r}; choose 'torch' or 'triton'")
+    raise ValueError(f"unknown attention backend {name!r}; choose 'torch', 'cpu' or 'triton'")

@@ -1,0 +1,51 @@
+"""CPU ops written in C++ (kernels/csrc), compiled on first use by torch's cpp_extension and
+registered through torch.library as `torch.ops.tandem_cpu.*`.
+
+Compiled for the CPU it runs on (-march=native), so the build is cached per source and per CPU
+flag set. A machine without a C++ toolchain gets None from `load_cpu_ops` with the reason
+logged, and callers keep their torch path: the op is a speed-up, never a requirement.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+
+logger = logging.getLogger(__name__)
+
+_SOURCES = ("decode_attention_cpu.cpp",)
+_CFLAGS = ["-O3", "-march=native", "-fopenmp", "-std=c++17", "-ffast-math"]
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return ""
+
+
+def _build_name(paths: list[str]) -> str:
+    digest = hashlib.sha256(_cpu_flags().encode() + " ".join(_CFLAGS).encode())
+    for path in paths:
+        with open(path, "rb") as f:
+            digest.update(f.read())
+    return f"tandem_cpu_ops_{digest.hexdigest()[:16]}"
+
+
+@functools.cache
+def load_cpu_ops() -> object | None:
+    """`torch.ops.tandem_cpu` once the library is built and loaded; None (logged) when it cannot be."""
+    import torch
+    from torch.utils import cpp_extension
+
+    paths = [os.path.join(os.path.dirname(__file__), "csrc", name) for name in _SOURCES]
+    try:
+        cpp_extension.load(name=_build_name(paths), sources=paths, extra_cflags=_CFLAGS,
+                           extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
+    except Exception as exc:  # noqa: BLE001 - no compiler, no ninja, a broken toolchain: keep the torch path
+        logger.warning("CPU ops not built (%s: %s); decode attention falls back to gather + SDPA",
+                       type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
+        return None
+    return torch.ops.tandem_cpu

@@ -1,0 +1,126 @@
+// Paged decode attention on CPU: each request's one query attends over its keys read straight
+// from the KV pool through its req_to_token row. No gather into a padded batch: every K/V row
+// is read once, in place. One task per (request, KV head) so a GQA group shares each K/V load.
+#include <torch/library.h>
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+inline float to_float(float x) { return x; }
+inline float to_float(at::BFloat16 x) {
+  // the bit pattern, not the class's conversion, so the compiler vectorizes the loops below
+  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+inline float to_float(at::Half x) { return static_cast<float>(x); }
+
+// kD > 0: the head dim known at compile time, so the per-token loops unroll and the GQA group's
+// accumulators stay in registers; kD == 0: any head dim, read from `d_runtime`.
+template <typename kv_t, int64_t kD>
+void decode_attention_kernel(const float* q, const kv_t* k, const kv_t* v, const int64_t* req_to_token,
+                             int64_t row_stride, const int64_t* rows, const int64_t* seq_lens, float* out,
+                             int64_t bs, int64_t hq, int64_t hkv, int64_t d_runtime, float scale) {
+  const int64_t d = kD > 0 ? kD : d_runtime;
+  const int64_t group = hq / hkv;
+  at::parallel_for(0, bs * hkv, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores, acc(group * d), kf(d);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / hkv, h = task % hkv, n = seq_lens[b];
+      const int64_t* slots = req_to_token + rows[b] * row_stride;
+      const float* qh = q + (b * hq + h * group) * d;
+      scores.resize(group * n);
+      for (int64_t t = 0; t < n; ++t) {
+        const kv_t* kt = k + (slots[t] * hkv + h) * d;
+        for (int64_t i = 0; i < d; ++i) kf[i] = to_float(kt[i]);
+        for (int64_t g = 0; g < group; ++g) {
+          const float* qg = qh + g * d;
+          float s = 0.f;
+#pragma omp simd reduction(+ : s)
+          for (int64_t i = 0; i < d; ++i) s += qg[i] * kf[i];
+          scores[g * n + t] = s * scale;
+        }
+      }
+      std::vector<float> inv_sum(group);
+      for (int64_t g = 0; g < group; ++g) {
+        float* sg = scores.data() + g * n;
+        float m = -std::numeric_limits<float>::infinity();
+        for (int64_t t = 0; t < n; ++t) m = std::max(m, sg[t]);
+        float sum = 0.f;
+        for (int64_t t = 0; t < n; ++t) {
+          sg[t] = std::exp(sg[t] - m);
+          sum += sg[t];
+        }
+        inv_sum[g] = 1.f / sum;
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t t = 0; t < n; ++t) {
+        const kv_t* vt = v + (slots[t] * hkv + h) * d;
+        for (int64_t i = 0; i < d; ++i) kf[i] = to_float(vt[i]);
+        for (int64_t g = 0; g < group; ++g) {
+          const float w = scores[g * n + t];
+          float* ag = acc.data() + g * d;
+#pragma omp simd
+          for (int64_t i = 0; i < d; ++i) ag[i] += w * kf[i];
+        }
+      }
+      for (int64_t g = 0; g < group; ++g) {
+        float* og = out + (b * hq + h * group + g) * d;
+        for (int64_t i = 0; i < d; ++i) og[i] = acc[g * d + i] * inv_sum[g];
+      }
+    }
+  });
+}
+
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_buffer, const at::Tensor& v_buffer,
+                            const at::Tensor& req_to_token, const at::Tensor& req_pool_indices,
+                            const at::Tensor& seq_lens, double scale) {
+  TORCH_CHECK(q.dim() == 3 && k_buffer.dim() == 3 && v_buffer.dim() == 3, "q, k_buffer, v_buffer: 3 dims each");
+  TORCH_CHECK(k_buffer.sizes() == v_buffer.sizes() && k_buffer.dtype() == v_buffer.dtype(),
+              "k_buffer and v_buffer differ");
+  TORCH_CHECK(k_buffer.is_contiguous() && v_buffer.is_contiguous(), "the KV pool must be contiguous");
+  TORCH_CHECK(q.size(2) == k_buffer.size(2), "head_dim of q and the pool differ");
+  TORCH_CHECK(q.size(1) % k_buffer.size(1) == 0, "query heads must be a multiple of KV heads");
+  TORCH_CHECK(req_to_token.scalar_type() == at::kLong && req_pool_indices.scalar_type() == at::kLong &&
+              seq_lens.scalar_type() == at::kLong, "req_to_token, req_pool_indices, seq_lens: int64");
+  TORCH_CHECK(req_to_token.stride(1) == 1, "req_to_token rows must be contiguous");
+  const at::Tensor qf = q.to(at::kFloat).contiguous();
+  const at::Tensor rows = req_pool_indices.contiguous(), lens = seq_lens.contiguous();
+  const int64_t bs = q.size(0), hq = q.size(1), hkv = k_buffer.size(1), d = q.size(2);
+  TORCH_CHECK(rows.size(0) == bs && lens.size(0) == bs, "one row and one length per query");
+  at::Tensor out = at::empty({bs, hq, d}, q.options().dtype(at::kFloat));
+  auto run = [&](auto tag) {
+    using kv_t = decltype(tag);
+    auto kernel = d == 64 ? decode_attention_kernel<kv_t, 64>
+                  : d == 128 ? decode_attention_kernel<kv_t, 128> : decode_attention_kernel<kv_t, 0>;
+    kernel(qf.data_ptr<float>(), k_buffer.data_ptr<kv_t>(), v_buffer.data_ptr<kv_t>(),
+                                  req_to_token.data_ptr<int64_t>(), req_to_token.stride(0), rows.data_ptr<int64_t>(),
+                                  lens.data_ptr<int64_t>(), out.data_ptr<float>(), bs, hq, hkv, d,
+                                  static_cast<float>(scale));
+  };
+  switch (k_buffer.scalar_type()) {
+    case at::kFloat: run(float{}); break;
+    case at::kBFloat16: run(at::BFloat16{}); break;
+    case at::kHalf: run(at::Half{}); break;
+    default: TORCH_CHECK(false, "KV pool dtype ", k_buffer.scalar_type(), " is not supported");
+  }
+  return out.to(q.scalar_type());
+}
+
+}  // namespace
+
+TORCH_LIBRARY(tandem_cpu, m) {
+  m.def("decode_attention(Tensor q, Tensor k_buffer, Tensor v_buffer, Tensor req_to_token, "
+        "Tensor req_pool_indices, Tensor seq_lens, float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(tandem_cpu, CPU, m) { m.impl("decode_attention", &decode_attention); }

@@ -1,0 +1,84 @@
+"""The C++ paged decode attention op (kernels/csrc) against attention computed per request in
+float64 from the same pool: scattered slots, GQA groups, lengths from 1, every pool dtype."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from tandem.kernels.cpu_ops import load_cpu_ops
+
+pytestmark = pytest.mark.timeout(300)  # the first call compiles the op (~15 s), cached afterwards
+
+
+@pytest.fixture(scope="module")
+def ops():
+    built = load_cpu_ops()
+    assert built is not None, "the CPU op did not build: see the warning logged by load_cpu_ops"
+    return built
+
+
+def reference(q, k_pool, v_pool, req_to_token, rows, lens, scale):
+    out = torch.empty(q.shape, dtype=torch.float64)
+    group = q.shape[1] // k_pool.shape[1]
+    for b, (row, n) in enumerate(zip(rows.tolist(), lens.tolist())):
+        slots = req_to_token[row, :n]
+        k = k_pool[slots].double().repeat_interleave(group, dim=1)  # [n, Hq, D]
+        v = v_pool[slots].double().repeat_interleave(group, dim=1)
+        w = torch.softmax(torch.einsum("hd,nhd->hn", q[b].double(), k) * scale, dim=-1)
+        out[b] = torch.einsum("hn,nhd->hd", w, v)
+    return out
+
+
+def make_case(dtype, bs, hq, hkv, d, lens, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    pool_size = sum(lens) + 50
+    k_pool = torch.randn(pool_size, hkv, d, generator=g).to(dtype)
+    v_pool = torch.randn(pool_size, hkv, d, generator=g).to(dtype)
+    req_to_token = torch.zeros(bs + 3, max(lens) + 7, dtype=torch.int64)  # rows wider than any sequence
+    rows = torch.randperm(bs + 3, generator=g)[:bs]
+    slots = torch.randperm(pool_size - 1, generator=g) + 1  # scattered, never slot 0
+    start = 0
+    for row, n in zip(rows.tolist(), lens):
+        req_to_token[row, :n] = slots[start:start + n]
+        start += n
+    q = torch.randn(bs, hq, d, generator=g).to(dtype)
+    return q, k_pool, v_pool, req_to_token, rows, torch.tensor(lens, dtype=torch.int64)
+
+
+# fp32 differs from float64 only in summation order; bf16/fp16 inputs are converted exactly to
+# fp32 inside the op, so the tolerance covers the rounding of the output back to 16 bits (2^-8 for bf16)
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2), (torch.float16, 2e-3)])
+@pytest.mark.parametrize("hq, hkv", [(4, 4), (9, 3), (8, 1)])
+def test_matches_per_request_attention(ops, dtype, tol, hq, hkv):
+    lens = [1, 2, 17, 64, 129, 5]
+    q, k_pool, v_pool, r2t, rows, seq_lens = make_case(dtype, len(lens), hq, hkv, 32, lens)
+    scale = 1 / math.sqrt(32)
+    out = ops.decode_attention(q, k_pool, v_pool, r2t, rows, seq_lens, scale)
+    assert out.dtype == dtype and out.shape == q.shape
+    ref = reference(q, k_pool, v_pool, r2t, rows, seq_lens, scale)
+    assert (out.double() - ref).abs().max().item() < tol
+
+
+def test_reads_only_the_named_slots(ops):
+    """Garbage everywhere outside the requests' slots changes nothing."""
+    lens = [7, 33]
+    q, k_pool, v_pool, r2t, rows, seq_lens = make_case(torch.float32, 2, 6, 2, 16, lens, seed=3)
+    before = ops.decode_attention(q, k_pool, v_pool, r2t, rows, seq_lens, 0.25)
+    used = torch.zeros(k_pool.shape[0], dtype=torch.bool)
+    for row, n in zip(rows.tolist(), lens):
+        used[r2t[row, :n]] = True
+    k_pool[~used], v_pool[~used] = 1e4, -1e4
+    assert torch.equal(before, ops.decode_attention(q, k_pool, v_pool, r2t, rows, seq_lens, 0.25))
+
+
+def test_bad_shapes_are_refused(ops):
+    q, k_pool, v_pool, r2t, rows, seq_lens = make_case(torch.float32, 2, 6, 4, 16, [3, 4])
+    with pytest.raises(RuntimeError, match="multiple of KV heads"):
+        ops.decode_attention(q, k_pool, v_pool, r2t, rows, seq_lens, 0.25)
+    q, k_pool, v_pool, r2t, rows, seq_lens = make_case(torch.float32, 2, 4, 4, 16, [3, 4])
+    with pytest.raises(RuntimeError, match="int64"):
+        ops.decode_attention(q, k_pool, v_pool, r2t.int(), rows, seq_lens, 0.25)
+    with pytest.raises(RuntimeError, match="one row and one length per query"):
+        ops.decode_attention(q, k_pool, v_pool, r2t, rows[:1], seq_lens[:1], 0.25)
