@@ -10,9 +10,12 @@ same prompts, in one process run, with the same dtype:
 2. tandem Engine, overlap schedule off,
 3. the bare model loop (tandem's model, no scheduler/IPC/detokenizer): static batches of up to
    --max-running-requests, each decoded for the longest output in the batch,
-4. transformers `generate`: static left-padded batches of --hf-batch-size.
+4. transformers `generate`: static left-padded batches of --hf-batch-size (peer, on by default),
+5. CTranslate2 float32 and int8 (`--peers ...,ctranslate2`, launch/bench_ctranslate2.py),
+6. the GEMM-only bound: the model's matmuls alone for the same token counts on this CPU
+   (runtime/model/gemm_bound.py), so each system's distance from the machine's limit shows.
 
-(3) and (4) compute tokens past a shorter sequence's end (static batching pads them); only each
+(3), (4) and (5) compute tokens past a shorter sequence's end (static batching pads them); only each
 sequence's own output length counts as useful, so their tok/s is what a user gets, and the
 waste shows in `*_useful_fraction`.
 """
@@ -57,10 +60,13 @@ class SystemResult:
         return self.output_tokens / self.seconds if self.seconds > 0 else 0.0
 
 
-def make_workload(num_seqs: int, min_len: int, max_len: int, vocab: int, seed: int) -> Workload:
+def make_workload(num_seqs: int, min_len: int, max_len: int, vocab: int, seed: int,
+                  output_len: int | None = None) -> Workload:
     rng = random.Random(seed)
     in_lens = [rng.randint(min_len, max_len) for _ in range(num_seqs)]
     out_lens = [rng.randint(min_len, max_len) for _ in range(num_seqs)]
+    if output_len is not None:  # drawn anyway, so the prompts do not depend on it
+        out_lens = [output_len] * num_seqs
     prompts = [[rng.randrange(FIRST_ORDINARY_ID, vocab) for _ in range(n)] for n in in_lens]
     return Workload(prompts, out_lens)
 
@@ -207,6 +213,34 @@ def run_transformers(args: argparse.Namespace, wl: Workload) -> SystemResult:
     return SystemResult("transformers generate", wl.output_tokens, seconds, computed)
 
 
+def run_ctranslate2(args: argparse.Namespace, wl: Workload, compute_type: str) -> SystemResult:
+    """All prompts to CTranslate2's own batching at once, decoded to the longest output length
+    (one length per call: shorter sequences are padded work, counted as not useful)."""
+    from tandem.launch import bench_ctranslate2
+    from tandem.runtime.model_files import resolve_model_path
+
+    longest = max(wl.output_lens)
+    seconds, ids = bench_ctranslate2.run(resolve_model_path(args.model_path), wl.prompts, longest, compute_type,
+                                              torch.get_num_threads())
+    produced = sum(map(len, ids))
+    if produced != longest * len(wl.prompts):
+        raise RuntimeError(f"ctranslate2 produced {produced} tokens, expected {longest * len(wl.prompts)}")
+    return SystemResult(f"ctranslate2 {compute_type}", wl.output_tokens, seconds, produced)
+
+
+def gemm_bound(args: argparse.Namespace, wl: Workload) -> SystemResult:
+    """The machine's limit for this workload: the model's matmuls alone (runtime/model/gemm_bound)."""
+    from tandem.runtime.model import gemm_bound as gb
+    from tandem.runtime.model.loader import load_config
+    from tandem.runtime.model_files import resolve_model_path
+
+    cfg = load_config(resolve_model_path(args.model_path))
+    bound = gb.measure(cfg, getattr(torch, args.dtype), min(len(wl.prompts), args.max_running_requests))
+    seconds = bound.seconds(sum(map(len, wl.prompts)), wl.output_tokens)
+    return SystemResult("GEMM-only bound", wl.output_tokens, seconds, wl.output_tokens,
+                        info={"decode_batch": bound.decode_batch, "decode_tok_s": round(bound.decode_tok_s, 1)})
+
+
 # ---------------------------------------------------------------- report
 
 
@@ -227,6 +261,7 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 def build_report(args: argparse.Namespace, wl: Workload, res: dict[str, SystemResult]) -> dict[str, Any]:
     on, off, bare, hf = (res.get(k) for k in ("overlap", "no_overlap", "bare", "transformers"))
+    ct2, bound = res.get("ctranslate2_float32"), res.get("gemm_bound")
     guided, same = res.get("guided"), res.get("guided_baseline")
     report: dict[str, Any] = {
         "guided_over_unconstrained": _ratio(guided.tok_s, same.tok_s) if guided and same else None,
@@ -236,6 +271,11 @@ def build_report(args: argparse.Namespace, wl: Workload, res: dict[str, SystemRe
         "transformers_tok_s": round(hf.tok_s, 2) if hf else None,
         "tandem_over_transformers": _ratio(on.tok_s, hf.tok_s if hf else None),
         "tandem_over_bare": _ratio(on.tok_s, bare.tok_s),
+        "ctranslate2_float32_tok_s": round(ct2.tok_s, 2) if ct2 else None,
+        "ctranslate2_int8_tok_s": round(res["ctranslate2_int8"].tok_s, 2) if "ctranslate2_int8" in res else None,
+        "tandem_over_ctranslate2": _ratio(on.tok_s, ct2.tok_s if ct2 else None),
+        "gemm_bound_tok_s": round(bound.tok_s, 2) if bound else None,
+        "tandem_over_gemm_bound": _ratio(on.tok_s, bound.tok_s if bound else None),
         "overlap_speedup": _ratio(on.tok_s, off.tok_s),
         "idle_fraction_overlap": on.idle_fraction,
         "idle_fraction_no_overlap": off.idle_fraction,
@@ -243,6 +283,7 @@ def build_report(args: argparse.Namespace, wl: Workload, res: dict[str, SystemRe
         "num_seqs": len(wl.prompts),
         "min_len": args.min_len,
         "max_len": args.max_len,
+        "output_len": args.output_len,
         "seed": args.seed,
         "max_running_requests": args.max_running_requests,
         "hf_batch_size": args.hf_batch_size,
@@ -266,14 +307,21 @@ def _times(value: float | None) -> str:
 
 
 def format_table(res: dict[str, SystemResult], report: dict[str, Any]) -> str:
-    lines = [f"{'system':<24} {'tok/s':>10} {'seconds':>9} {'useful':>7} {'device idle':>12}"]
+    bound = res.get("gemm_bound")
+    lines = [f"{'system':<24} {'tok/s':>10} {'seconds':>9} {'useful':>7} {'device idle':>12} {'of bound':>9}"]
     for r in res.values():
         useful = r.output_tokens / r.computed_tokens if r.computed_tokens else None
         idle = None if r.idle_fraction is None else 100 * r.idle_fraction
+        of_bound = r.tok_s / bound.tok_s if bound else None
         lines.append(f"{r.name:<24} {r.tok_s:>10.1f} {r.seconds:>9.2f} {_fmt(useful, '.0%'):>7} "
-                     f"{_fmt(idle, '.1f') + ('%' if idle is not None else ''):>12}")
+                     f"{_fmt(idle, '.1f') + ('%' if idle is not None else ''):>12} {_fmt(of_bound, '.0%'):>9}")
     lines.append("")
+    if bound:
+        lines.append(f"(GEMM-only bound: the model's matmuls alone on this CPU, {report['dtype']}, decode at batch "
+                     f"{bound.info['decode_batch']}: {bound.info['decode_tok_s']} tok/s)")
     lines.append(f"tandem / transformers   {_times(report['tandem_over_transformers'])}")
+    if report["tandem_over_ctranslate2"] is not None:
+        lines.append(f"tandem / ctranslate2    {_times(report['tandem_over_ctranslate2'])}   (ctranslate2 float32, tandem {report['dtype']})")
     lines.append(f"tandem / bare           {_fmt(report['tandem_over_bare'], '.2f')}   (serving efficiency)")
     lines.append(f"overlap on / off        {_times(report['overlap_speedup'])}")
     if report["guided_over_unconstrained"] is not None:
@@ -294,11 +342,14 @@ def build_parser() -> argparse.ArgumentParser:
     a("--min-len", type=int, default=32, help="shortest input and output length")
     a("--max-len", type=int, default=256, help="longest input and output length")
     a("--seed", type=int, default=0)
-    a("--dtype", choices=["float32", "bfloat16"], default="float32")
+    a("--dtype", choices=["float32", "bfloat16", "auto"], default="float32",
+      help="auto: what `--dtype auto` picks on this CPU (bf16 only where it measures faster)")
+    a("--output-len", type=int, default=None, help="every sequence's output length (default: drawn like inputs)")
     a("--max-running-requests", type=int, default=64, help="engine batch cap; also the bare loop's batch size")
     a("--max-total-tokens", type=int, default=None, help="KV slots; default fits every sequence at once")
     a("--hf-batch-size", type=int, default=16)
-    a("--skip-transformers", action="store_true")
+    a("--peers", default="transformers", help="comma list of transformers, ctranslate2 (fp32 and int8); '' for none")
+    a("--skip-transformers", action="store_true", help="drop transformers from --peers")
     a("--json-schema", default=None, help="also run every sequence under this JSON schema (a file) against "
                                           "the same prompts unconstrained, with matched output lengths")
     a("--speculative-algorithm", choices=["NGRAM"], default=None,
@@ -317,9 +368,28 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         raise SystemExit("need 1 <= --min-len <= --max-len")
     if args.num_seqs < 1 or args.max_running_requests < 1 or args.hf_batch_size < 1:
         raise SystemExit("--num-seqs, --max-running-requests and --hf-batch-size must be >= 1")
+    if args.output_len is not None and args.output_len < 1:
+        raise SystemExit("--output-len must be >= 1")
     if args.max_total_tokens is None:
-        args.max_total_tokens = args.num_seqs * args.max_len * 2 + KV_SLACK_TOKENS
+        args.max_total_tokens = args.num_seqs * (args.max_len + max(args.max_len, args.output_len or 0)) + KV_SLACK_TOKENS
+    args.peers = [p for p in args.peers.split(",") if p and not (p == "transformers" and args.skip_transformers)]
+    unknown = set(args.peers) - {"transformers", "ctranslate2"}
+    if unknown:
+        raise SystemExit(f"--peers: unknown {', '.join(sorted(unknown))}; choose transformers, ctranslate2")
     return args
+
+
+def resolve_dtype(args: argparse.Namespace) -> None:
+    """--dtype auto: the dtype the runner would pick on this CPU, so every system runs the same one."""
+    if args.dtype != "auto":
+        return
+    from tandem.runtime.model.gemm_bound import pick_cpu_dtype
+    from tandem.runtime.model.loader import load_config
+    from tandem.runtime.model_files import resolve_model_path
+
+    dtype, why = pick_cpu_dtype(load_config(resolve_model_path(args.model_path)))
+    args.dtype = str(dtype).removeprefix("torch.")
+    print(f"--dtype auto: {args.dtype} ({why})", flush=True)
 
 
 def model_vocab(model_path: str | None) -> int:
@@ -340,15 +410,21 @@ def main(argv: list[str] | None = None) -> int:
             with open(args.output_file, "w", encoding="utf-8") as f:
                 json.dump(report, f, indent=2)
         return 0
-    wl = make_workload(args.num_seqs, args.min_len, args.max_len, model_vocab(args.model_path), args.seed)
+    resolve_dtype(args)
+    wl = make_workload(args.num_seqs, args.min_len, args.max_len, model_vocab(args.model_path), args.seed,
+                       args.output_len)
     print(f"#seqs: {len(wl.prompts)}  #input tokens: {sum(map(len, wl.prompts))}  "
           f"#output tokens: {wl.output_tokens}  dtype: {args.dtype}", flush=True)
     res: dict[str, SystemResult] = {}
     res["overlap"] = run_engine(args, wl, overlap=True)
     res["no_overlap"] = run_engine(args, wl, overlap=False)
     res["bare"] = run_bare(args, wl)
-    if not args.skip_transformers:
+    if "transformers" in args.peers:
         res["transformers"] = run_transformers(args, wl)
+    if "ctranslate2" in args.peers:
+        for compute_type in ("float32", "int8"):  # fp32 beside tandem's fp32; int8 for reference
+            res[f"ctranslate2_{compute_type}"] = run_ctranslate2(args, wl, compute_type)
+    res["gemm_bound"] = gemm_bound(args, wl)
     if args.json_schema:
         with open(args.json_schema, encoding="utf-8") as f:
             res["guided"], res["guided_baseline"], _ = run_guided(args, wl, f.read())

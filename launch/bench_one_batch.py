@@ -5,6 +5,7 @@ import argparse
 import json
 import random
 
+from tandem.runtime.model import gemm_bound
 from tandem.runtime.model.bare_loop import BareLoop
 from tandem.runtime.model.runner import ModelRunner
 from tandem.runtime.server_args import ServerArgs
@@ -26,6 +27,14 @@ def run(runner: ModelRunner, batch_size: int, input_len: int, output_len: int, s
     }
 
 
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "unknown")
+    except OSError:
+        return "unknown"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tandem bench one-batch", description=__doc__)
     parser.add_argument("--model-path", default=None)
@@ -41,12 +50,18 @@ def main(argv: list[str] | None = None) -> int:
                                     max_running_requests=max(args.batch_size), attention_backend=args.attention_backend))
     run(runner, 1, min(args.input_len, 16), 2)  # warm-up
     rows = [run(runner, bs, args.input_len, args.output_len) for bs in args.batch_size]
-    print(f"model: {runner.model_path}  dtype: {runner.dtype}  device: {runner.device}")
-    header = f"{'batch':>6} {'in':>5} {'out':>5} {'prefill s':>10} {'prefill tok/s':>14} {'decode s/step':>14} {'decode tok/s':>13}"
+    if runner.device.type == "cpu":
+        for r in rows:  # the machine's limit at this batch: the decode step's matmuls alone
+            r["gemm_bound_decode_tok_s"] = round(gemm_bound.measure(runner.config, runner.dtype, r["batch_size"]).decode_tok_s, 1)
+            r["decode_of_gemm_bound"] = round(r["decode_throughput_tok_s"] / r["gemm_bound_decode_tok_s"], 3)
+    print(f"model: {runner.model_path}  dtype: {runner.dtype}  device: {runner.device}  cpu: {_cpu_model()}")
+    header = (f"{'batch':>6} {'in':>5} {'out':>5} {'prefill s':>10} {'prefill tok/s':>14} {'decode s/step':>14} "
+              f"{'decode tok/s':>13} {'GEMM bound':>11} {'of bound':>9}")
     print(header)
     for r in rows:
         print(f"{r['batch_size']:>6} {r['input_len']:>5} {r['output_len']:>5} {r['prefill_latency_s']:>10.4f} "
-              f"{r['prefill_throughput_tok_s']:>14.1f} {r['median_decode_latency_s']:>14.5f} {r['decode_throughput_tok_s']:>13.1f}")
+              f"{r['prefill_throughput_tok_s']:>14.1f} {r['median_decode_latency_s']:>14.5f} {r['decode_throughput_tok_s']:>13.1f} "
+              f"{r.get('gemm_bound_decode_tok_s', '-'):>11} {format(r['decode_of_gemm_bound'], '.0%') if 'decode_of_gemm_bound' in r else '-':>9}")
     if args.output_file:
         with open(args.output_file, "a") as f:
             for r in rows:

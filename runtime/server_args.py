@@ -117,6 +117,7 @@ class ServerArgs:
     def resolved_dtype(self) -> str:
         if self.dtype != "auto":
             return self.dtype
+        # on CPU the runner decides by measuring (gemm_bound.pick_cpu_dtype); this is the no-probe answer
         return "float32" if self.resolved_device() == "cpu" else "bfloat16"
 
     def resolved_attention_backend(self) -> str:

@@ -8,7 +8,8 @@ import torch
 from tandem.runtime.cache.pools import KVPool, ReqToTokenPool, TokenAllocator
 from tandem.runtime.model.attention import create_attention_backend
 from tandem.runtime.model.forward_batch import ForwardBatch
-from tandem.runtime.model.loader import load_model
+from tandem.runtime.model.gemm_bound import pick_cpu_dtype
+from tandem.runtime.model.loader import load_config, load_model
 from tandem.runtime.model_files import resolve_model_path
 from tandem.runtime.model.ops import create_ops
 from tandem.runtime.sampling.sampler import SamplingBatchInfo, sample
@@ -27,8 +28,8 @@ class ModelRunner:
         if args.tp_size != 1:
             raise NotImplementedError(f"--tp-size {args.tp_size}: tensor parallelism is not implemented yet; use 1")
         self.device = torch.device(args.resolved_device())
-        self.dtype = _DTYPES[args.resolved_dtype()]
         self.model_path = resolve_model_path(args.model_path)
+        self.dtype = self._pick_dtype()
         torch.manual_seed(args.random_seed)
         self.model = load_model(self.model_path, self.dtype, self.device)
         self.config = self.model.cfg
@@ -54,6 +55,13 @@ class ModelRunner:
             self.draft_model.use_ops(create_ops(backend))
         logger.info("model %s loaded: %s, %d KV slots, context %d", self.model_path, self.config.arch,
                     self.max_total_tokens, self.context_len)
+
+    def _pick_dtype(self) -> torch.dtype:
+        if self.args.dtype != "auto" or self.device.type != "cpu":
+            return _DTYPES[self.args.resolved_dtype()]
+        dtype, why = pick_cpu_dtype(load_config(self.model_path))
+        logger.info("--dtype auto: %s (%s)", str(dtype).removeprefix("torch."), why)
+        return dtype
 
     def _load_draft_model(self):
         """STANDALONE speculation: the draft model, which must share the target's vocabulary."""

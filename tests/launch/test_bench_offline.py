@@ -104,3 +104,39 @@ def test_json_schema_run_matches_lengths_and_reports_the_ratio(tiny_model_dir, t
                                                            r["guided_baseline_seconds"] / r["guided_seconds"], rel=2e-2)
     assert r["guided_grammar_mask_us_per_row"] > 0
     assert "json_schema / unconstrained (same output lengths)" in capsys.readouterr().out
+
+
+@pytest.mark.timeout(300)
+def test_ctranslate2_peer_and_gemm_bound(tiny_model_dir, tmp_path: Path, monkeypatch, capsys) -> None:
+    """CTranslate2 fp32 and int8 as peers at a fixed output length, and the GEMM-only bound row."""
+    monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path / "cache"))
+    out = tmp_path / "r.json"
+    argv = ["--model-path", tiny_model_dir("llama"), "--num-seqs", "6", "--min-len", "8", "--max-len", "20",
+            "--output-len", "10", "--peers", "ctranslate2", "--output-file", str(out)]
+    assert main(argv) == 0
+    r = json.loads(out.read_text())
+    assert r["total_output_tokens"] == 60 and r["output_len"] == 10 and r["transformers_tok_s"] is None
+    for key in ("ctranslate2_float32_tok_s", "ctranslate2_int8_tok_s", "gemm_bound_tok_s"):
+        assert r[key] > 0, key
+    assert r["tandem_over_ctranslate2"] == pytest.approx(r["tandem_overlap_tok_s"] / r["ctranslate2_float32_tok_s"],
+                                                         rel=1e-2)
+    assert r["tandem_over_gemm_bound"] == pytest.approx(r["tandem_overlap_tok_s"] / r["gemm_bound_tok_s"], rel=1e-2)
+    assert r["ctranslate2_float32_useful_fraction"] == 1.0  # one output length: no padded work
+    table = capsys.readouterr().out
+    assert "ctranslate2 float32" in table and "GEMM-only bound" in table and "tandem / ctranslate2" in table
+
+
+@pytest.mark.timeout(300)
+def test_ctranslate2_conversion_gives_tandems_greedy_tokens(tiny_model_dir, tmp_path: Path, monkeypatch) -> None:
+    """The converted model is the same model: fp32 greedy ids equal tandem's bare loop."""
+    from tandem.launch import bench_ctranslate2
+    from tandem.runtime.model.bare_loop import BareLoop
+    from tandem.runtime.model.runner import ModelRunner
+    from tandem.runtime.server_args import ServerArgs
+
+    monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path / "cache"))
+    path = tiny_model_dir("llama")
+    prompts = [list(range(300, 320)), list(range(700, 709))]
+    _, ids = bench_ctranslate2.run(path, prompts, 8, "float32", 2)
+    runner = ModelRunner(ServerArgs(model_path=path, max_total_tokens=256, max_running_requests=2, dtype="float32"))
+    assert ids == BareLoop(runner).generate(prompts, 8).output_ids

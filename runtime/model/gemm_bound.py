@@ -1,0 +1,103 @@
+"""The machine's limit for a model: the time of its matmuls alone (every linear layer and the LM
+head), measured on this CPU at the batch shapes a run uses, with random weights of the model's
+shapes in the run's dtype. No attention, norms, sampling or scheduling: a system's tok/s over
+this bound is how much of the machine it turns into tokens.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+
+from tandem.runtime.model.config import ModelConfig
+
+PREFILL_CHUNK = 2048  # tokens per timed prefill matmul pass (tandem's default chunked prefill)
+
+
+@dataclass(frozen=True)
+class GemmBound:
+    decode_batch: int
+    decode_step_s: float  # every linear of one decode step at `decode_batch` rows, LM head included
+    prefill_s_per_token: float  # the linears of one prompt token (no LM head: only last tokens need logits)
+
+    @property
+    def decode_tok_s(self) -> float:
+        return self.decode_batch / self.decode_step_s
+
+    def seconds(self, input_tokens: int, output_tokens: int) -> float:
+        """A workload at full decode batches: every prompt token once, output in batch-wide steps."""
+        return input_tokens * self.prefill_s_per_token + math.ceil(output_tokens / self.decode_batch) * self.decode_step_s
+
+    def tok_s(self, input_tokens: int, output_tokens: int) -> float:
+        return output_tokens / self.seconds(input_tokens, output_tokens)
+
+
+def _weights(cfg: ModelConfig, dtype: torch.dtype, lm_head: bool = True) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+    """One layer's weight shapes (a layer's matmuls repeat `num_layers` times) and the LM head."""
+    h, d = cfg.hidden_size, cfg.head_dim
+    shapes = [((cfg.num_heads + 2 * cfg.num_kv_heads) * d, h), (h, cfg.num_heads * d),
+              (2 * cfg.intermediate_size, h), (h, cfg.intermediate_size)]
+    layer = [torch.randn(shape, dtype=dtype) * 0.02 for shape in shapes]
+    return layer, torch.randn(cfg.vocab_size, h, dtype=dtype) * 0.02 if lm_head else None
+
+
+def _time_pass(x: torch.Tensor, layer: list[torch.Tensor], lm_head: torch.Tensor | None, num_layers: int,
+               repeats: int) -> float:
+    def one_pass() -> None:
+        for _ in range(num_layers):
+            qkv = torch.nn.functional.linear(x, layer[0])
+            torch.nn.functional.linear(qkv[:, :layer[1].shape[1]], layer[1])
+            gate_up = torch.nn.functional.linear(x, layer[2])
+            torch.nn.functional.linear(gate_up[:, :layer[3].shape[1]], layer[3])
+        if lm_head is not None:
+            torch.nn.functional.linear(x, lm_head)
+
+    with torch.inference_mode():
+        one_pass()  # warm-up: oneDNN/MKL pick and cache their kernels
+        best = float("inf")
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            one_pass()
+            best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def measure(cfg: ModelConfig, dtype: torch.dtype, decode_batch: int, repeats: int = 3) -> GemmBound:
+    """The best of `repeats` timings (a bound: the fastest the machine did it)."""
+    layer, lm_head = _weights(cfg, dtype)
+    decode_x = torch.randn(decode_batch, cfg.hidden_size, dtype=dtype)
+    prefill_x = torch.randn(PREFILL_CHUNK, cfg.hidden_size, dtype=dtype)
+    decode_s = _time_pass(decode_x, layer, lm_head, cfg.num_layers, repeats)
+    prefill_s = _time_pass(prefill_x, layer, None, cfg.num_layers, max(1, repeats - 1))
+    return GemmBound(decode_batch, decode_s, prefill_s / PREFILL_CHUNK)
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            line = next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return set()
+    return set(line.split(":", 1)[-1].split())
+
+
+BF16_MIN_SPEEDUP = 1.25  # bf16 costs fidelity: take it only for a clear win (AMX gives ~3x), never for noise
+
+
+def pick_cpu_dtype(cfg: ModelConfig, batch: int = 64) -> tuple[torch.dtype, str]:
+    """--dtype auto on CPU: bfloat16 only where it measures clearly faster than float32 for this
+    model's matmuls at a decode batch (AMX-BF16 CPUs); float32 without bf16 instructions at all.
+    Times one layer (a few ms), not the model. Returns the dtype and the reason, for the log."""
+    flags = _cpu_flags()
+    if not flags & {"amx_bf16", "avx512_bf16"}:
+        return torch.float32, "no AMX-BF16 / AVX512-BF16 on this CPU"
+    times = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        layer, _ = _weights(cfg, dtype, lm_head=False)
+        times[dtype] = _time_pass(torch.randn(batch, cfg.hidden_size, dtype=dtype), layer, None, 1, repeats=5)
+    speedup = times[torch.float32] / times[torch.bfloat16]
+    has = "AMX-BF16" if "amx_bf16" in flags else "AVX512-BF16 without AMX"
+    why = f"{has}; one layer's matmuls at batch {batch}: bf16 {speedup:.2f}x fp32's speed"
+    return (torch.bfloat16 if speedup >= BF16_MIN_SPEEDUP else torch.float32), why

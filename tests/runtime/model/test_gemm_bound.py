@@ -1,0 +1,38 @@
+"""The GEMM-only bound's arithmetic and --dtype auto's choice on CPU."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tandem.runtime.model import gemm_bound as gb
+from tandem.runtime.model.config import ModelConfig
+
+CFG = ModelConfig(arch="LlamaForCausalLM", vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2,
+                  num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-5, rope_theta=1e4, max_position=512,
+                  tie_word_embeddings=True, qkv_bias=False, qk_norm=False)
+
+
+def test_seconds_count_prefill_tokens_and_full_decode_steps() -> None:
+    bound = gb.GemmBound(decode_batch=8, decode_step_s=0.1, prefill_s_per_token=0.001)
+    assert bound.decode_tok_s == pytest.approx(80.0)
+    assert bound.seconds(100, 17) == pytest.approx(0.1 + 3 * 0.1)  # 17 tokens at batch 8: 3 steps
+    assert bound.tok_s(100, 17) == pytest.approx(17 / 0.4)
+
+
+def test_measure_times_positive_and_bigger_batches_cost_more() -> None:
+    small, big = gb.measure(CFG, torch.float32, 1), gb.measure(CFG, torch.float32, 512)
+    assert 0 < small.decode_step_s and 0 < small.prefill_s_per_token
+    assert big.decode_tok_s > small.decode_tok_s  # batching amortizes the weight reads
+
+
+@pytest.mark.parametrize("flags, bf16_speedup, want", [
+    (set(), 5.0, torch.float32),  # no bf16 instructions: never probed
+    ({"avx512_bf16"}, 1.1, torch.float32),  # faster, but within what noise can fake
+    ({"amx_bf16", "avx512_bf16"}, 3.0, torch.bfloat16),
+    ({"amx_bf16"}, 0.8, torch.float32),
+])
+def test_auto_dtype_takes_bf16_only_for_a_clear_win(monkeypatch, flags, bf16_speedup, want) -> None:
+    monkeypatch.setattr(gb, "_cpu_flags", lambda: flags)
+    monkeypatch.setattr(gb, "_time_pass", lambda x, *a, **k: 1.0 if x.dtype == torch.float32 else 1.0 / bf16_speedup)
+    dtype, why = gb.pick_cpu_dtype(CFG)
+    assert dtype == want and why
