@@ -34,23 +34,25 @@ class GemmBound:
         return output_tokens / self.seconds(input_tokens, output_tokens)
 
 
-def _weights(cfg: ModelConfig, dtype: torch.dtype, lm_head: bool = True) -> tuple[list[torch.Tensor], torch.Tensor | None]:
-    """One layer's weight shapes (a layer's matmuls repeat `num_layers` times) and the LM head."""
+def _weights(cfg: ModelConfig, dtype: torch.dtype, num_layers: int,
+             lm_head: bool = True) -> tuple[list[list[torch.Tensor]], torch.Tensor | None]:
+    """Every layer's own weights (sharing one layer's would let small batches run from cache,
+    which the real model, hundreds of MB of weights, never does) and the LM head."""
     h, d = cfg.hidden_size, cfg.head_dim
     shapes = [((cfg.num_heads + 2 * cfg.num_kv_heads) * d, h), (h, cfg.num_heads * d),
               (2 * cfg.intermediate_size, h), (h, cfg.intermediate_size)]
-    layer = [torch.randn(shape, dtype=dtype) * 0.02 for shape in shapes]
-    return layer, torch.randn(cfg.vocab_size, h, dtype=dtype) * 0.02 if lm_head else None
+    layers = [[torch.randn(shape, dtype=dtype) * 0.02 for shape in shapes] for _ in range(num_layers)]
+    return layers, torch.randn(cfg.vocab_size, h, dtype=dtype) * 0.02 if lm_head else None
 
 
-def _time_pass(x: torch.Tensor, layer: list[torch.Tensor], lm_head: torch.Tensor | None, num_layers: int,
+def _time_pass(x: torch.Tensor, layers: list[list[torch.Tensor]], lm_head: torch.Tensor | None,
                repeats: int) -> float:
     def one_pass() -> None:
-        for _ in range(num_layers):
+        for layer in layers:
             qkv = torch.nn.functional.linear(x, layer[0])
-            torch.nn.functional.linear(qkv[:, :layer[1].shape[1]], layer[1])
+            torch.nn.functional.linear(qkv[:, :layer[1].shape[1]].contiguous(), layer[1])
             gate_up = torch.nn.functional.linear(x, layer[2])
-            torch.nn.functional.linear(gate_up[:, :layer[3].shape[1]], layer[3])
+            torch.nn.functional.linear(gate_up[:, :layer[3].shape[1]].contiguous(), layer[3])
         if lm_head is not None:
             torch.nn.functional.linear(x, lm_head)
 
@@ -66,11 +68,11 @@ def _time_pass(x: torch.Tensor, layer: list[torch.Tensor], lm_head: torch.Tensor
 
 def measure(cfg: ModelConfig, dtype: torch.dtype, decode_batch: int, repeats: int = 3) -> GemmBound:
     """The best of `repeats` timings (a bound: the fastest the machine did it)."""
-    layer, lm_head = _weights(cfg, dtype)
+    layers, lm_head = _weights(cfg, dtype, cfg.num_layers)
     decode_x = torch.randn(decode_batch, cfg.hidden_size, dtype=dtype)
     prefill_x = torch.randn(PREFILL_CHUNK, cfg.hidden_size, dtype=dtype)
-    decode_s = _time_pass(decode_x, layer, lm_head, cfg.num_layers, repeats)
-    prefill_s = _time_pass(prefill_x, layer, None, cfg.num_layers, max(1, repeats - 1))
+    decode_s = _time_pass(decode_x, layers, lm_head, repeats)
+    prefill_s = _time_pass(prefill_x, layers, None, max(1, repeats - 1))
     return GemmBound(decode_batch, decode_s, prefill_s / PREFILL_CHUNK)
 
 
@@ -95,8 +97,8 @@ def pick_cpu_dtype(cfg: ModelConfig, batch: int = 64) -> tuple[torch.dtype, str]
         return torch.float32, "no AMX-BF16 / AVX512-BF16 on this CPU"
     times = {}
     for dtype in (torch.float32, torch.bfloat16):
-        layer, _ = _weights(cfg, dtype, lm_head=False)
-        times[dtype] = _time_pass(torch.randn(batch, cfg.hidden_size, dtype=dtype), layer, None, 1, repeats=5)
+        layers, _ = _weights(cfg, dtype, 1, lm_head=False)
+        times[dtype] = _time_pass(torch.randn(batch, cfg.hidden_size, dtype=dtype), layers, None, repeats=5)
     speedup = times[torch.float32] / times[torch.bfloat16]
     has = "AMX-BF16" if "amx_bf16" in flags else "AVX512-BF16 without AMX"
     why = f"{has}; one layer's matmuls at batch {batch}: bf16 {speedup:.2f}x fp32's speed"
