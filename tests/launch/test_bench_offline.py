@@ -140,3 +140,25 @@ def test_ctranslate2_conversion_gives_tandems_greedy_tokens(tiny_model_dir, tmp_
     _, ids = bench_ctranslate2.run(path, prompts, 8, "float32", 2)
     runner = ModelRunner(ServerArgs(model_path=path, max_total_tokens=256, max_running_requests=2, dtype="float32"))
     assert ids == BareLoop(runner).generate(prompts, 8).output_ids
+
+
+def test_repeats_alternate_and_keep_the_best_of_each(monkeypatch, tmp_path: Path) -> None:
+    from tandem.launch import bench_offline as bo
+
+    calls: list[bool] = []
+    seconds = iter([3.0, 2.0, 1.5, 2.5])  # off, on, off, on
+
+    def engine(args, wl, overlap):
+        calls.append(overlap)
+        return bo.SystemResult("e", wl.output_tokens, next(seconds), wl.output_tokens)
+
+    monkeypatch.setattr(bo, "model_vocab", lambda path: 1000)
+    monkeypatch.setattr(bo, "run_engine", engine)
+    monkeypatch.setattr(bo, "run_bare", lambda args, wl: bo.SystemResult("bare", wl.output_tokens, 1.0, wl.output_tokens))
+    monkeypatch.setattr(bo, "gemm_bound", lambda args, wl: bo.SystemResult(
+        "b", wl.output_tokens, 0.1, wl.output_tokens, info={"decode_batch": 4, "decode_tok_s": 40.0}))
+    out = tmp_path / "r.json"
+    assert bo.main(["--peers", "", "--num-seqs", "4", "--repeats", "2", "--output-file", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert calls == [False, True, False, True]
+    assert r["no_overlap_seconds"] == 1.5 and r["overlap_seconds"] == 2.0 and r["repeats"] == 2
