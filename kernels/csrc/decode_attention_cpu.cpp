@@ -24,6 +24,13 @@ inline float to_float(at::BFloat16 x) {
 }
 inline float to_float(at::Half x) { return static_cast<float>(x); }
 
+// every head of one slot: its rows are contiguous, one cache line at a time
+template <typename kv_t>
+inline void prefetch_slot(const kv_t* pool, int64_t slot, int64_t row_elems) {
+  const char* row = reinterpret_cast<const char*>(pool + slot * row_elems);
+  for (int64_t byte = 0; byte < row_elems * int64_t(sizeof(kv_t)); byte += 64) __builtin_prefetch(row + byte);
+}
+
 // kD > 0: the head dim known at compile time, so the per-token loops unroll and the GQA group's
 // accumulators stay in registers; kD == 0: any head dim, read from `d_runtime`.
 template <typename kv_t, int64_t kD>
@@ -43,10 +50,7 @@ void decode_attention_kernel(const float* q, const kv_t* k, const kv_t* v, const
       const float* qb = q + b * hq * d;
       scores.resize(hq * n);
       for (int64_t t = 0; t < n; ++t) {
-        if (t + kPrefetch < n) {
-          const char* ahead = reinterpret_cast<const char*>(k + slots[t + kPrefetch] * hkv * d);
-          for (int64_t byte = 0; byte < int64_t(hkv * d * sizeof(kv_t)); byte += 64) __builtin_prefetch(ahead + byte);
-        }
+        if (t + kPrefetch < n) prefetch_slot(k, slots[t + kPrefetch], hkv * d);
         for (int64_t h = 0; h < hkv; ++h) {
           const kv_t* kt = k + (slots[t] * hkv + h) * d;
           for (int64_t i = 0; i < d; ++i) kf[i] = to_float(kt[i]);
@@ -72,10 +76,7 @@ void decode_attention_kernel(const float* q, const kv_t* k, const kv_t* v, const
       }
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t t = 0; t < n; ++t) {
-        if (t + kPrefetch < n) {
-          const char* ahead = reinterpret_cast<const char*>(v + slots[t + kPrefetch] * hkv * d);
-          for (int64_t byte = 0; byte < int64_t(hkv * d * sizeof(kv_t)); byte += 64) __builtin_prefetch(ahead + byte);
-        }
+        if (t + kPrefetch < n) prefetch_slot(v, slots[t + kPrefetch], hkv * d);
         for (int64_t h = 0; h < hkv; ++h) {
           const kv_t* vt = v + (slots[t] * hkv + h) * d;
           for (int64_t i = 0; i < d; ++i) kf[i] = to_float(vt[i]);

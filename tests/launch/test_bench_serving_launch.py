@@ -19,8 +19,8 @@ RESULT_KEYS = (
 )
 
 
-@pytest.mark.timeout(300)
-def test_launch_runs_against_a_real_server(tiny_model_dir, tmp_path: Path, monkeypatch) -> None:
+def record_processes(tmp_path: Path, monkeypatch) -> list[subprocess.Popen]:
+    """Every process the bench starts, to check it stopped them (and to kill them if not)."""
     # away from the repo root: its kernels/ folder would shadow the PyPI package transformers probes
     monkeypatch.chdir(tmp_path)
     started: list[subprocess.Popen] = []
@@ -32,6 +32,12 @@ def test_launch_runs_against_a_real_server(tiny_model_dir, tmp_path: Path, monke
         return proc
 
     monkeypatch.setattr(managed_server.subprocess, "Popen", recording_popen)
+    return started
+
+
+@pytest.mark.timeout(300)
+def test_launch_runs_against_a_real_server(tiny_model_dir, tmp_path: Path, monkeypatch) -> None:
+    started = record_processes(tmp_path, monkeypatch)
     out = tmp_path / "serving.json"
     server_args = f"--model-path {tiny_model_dir('llama')} --max-total-tokens 4000 --log-level warning"
     try:
@@ -61,16 +67,7 @@ def test_launch_runs_against_a_real_server(tiny_model_dir, tmp_path: Path, monke
 def test_via_gateway_runs_the_workload_both_ways(tiny_model_dir, tmp_path: Path, monkeypatch) -> None:
     """--via-gateway: smg in front of the launched server; the same rows straight and through it;
     the server and the gateway are both stopped afterwards."""
-    monkeypatch.chdir(tmp_path)
-    started: list[subprocess.Popen] = []
-    real_popen = subprocess.Popen
-
-    def recording_popen(*args, **kwargs):
-        proc = real_popen(*args, **kwargs)
-        started.append(proc)
-        return proc
-
-    monkeypatch.setattr(managed_server.subprocess, "Popen", recording_popen)
+    started = record_processes(tmp_path, monkeypatch)
     out = tmp_path / "gateway.json"
     server_args = f"--model-path {tiny_model_dir('llama')} --max-total-tokens 4000 --log-level warning"
     try:
