@@ -19,8 +19,9 @@ RESULT_KEYS = (
 )
 
 
-def record_processes(tmp_path: Path, monkeypatch) -> list[subprocess.Popen]:
-    """Every process the bench starts, to check it stopped them (and to kill them if not)."""
+@pytest.fixture
+def started(tmp_path: Path, monkeypatch):
+    """Every process the bench starts, to check it stopped them; killed afterwards if not."""
     # away from the repo root: its kernels/ folder would shadow the PyPI package transformers probes
     monkeypatch.chdir(tmp_path)
     started: list[subprocess.Popen] = []
@@ -32,26 +33,23 @@ def record_processes(tmp_path: Path, monkeypatch) -> list[subprocess.Popen]:
         return proc
 
     monkeypatch.setattr(managed_server.subprocess, "Popen", recording_popen)
-    return started
+    yield started
+    for proc in started:  # belt and braces: never leave a process behind a failed assertion
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
 
 
 @pytest.mark.timeout(300)
-def test_launch_runs_against_a_real_server(tiny_model_dir, tmp_path: Path, monkeypatch) -> None:
-    started = record_processes(tmp_path, monkeypatch)
+def test_launch_runs_against_a_real_server(tiny_model_dir, tmp_path: Path, started) -> None:
     out = tmp_path / "serving.json"
     server_args = f"--model-path {tiny_model_dir('llama')} --max-total-tokens 4000 --log-level warning"
-    try:
-        rc = bench_serving.main(["--launch", "--server-args", server_args, "--num-prompts", "8",
-                                 "--random-input-len", "16", "--random-output-len", "8", "--random-range-ratio", "1.0",
-                                 "--disable-tqdm",
-                                 "--output-file", str(out)])
-        assert len(started) == 1
-        assert started[0].poll() is not None, "bench_serving left its server running"
-    finally:
-        for proc in started:  # belt and braces: never leave a server behind a failed assertion
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(10)
+    rc = bench_serving.main(["--launch", "--server-args", server_args, "--num-prompts", "8",
+                             "--random-input-len", "16", "--random-output-len", "8", "--random-range-ratio", "1.0",
+                             "--disable-tqdm",
+                             "--output-file", str(out)])
+    assert len(started) == 1
+    assert started[0].poll() is not None, "bench_serving left its server running"
     assert rc == 0
     r = json.loads(out.read_text())
     missing = [k for k in RESULT_KEYS if k not in r]
@@ -64,23 +62,16 @@ def test_launch_runs_against_a_real_server(tiny_model_dir, tmp_path: Path, monke
 
 
 @pytest.mark.timeout(300)
-def test_via_gateway_runs_the_workload_both_ways(tiny_model_dir, tmp_path: Path, monkeypatch) -> None:
+def test_via_gateway_runs_the_workload_both_ways(tiny_model_dir, tmp_path: Path, started) -> None:
     """--via-gateway: smg in front of the launched server; the same rows straight and through it;
     the server and the gateway are both stopped afterwards."""
-    started = record_processes(tmp_path, monkeypatch)
     out = tmp_path / "gateway.json"
     server_args = f"--model-path {tiny_model_dir('llama')} --max-total-tokens 4000 --log-level warning"
-    try:
-        rc = bench_serving.main(["--launch", "--server-args", server_args, "--num-prompts", "6",
-                                 "--random-input-len", "16", "--random-output-len", "8", "--random-range-ratio", "1.0",
-                                 "--via-gateway", "--gateway-rounds", "1", "--disable-tqdm", "--output-file", str(out)])
-        assert [p.args[0] for p in started][1:] == ["smg"]
-        assert all(p.poll() is not None for p in started), "a server or the gateway was left running"
-    finally:
-        for proc in started:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(10)
+    rc = bench_serving.main(["--launch", "--server-args", server_args, "--num-prompts", "6",
+                             "--random-input-len", "16", "--random-output-len", "8", "--random-range-ratio", "1.0",
+                             "--via-gateway", "--gateway-rounds", "1", "--disable-tqdm", "--output-file", str(out)])
+    assert [p.args[0] for p in started][1:] == ["smg"]
+    assert all(p.poll() is not None for p in started), "a server or the gateway was left running"
     assert rc == 0
     r = json.loads(out.read_text())
     for path in ("direct", "gateway"):
