@@ -18,16 +18,18 @@ _SOURCES = ("decode_attention_cpu.cpp",)
 _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-std=c++17", "-ffast-math"]
 
 
-def _cpu_flags() -> str:
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags from /proc/cpuinfo (empty where there is none)."""
     try:
         with open("/proc/cpuinfo") as f:
-            return next((line for line in f if line.startswith("flags")), "")
+            line = next((line for line in f if line.startswith("flags")), "")
     except OSError:
-        return ""
+        return set()
+    return set(line.split(":", 1)[-1].split())
 
 
 def _build_name(paths: list[str]) -> str:
-    digest = hashlib.sha256(_cpu_flags().encode() + " ".join(_CFLAGS).encode())
+    digest = hashlib.sha256(" ".join(sorted(cpu_flags()) + _CFLAGS).encode())
     for path in paths:
         with open(path, "rb") as f:
             digest.update(f.read())

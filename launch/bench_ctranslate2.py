@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import gc
 import hashlib
+import json
 import os
 import shutil
 import time
@@ -66,12 +67,11 @@ def run(model_path: str, prompts: list[list[int]], output_len: int, compute_type
         threads: int) -> tuple[float, list[list[int]]]:
     """Seconds to generate `output_len` greedy tokens for every prompt, and the ids produced."""
     import ctranslate2
-    from transformers import AutoTokenizer
 
     folder = converted_model(model_path, "int8" if compute_type.startswith("int8") else "float32")
-    tokenizer_dir = os.path.join(cache_dir(), os.path.basename(folder).rsplit("-", 1)[0] + "-hf")
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir if os.path.isdir(tokenizer_dir) else model_path)
-    tokens = [tokenizer.convert_ids_to_tokens(p) for p in prompts]
+    with open(os.path.join(folder, "vocabulary.json"), encoding="utf-8") as f:
+        vocabulary = json.load(f)  # the converter's id -> token list, which the generator reads back
+    tokens = [[vocabulary[i] for i in prompt] for prompt in prompts]
     generator = ctranslate2.Generator(folder, device="cpu", compute_type=compute_type, intra_threads=threads)
     greedy: dict[str, Any] = dict(max_length=output_len, min_length=output_len, sampling_topk=1,
                                   include_prompt_in_result=False, max_batch_size=len(prompts))

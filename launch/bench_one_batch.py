@@ -5,6 +5,7 @@ import argparse
 import json
 import random
 
+from tandem.launch.bench_offline import machine_info
 from tandem.runtime.model import gemm_bound
 from tandem.runtime.model.bare_loop import BareLoop
 from tandem.runtime.model.runner import ModelRunner
@@ -27,14 +28,6 @@ def run(runner: ModelRunner, batch_size: int, input_len: int, output_len: int, s
     }
 
 
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "unknown")
-    except OSError:
-        return "unknown"
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tandem bench one-batch", description=__doc__)
     parser.add_argument("--model-path", default=None)
@@ -54,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
         for r in rows:  # the machine's limit at this batch: the decode step's matmuls alone
             r["gemm_bound_decode_tok_s"] = round(gemm_bound.measure(runner.config, runner.dtype, r["batch_size"]).decode_tok_s, 1)
             r["decode_of_gemm_bound"] = round(r["decode_throughput_tok_s"] / r["gemm_bound_decode_tok_s"], 3)
-    print(f"model: {runner.model_path}  dtype: {runner.dtype}  device: {runner.device}  cpu: {_cpu_model()}")
+    print(f"model: {runner.model_path}  dtype: {runner.dtype}  device: {runner.device}  cpu: {machine_info()['cpu_model']}")
     header = (f"{'batch':>6} {'in':>5} {'out':>5} {'prefill s':>10} {'prefill tok/s':>14} {'decode s/step':>14} "
               f"{'decode tok/s':>13} {'GEMM bound':>11} {'of bound':>9}")
     print(header)

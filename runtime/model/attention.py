@@ -82,7 +82,7 @@ class TorchAttnBackend:
         # the whole batch's K/V first: a prefix read below may be slots this pass is filling
         self.kv_pool.set_kv(layer_id, batch.out_cache_loc, k, v)
         if batch.mode == ForwardMode.DECODE:
-            return self._decode(q, layer_id, batch.attn_metadata, scale, batch)  # type: ignore[arg-type]
+            return self._decode(q, layer_id, batch, scale)
         out = torch.empty_like(q)
         k_pool, v_pool = self.kv_pool.k_buffer[layer_id], self.kv_pool.v_buffer[layer_id]
         for span in batch.attn_metadata:  # type: ignore[union-attr]
@@ -97,8 +97,8 @@ class TorchAttnBackend:
             out[span.q_start:span.q_end] = o[0].transpose(0, 1)
         return out
 
-    def _decode(self, q: torch.Tensor, layer_id: int, meta: _DecodeMeta, scale: float,
-                batch: ForwardBatch | None = None) -> torch.Tensor:
+    def _decode(self, q: torch.Tensor, layer_id: int, batch: ForwardBatch, scale: float) -> torch.Tensor:
+        meta: _DecodeMeta = batch.attn_metadata  # type: ignore[assignment]
         k_all = self.kv_pool.k_buffer[layer_id][meta.kv_slots].transpose(1, 2)  # [bs, Hkv, max_seq, D]
         v_all = self.kv_pool.v_buffer[layer_id][meta.kv_slots].transpose(1, 2)
         out = F.scaled_dot_product_attention(q[:, :, None, :], k_all, v_all, attn_mask=meta.mask, scale=scale,
@@ -124,10 +124,9 @@ class CpuAttnBackend(TorchAttnBackend):
         else:
             super().init_forward(batch)
 
-    def _decode(self, q: torch.Tensor, layer_id: int, meta: _DecodeMeta | None, scale: float,
-                batch: ForwardBatch | None = None) -> torch.Tensor:
+    def _decode(self, q: torch.Tensor, layer_id: int, batch: ForwardBatch, scale: float) -> torch.Tensor:
         if self.ops is None:
-            return super()._decode(q, layer_id, meta, scale)
+            return super()._decode(q, layer_id, batch, scale)
         return self.ops.decode_attention(q, self.kv_pool.k_buffer[layer_id], self.kv_pool.v_buffer[layer_id],
                                          self.req_to_token, batch.req_pool_indices, batch.seq_lens, scale)
 

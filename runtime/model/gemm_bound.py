@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tandem.kernels.cpu_ops import cpu_flags
 from tandem.runtime.model.config import ModelConfig
 
 PREFILL_CHUNK = 2048  # tokens per timed prefill matmul pass (tandem's default chunked prefill)
@@ -76,15 +77,6 @@ def measure(cfg: ModelConfig, dtype: torch.dtype, decode_batch: int, repeats: in
     return GemmBound(decode_batch, decode_s, prefill_s / PREFILL_CHUNK)
 
 
-def _cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            line = next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        return set()
-    return set(line.split(":", 1)[-1].split())
-
-
 BF16_MIN_SPEEDUP = 1.25  # bf16 costs fidelity: take it only for a clear win (AMX gives ~3x), never for noise
 
 
@@ -92,7 +84,7 @@ def pick_cpu_dtype(cfg: ModelConfig, batch: int = 64) -> tuple[torch.dtype, str]
     """--dtype auto on CPU: bfloat16 only where it measures clearly faster than float32 for this
     model's matmuls at a decode batch (AMX-BF16 CPUs); float32 without bf16 instructions at all.
     Times one layer (a few ms), not the model. Returns the dtype and the reason, for the log."""
-    flags = _cpu_flags()
+    flags = cpu_flags()
     if not flags & {"amx_bf16", "avx512_bf16"}:
         return torch.float32, "no AMX-BF16 / AVX512-BF16 on this CPU"
     times = {}

@@ -32,7 +32,7 @@ def test_measure_times_positive_and_bigger_batches_cost_more() -> None:
     ({"amx_bf16"}, 0.8, torch.float32),
 ])
 def test_auto_dtype_takes_bf16_only_for_a_clear_win(monkeypatch, flags, bf16_speedup, want) -> None:
-    monkeypatch.setattr(gb, "_cpu_flags", lambda: flags)
+    monkeypatch.setattr(gb, "cpu_flags", lambda: flags)
     monkeypatch.setattr(gb, "_time_pass", lambda x, *a, **k: 1.0 if x.dtype == torch.float32 else 1.0 / bf16_speedup)
     dtype, why = gb.pick_cpu_dtype(CFG)
     assert dtype == want and why
