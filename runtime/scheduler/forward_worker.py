@@ -116,10 +116,26 @@ class GenerationBatchResult:
         return bool(self.next_token_ids)
 
 
+def reserve_intra_op_threads() -> int:
+    """Leave the calling thread one intra-op thread and return the count the forward thread takes.
+
+    Call it before the model loads. libgomp keeps a thread team for every thread that ever ran a
+    parallel region, and once the process has more OpenMP threads than CPUs it cuts their
+    spin-wait to almost nothing, so every small op of a step pays futex wake-ups: a CPU decode step
+    (SmolLM2 bf16, batch 64) took 125 ms on the forward thread after the scheduler thread had
+    loaded the model with two threads, 62 ms with one team. The count is per thread in OpenMP;
+    the worker sets its own when it starts.
+    """
+    threads = torch.get_num_threads()  # also fixes this thread's count, so later calls elsewhere leave it
+    torch.set_num_threads(1)
+    return threads
+
+
 class ForwardWorker:
     def __init__(self, runner: ModelRunner, future_map: FutureMap, penalty_counts: PenaltyCounts,
-                 stats: StepStats, drafter: Drafter | None = None) -> None:
+                 stats: StepStats, drafter: Drafter | None, intra_op_threads: int) -> None:
         self.runner = runner
+        self._intra_op_threads = intra_op_threads
         self.drafter = drafter
         self.future_map = future_map
         self.penalty_counts = penalty_counts
@@ -138,6 +154,7 @@ class ForwardWorker:
         # On CUDA the worker deliberately stays on the default stream: the scheduler thread writes
         # req_to_token rows and slot indices there before submitting a job, and one stream orders
         # those writes before the job's kernels without any event bookkeeping.
+        torch.set_num_threads(self._intra_op_threads)
         while True:
             job, fut = self._jobs.get()
             if self._test_hang_s:

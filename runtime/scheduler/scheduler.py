@@ -23,7 +23,7 @@ from tandem.runtime.model.forward_batch import ForwardMode
 from tandem.runtime.model.runner import ModelRunner
 from tandem.runtime.sampling.penalties import PenaltyCounts
 from tandem.runtime.scheduler.batch import BatchContext, ScheduleBatch
-from tandem.runtime.scheduler.forward_worker import ForwardWorker, GenerationBatchResult
+from tandem.runtime.scheduler.forward_worker import ForwardWorker, GenerationBatchResult, reserve_intra_op_threads
 from tandem.runtime.scheduler.future_map import FutureMap
 from tandem.runtime.scheduler.grammar_queue import GrammarQueue
 from tandem.runtime.scheduler.kv_manager import KVManager
@@ -74,6 +74,7 @@ class Scheduler:
         self.args = args
         self.watch = watch
         self.overlap = not args.disable_overlap_schedule
+        intra_op_threads = reserve_intra_op_threads()  # before the model loads: see its docstring
         self.runner = runner = ModelRunner(args)
         self.tokenizer = load_tokenizer(args.tokenizer_path or args.model_path)
         eos = set(runner.config.eos_token_ids)
@@ -88,7 +89,7 @@ class Scheduler:
         self.rows = ReqRows(pool, future_map, penalty_counts)
         self.kv = KVManager(self.rows, runner.allocator, args.disable_radix_cache)
         self.stats = StepStats()
-        self.worker = ForwardWorker(runner, future_map, penalty_counts, self.stats, drafter)
+        self.worker = ForwardWorker(runner, future_map, penalty_counts, self.stats, drafter, intra_op_threads)
         think_end_ids = tuple(self.tokenizer.encode("</think>", add_special_tokens=False))
         self.planner = Planner(planner_config(args, runner), self.kv,
                                BatchContext(runner.config.vocab_size, eos_ids, runner.device, think_end_ids))
