@@ -14,8 +14,9 @@ import os
 
 logger = logging.getLogger(__name__)
 
-_SOURCES = ("decode_attention_cpu.cpp",)
-_CFLAGS = ["-O3", "-march=native", "-fopenmp", "-std=c++17", "-ffast-math"]
+_SOURCES = ("decode_attention_cpu.cpp", "elementwise_cpu.cpp")
+_HEADERS = ("cpu_dtype.h",)  # hashed with the sources: a change rebuilds
+_CFLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-std=c++17", "-ffast-math"]
 
 
 def cpu_flags() -> set[str]:
@@ -42,12 +43,13 @@ def load_cpu_ops() -> object | None:
     import torch
     from torch.utils import cpp_extension
 
-    paths = [os.path.join(os.path.dirname(__file__), "csrc", name) for name in _SOURCES]
+    csrc = os.path.join(os.path.dirname(__file__), "csrc")
+    paths = [os.path.join(csrc, name) for name in _SOURCES]
     try:
-        cpp_extension.load(name=_build_name(paths), sources=paths, extra_cflags=_CFLAGS,
+        cpp_extension.load(name=_build_name(paths + [os.path.join(csrc, h) for h in _HEADERS]), sources=paths, extra_cflags=_CFLAGS,
                            extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
     except Exception as exc:  # noqa: BLE001 - no compiler, no ninja, a broken toolchain: keep the torch path
-        logger.warning("CPU ops not built (%s: %s); decode attention falls back to gather + SDPA",
+        logger.warning("CPU ops not built (%s: %s); the model keeps torch's ops (gather + SDPA for decode)",
                        type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
         return None
     return torch.ops.tandem_cpu

@@ -29,7 +29,7 @@ def smol_runner():
     from tandem.runtime.model.runner import ModelRunner
     from tandem.runtime.server_args import ServerArgs
 
-    return ModelRunner(ServerArgs(max_total_tokens=16384, max_running_requests=16))
+    return ModelRunner(ServerArgs(max_total_tokens=16384, max_running_requests=16, dtype="float32"))
 
 
 @pytest.fixture(scope="session")

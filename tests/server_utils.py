@@ -60,6 +60,8 @@ class ServerHandle:
 
 def start_server(args: list[str], log_path: str, env: dict[str, str] | None = None) -> ServerHandle:
     port = free_port()
+    if "--dtype" not in args:  # --dtype auto takes bf16 on AMX CPUs: tests compare against fp32 references
+        args = [*args, "--dtype", "float32"]
     cmd = [sys.executable, "-m", "tandem.launch.server", "--port", str(port), "--log-level", "warning", *args]
     log = open(log_path, "w")
     # cwd away from the repo root: its kernels/ folder would shadow the PyPI `kernels` that transformers probes

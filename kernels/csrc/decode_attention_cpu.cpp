@@ -5,6 +5,8 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
+#include "cpu_dtype.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -14,15 +16,7 @@
 
 namespace {
 
-inline float to_float(float x) { return x; }
-inline float to_float(at::BFloat16 x) {
-  // the bit pattern, not the class's conversion, so the compiler vectorizes the loops below
-  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof(f));
-  return f;
-}
-inline float to_float(at::Half x) { return static_cast<float>(x); }
+using tandem_cpu::load;
 
 // every head of one slot: its rows are contiguous, one cache line at a time
 template <typename kv_t>
@@ -53,7 +47,7 @@ void decode_attention_kernel(const float* q, const kv_t* k, const kv_t* v, const
         if (t + kPrefetch < n) prefetch_slot(k, slots[t + kPrefetch], hkv * d);
         for (int64_t h = 0; h < hkv; ++h) {
           const kv_t* kt = k + (slots[t] * hkv + h) * d;
-          for (int64_t i = 0; i < d; ++i) kf[i] = to_float(kt[i]);
+          for (int64_t i = 0; i < d; ++i) kf[i] = load(kt[i]);
           for (int64_t g = 0; g < group; ++g) {
             const float* qg = qb + (h * group + g) * d;
             float s = 0.f;
@@ -79,7 +73,7 @@ void decode_attention_kernel(const float* q, const kv_t* k, const kv_t* v, const
         if (t + kPrefetch < n) prefetch_slot(v, slots[t + kPrefetch], hkv * d);
         for (int64_t h = 0; h < hkv; ++h) {
           const kv_t* vt = v + (slots[t] * hkv + h) * d;
-          for (int64_t i = 0; i < d; ++i) kf[i] = to_float(vt[i]);
+          for (int64_t i = 0; i < d; ++i) kf[i] = load(vt[i]);
           for (int64_t g = 0; g < group; ++g) {
             const float w = scores[(h * group + g) * n + t];
             float* ah = acc.data() + (h * group + g) * d;
@@ -113,7 +107,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_buffer, con
   const int64_t bs = q.size(0), hq = q.size(1), hkv = k_buffer.size(1), d = q.size(2);
   TORCH_CHECK(rows.size(0) == bs && lens.size(0) == bs, "one row and one length per query");
   at::Tensor out = at::empty({bs, hq, d}, q.options().dtype(at::kFloat));
-  auto run = [&](auto tag) {
+  tandem_cpu::dispatch_float_types(k_buffer.scalar_type(), "KV pool", [&](auto tag) {
     using kv_t = decltype(tag);
     auto kernel = d == 64 ? decode_attention_kernel<kv_t, 64>
                   : d == 128 ? decode_attention_kernel<kv_t, 128> : decode_attention_kernel<kv_t, 0>;
@@ -121,19 +115,13 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_buffer, con
                                   req_to_token.data_ptr<int64_t>(), req_to_token.stride(0), rows.data_ptr<int64_t>(),
                                   lens.data_ptr<int64_t>(), out.data_ptr<float>(), bs, hq, hkv, d,
                                   static_cast<float>(scale));
-  };
-  switch (k_buffer.scalar_type()) {
-    case at::kFloat: run(float{}); break;
-    case at::kBFloat16: run(at::BFloat16{}); break;
-    case at::kHalf: run(at::Half{}); break;
-    default: TORCH_CHECK(false, "KV pool dtype ", k_buffer.scalar_type(), " is not supported");
-  }
+  });
   return out.to(q.scalar_type());
 }
 
 }  // namespace
 
-TORCH_LIBRARY(tandem_cpu, m) {
+TORCH_LIBRARY_FRAGMENT(tandem_cpu, m) {
   m.def("decode_attention(Tensor q, Tensor k_buffer, Tensor v_buffer, Tensor req_to_token, "
         "Tensor req_pool_indices, Tensor seq_lens, float scale) -> Tensor");
 }

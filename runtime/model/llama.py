@@ -11,7 +11,7 @@ from tandem.runtime.model.attention import AttentionBackend
 from tandem.runtime.model.config import ModelConfig
 from tandem.runtime.model.forward_batch import ForwardBatch
 from tandem.runtime.model.layers import RMSNorm, RotaryEmbedding
-from tandem.runtime.model.ops import TorchOps, TritonOps
+from tandem.runtime.model.ops import CpuOps, TorchOps, TritonOps
 
 
 class Attention(nn.Module):
@@ -80,8 +80,8 @@ class CausalLM(nn.Module):
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position, cfg.rope_theta, cfg.rope_scaling)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
-    def use_ops(self, ops: TorchOps | TritonOps) -> None:
-        """Route RMSNorm, rotary and SiLU-and-mul through `ops` (the Triton kernels with the triton backend)."""
+    def use_ops(self, ops: TorchOps | TritonOps | CpuOps) -> None:
+        """Route RMSNorm, rotary and SiLU-and-mul through `ops` (C++ on the cpu backend, Triton kernels with the triton backend)."""
         for module in self.modules():
             if isinstance(module, (RMSNorm, RotaryEmbedding, MLP)):
                 module.ops = ops

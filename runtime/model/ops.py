@@ -1,4 +1,5 @@
-"""The small fused ops behind one interface: torch on CPU, Triton kernels with the triton backend."""
+"""The small fused ops behind one interface: torch (the reference), C++ on CPU (kernels/csrc), Triton
+kernels with the triton backend."""
 from __future__ import annotations
 
 import torch
@@ -59,5 +60,38 @@ class TritonOps:
         return self._act.silu_and_mul(gate_up)
 
 
-def create_ops(name: str) -> TorchOps | TritonOps:
-    return TritonOps() if name == "triton" else TorchOps()
+class CpuOps:
+    """The C++ ops of kernels/csrc/elementwise_cpu.cpp: TorchOps' rounding, one pass per op."""
+
+    name = "cpu"
+
+    def __init__(self, ops: object) -> None:
+        self._ops = ops
+
+    def rmsnorm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return self._ops.add_rmsnorm(x, None, weight, eps)[0]
+
+    def add_rmsnorm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                    eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        out, summed = self._ops.add_rmsnorm(x, residual, weight, eps)
+        return out, summed
+
+    def rotary(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+               cos_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        self._ops.rotary_(positions, q, k, cos_sin)  # in place, like the Triton kernel
+        return q, k
+
+    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return self._ops.silu_and_mul(gate_up)
+
+
+def create_ops(name: str) -> TorchOps | TritonOps | CpuOps:
+    if name == "triton":
+        return TritonOps()
+    if name == "cpu":
+        from tandem.kernels.cpu_ops import load_cpu_ops
+
+        ops = load_cpu_ops()
+        if ops is not None:  # without a toolchain the torch ops stay (logged by load_cpu_ops)
+            return CpuOps(ops)
+    return TorchOps()

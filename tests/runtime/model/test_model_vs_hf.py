@@ -31,7 +31,8 @@ def tiny_pair(tiny_model_dir):
     def make(arch: str):
         path = tiny_model_dir(arch)
         hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-        return hf, ModelRunner(ServerArgs(model_path=path, max_total_tokens=4096, max_running_requests=8))
+        return hf, ModelRunner(ServerArgs(model_path=path, max_total_tokens=4096, max_running_requests=8,
+                                                    dtype="float32"))
     return make
 
 

@@ -1,5 +1,6 @@
-"""The whole model with --attention-backend cpu (decode through the C++ paged op) equals the torch
-backend (the reference: gather into a padded batch + SDPA); without the op it is the torch path."""
+"""The whole model with --attention-backend cpu (decode through the C++ paged op, norms, rotary and
+SiLU through the C++ elementwise ops) equals the torch backend (the reference: gather into a
+padded batch + SDPA, torch's ops); without the build it is the torch path."""
 from __future__ import annotations
 
 import pytest
@@ -7,6 +8,8 @@ import pytest
 from tandem.kernels import cpu_ops
 from tandem.runtime.model import attention
 from tandem.runtime.model.bare_loop import BareLoop
+from tandem.runtime.model.layers import RMSNorm
+from tandem.runtime.model.ops import CpuOps, TorchOps
 from tandem.runtime.model.runner import ModelRunner
 from tandem.runtime.server_args import ServerArgs
 
@@ -26,6 +29,7 @@ def test_cpu_backend_equals_torch(tiny_model_dir, arch):
     _, ref = run(path, "torch")
     runner, res = run(path, "cpu")
     assert isinstance(runner.attn_backend, attention.CpuAttnBackend) and runner.attn_backend.ops is not None
+    assert all(isinstance(m.ops, CpuOps) for m in runner.model.modules() if isinstance(m, RMSNorm))
     assert ref.output_ids == res.output_ids
     for a, b in zip(ref.step_logits, res.step_logits):
         assert (a - b).abs().max().item() < 1e-4  # fp32; only summation order differs
@@ -50,4 +54,5 @@ def test_without_the_op_decode_is_the_torch_path(tiny_model_dir, monkeypatch):
     _, ref = run(path, "torch")
     runner, res = run(path, "cpu")
     assert runner.attn_backend.ops is None
+    assert all(isinstance(m.ops, TorchOps) for m in runner.model.modules() if isinstance(m, RMSNorm))
     assert ref.output_ids == res.output_ids
