@@ -50,11 +50,12 @@ def make_case(dtype, bs, hq, hkv, d, lens, seed=0):
 # fp32 differs from float64 only in summation order; bf16/fp16 inputs are converted exactly to
 # fp32 inside the op, so the tolerance covers the rounding of the output back to 16 bits (2^-8 for bf16)
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2), (torch.float16, 2e-3)])
-@pytest.mark.parametrize("hq, hkv", [(4, 4), (9, 3), (8, 1)])
-def test_matches_per_request_attention(ops, dtype, tol, hq, hkv):
+@pytest.mark.parametrize("hq, hkv", [(4, 4), (9, 3), (8, 1), (14, 2), (10, 1)])  # groups 1, 3, 8, 7, 10
+@pytest.mark.parametrize("d", [32, 64, 128])  # 64 and 128 take the unrolled instantiations
+def test_matches_per_request_attention(ops, dtype, tol, hq, hkv, d):
     lens = [1, 2, 17, 64, 129, 5]
-    q, k_pool, v_pool, r2t, rows, seq_lens = make_case(dtype, len(lens), hq, hkv, 32, lens)
-    scale = 1 / math.sqrt(32)
+    q, k_pool, v_pool, r2t, rows, seq_lens = make_case(dtype, len(lens), hq, hkv, d, lens)
+    scale = 1 / math.sqrt(d)
     out = ops.decode_attention(q, k_pool, v_pool, r2t, rows, seq_lens, scale)
     assert out.dtype == dtype and out.shape == q.shape
     ref = reference(q, k_pool, v_pool, r2t, rows, seq_lens, scale)
