@@ -46,6 +46,10 @@ class DrainingServer(uvicorn.Server):
 
 def run_server(args: ServerArgs) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="[%(asctime)s] %(message)s")
+    if args.node_rank > 0:  # schedulers only: node 0 serves HTTP, tokenizes and detokenizes
+        from tandem.runtime.launcher import run_scheduler_node
+
+        return run_scheduler_node(args)
     died: list[str] = []
     server: uvicorn.Server | None = None
 

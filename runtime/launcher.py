@@ -11,6 +11,7 @@ import ctypes
 import multiprocessing as mp
 import os
 import signal
+import socket
 import sys
 from multiprocessing.process import BaseProcess
 
@@ -47,12 +48,12 @@ class ParentWatch:
         self.exit_orphaned()
 
 
-def _scheduler_main(args: ServerArgs, addrs: IPCAddresses, parent_pid: int) -> None:
+def _scheduler_main(args: ServerArgs, addrs: IPCAddresses, parent_pid: int, tp_rank: int) -> None:
     watch = ParentWatch(parent_pid, addrs)
     # imported in the child only: the main process never imports torch or model code
     from tandem.runtime.scheduler.scheduler import run_scheduler_process
 
-    run_scheduler_process(args, addrs, watch)
+    run_scheduler_process(args, addrs, watch, tp_rank)
 
 
 def _detokenizer_main(args: ServerArgs, addrs: IPCAddresses, parent_pid: int) -> None:
@@ -62,13 +63,24 @@ def _detokenizer_main(args: ServerArgs, addrs: IPCAddresses, parent_pid: int) ->
     run_detokenizer_process(args, addrs, watch)
 
 
+def node_tp_ranks(args: ServerArgs) -> range:
+    """The tensor-parallel ranks this node runs: tp_size / nnodes consecutive ones."""
+    per_node = args.tp_size // args.nnodes
+    return range(args.node_rank * per_node, (args.node_rank + 1) * per_node)
+
+
 def spawn_children(args: ServerArgs, addrs: IPCAddresses) -> list[BaseProcess]:
+    """A scheduler per tensor-parallel rank of this node; node 0 also runs the detokenizer."""
     ctx = mp.get_context("spawn")
     me = os.getpid()
-    procs = [
-        ctx.Process(target=_scheduler_main, args=(args, addrs, me), name="tandem-scheduler", daemon=True),
-        ctx.Process(target=_detokenizer_main, args=(args, addrs, me), name="tandem-detokenizer", daemon=True),
-    ]
+    if args.tp_size > 1 and args.dist_init_addr is None:  # one node: rendezvous on a free local port
+        args = args.replace(dist_init_addr=f"127.0.0.1:{_free_port()}")
+    procs = [ctx.Process(target=_scheduler_main, args=(args, addrs, me, rank), daemon=True,
+                         name="tandem-scheduler" if args.tp_size == 1 else f"tandem-scheduler-tp{rank}")
+             for rank in node_tp_ranks(args)]
+    if args.node_rank == 0:
+        procs.append(ctx.Process(target=_detokenizer_main, args=(args, addrs, me), name="tandem-detokenizer",
+                                 daemon=True))
     for p in procs:
         p.start()
     return procs
@@ -87,3 +99,33 @@ def stop_children(procs: list[BaseProcess], timeout: float = 5.0) -> None:
 
 def dead_child(procs: list[BaseProcess]) -> BaseProcess | None:
     return next((p for p in procs if not p.is_alive()), None)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_scheduler_node(args: ServerArgs) -> int:
+    """Nodes other than 0 (--node-rank > 0): this node's scheduler ranks and nothing else. Returns
+    when one of them dies (1: a dead rank ends the job; its peers' collectives fail on every
+    node) or on SIGTERM / SIGINT (0)."""
+    import logging
+    import time
+
+    addrs = IPCAddresses.fresh()  # unused sockets: only rank 0 talks to a tokenizer manager
+    procs = spawn_children(args, addrs)
+    stopping: list[int] = []
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda signum, frame: stopping.append(signum))
+    try:
+        while not stopping:
+            if (dead := dead_child(procs)) is not None:
+                logging.error("%s exited with code %s: stopping node %d", dead.name, dead.exitcode, args.node_rank)
+                return 1
+            time.sleep(0.2)
+        return 0
+    finally:
+        stop_children(procs)
+        addrs.cleanup()

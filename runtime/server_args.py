@@ -17,7 +17,10 @@ class ServerArgs:
     tokenizer_path: str | None = None
     host: str = "127.0.0.1"
     port: int = 30000
-    tp_size: int = 1
+    tp_size: int = 1  # tensor-parallel ranks, one scheduler process each (all nodes together)
+    nnodes: int = 1  # machines the tp ranks span: tp_size / nnodes ranks on each
+    node_rank: int = 0  # this machine's index; node 0 runs the HTTP server, tokenizer and detokenizer too
+    dist_init_addr: str | None = None  # HOST:PORT of torch.distributed's rendezvous (node 0); needed with nnodes > 1
     dtype: str = "auto"  # auto = float32 on CPU, bfloat16 on GPU
     device: str = "auto"  # auto = cuda when available
     attention_backend: str = "auto"  # auto = triton on CUDA, cpu (torch + the paged decode op) on CPU
@@ -73,6 +76,9 @@ class ServerArgs:
             "chunked_prefill_size": self.chunked_prefill_size > 0 or self.chunked_prefill_size == -1,
             "max_running_requests": self.max_running_requests > 0,
             "tp_size": self.tp_size >= 1,
+            "nnodes": self.nnodes >= 1,
+            "node_rank": 0 <= self.node_rank < self.nnodes,
+            "dist_init_addr": self.dist_init_addr is None or self.dist_init_addr.rpartition(":")[2].isdigit(),
             "max_batch_items": self.max_batch_items >= 1,
             "grammar_backend": self.grammar_backend in ("xgrammar", "none"),
             "reasoning_parser": self.reasoning_parser in (None, "deepseek-r1", "qwen3"),
@@ -81,12 +87,19 @@ class ServerArgs:
         bad = [name for name, ok in checks.items() if not ok]
         if bad:
             raise ValueError(f"invalid server argument {bad[0]}={getattr(self, bad[0])!r}")
+        if self.tp_size % self.nnodes:
+            raise ValueError(f"tp_size={self.tp_size} must be a multiple of nnodes={self.nnodes}: "
+                             f"every node runs tp_size / nnodes ranks")
+        if self.nnodes > 1 and self.dist_init_addr is None:
+            raise ValueError("dist_init_addr (HOST:PORT on node 0) is needed with nnodes > 1")
         self._check_speculative()
 
     def _check_speculative(self) -> None:
         algo = self.speculative_algorithm
         if algo is None:
             return
+        if self.tp_size > 1:
+            raise ValueError(f"speculative_algorithm={algo} is not available with tp_size={self.tp_size} (use 1)")
         if algo not in ("NGRAM", "STANDALONE"):
             raise ValueError(f"invalid server argument speculative_algorithm={algo!r} (NGRAM or STANDALONE)")
         if (algo == "STANDALONE") != bool(self.speculative_draft_model_path):

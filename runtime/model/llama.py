@@ -1,6 +1,8 @@
 """Decoder-only transformer for Llama, Mistral, Qwen2 (qkv bias) and Qwen3 (q/k norm).
 
 Weights use fused projections: `qkv_proj` = [q; k; v] rows and `gate_up_proj` = [gate; up] rows.
+Under tensor parallelism each rank builds its share of heads, MLP width and vocabulary
+(runtime/model/tensor_parallel.py); with one rank the collectives are no-ops.
 """
 from __future__ import annotations
 
@@ -12,14 +14,16 @@ from tandem.runtime.model.config import ModelConfig
 from tandem.runtime.model.forward_batch import ForwardBatch
 from tandem.runtime.model.layers import RMSNorm, RotaryEmbedding
 from tandem.runtime.model.ops import CpuOps, TorchOps, TritonOps
+from tandem.runtime.model.tensor_parallel import SINGLE, TensorParallel, VocabParallelEmbedding
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int) -> None:
+    def __init__(self, cfg: ModelConfig, layer_id: int, tp: TensorParallel) -> None:
         super().__init__()
-        self.layer_id = layer_id
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.q_size, self.kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.layer_id, self.tp = layer_id, tp
+        self.num_heads, self.num_kv_heads = cfg.num_heads // tp.size, cfg.num_kv_heads // tp.size
+        self.head_dim = cfg.head_dim
+        self.q_size, self.kv_size = self.num_heads * cfg.head_dim, self.num_kv_heads * cfg.head_dim
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
@@ -36,28 +40,30 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotary(batch.positions, q, k)
         out = attn.forward(q, k, v, self.layer_id, batch, self.scale)
-        return self.o_proj(out.reshape(-1, self.q_size))
+        return self.tp.all_reduce(self.o_proj(out.reshape(-1, self.q_size)))
 
 
 class MLP(nn.Module):
     ops = TorchOps()
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.tp = tp
+        width = cfg.intermediate_size // tp.size
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * width, bias=False)
+        self.down_proj = nn.Linear(width, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
+        return self.tp.all_reduce(self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x))))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int) -> None:
+    def __init__(self, cfg: ModelConfig, layer_id: int, tp: TensorParallel) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, layer_id)
+        self.self_attn = Attention(cfg, layer_id, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg, tp)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch,
                 rotary: RotaryEmbedding, attn: AttentionBackend) -> tuple[torch.Tensor, torch.Tensor]:
@@ -71,14 +77,15 @@ class DecoderLayer(nn.Module):
 
 
 class CausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
-        self.cfg = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.cfg, self.tp = cfg, tp
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, tp) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position, cfg.rope_theta, cfg.rope_scaling)
-        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = (None if cfg.tie_word_embeddings
+                        else nn.Linear(cfg.hidden_size, cfg.vocab_size // tp.size, bias=False))
 
     def use_ops(self, ops: TorchOps | TritonOps | CpuOps) -> None:
         """Route RMSNorm, rotary and SiLU-and-mul through `ops` (C++ on the cpu backend, Triton kernels with the triton backend)."""
@@ -96,7 +103,7 @@ class CausalLM(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return torch.nn.functional.linear(hidden, weight)
+        return self.tp.all_gather_last_dim(torch.nn.functional.linear(hidden, weight))
 
     def forward(self, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
         """Logits (float32) at `batch.logits_indices`."""

@@ -9,6 +9,7 @@ import torch
 
 from tandem.runtime.model.config import SUPPORTED_ARCHS, ModelConfig
 from tandem.runtime.model.llama import CausalLM
+from tandem.runtime.model.tensor_parallel import SINGLE, TensorParallel, check_divisible, shard_weights
 from tandem.runtime.model_files import cache_dir, file_cache_key, is_gguf
 
 _GGUF_ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
@@ -21,11 +22,13 @@ def load_config(model_path: str) -> ModelConfig:
     return ModelConfig.from_hf_folder(Path(model_path))
 
 
-def load_model(model_path: str, dtype: torch.dtype, device: torch.device | str = "cpu") -> CausalLM:
+def load_model(model_path: str, dtype: torch.dtype, device: torch.device | str = "cpu",
+               tp: TensorParallel = SINGLE) -> CausalLM:
     cfg = load_config(model_path)
+    check_divisible(cfg, tp.size)
     with torch.device("meta"):
-        model = CausalLM(cfg)
-    _load_into(model, _fuse(load_hf_weights(model_path, cfg), cfg), dtype, device)
+        model = CausalLM(cfg, tp)
+    _load_into(model, shard_weights(_fuse(load_hf_weights(model_path, cfg), cfg), cfg, tp), dtype, device)
     model.rotary.__init__(cfg.head_dim, cfg.max_position, cfg.rope_theta, cfg.rope_scaling)  # rebuild buffer off meta
     model.rotary.to(device)
     return model.eval()

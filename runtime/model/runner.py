@@ -4,6 +4,7 @@ from __future__ import annotations
 import logging
 
 import torch
+import torch.distributed as dist
 
 from tandem.runtime.cache.pools import KVPool, ReqToTokenPool, TokenAllocator
 from tandem.runtime.model.attention import create_attention_backend
@@ -12,6 +13,7 @@ from tandem.runtime.model.gemm_bound import pick_cpu_dtype
 from tandem.runtime.model.loader import load_config, load_model
 from tandem.runtime.model_files import resolve_model_path
 from tandem.runtime.model.ops import create_ops
+from tandem.runtime.model.tensor_parallel import SINGLE, TensorParallel
 from tandem.runtime.sampling.sampler import SamplingBatchInfo, sample
 from tandem.runtime.server_args import ServerArgs
 
@@ -23,15 +25,14 @@ _GPU_KV_MEM_FRACTION = 0.85
 
 
 class ModelRunner:
-    def __init__(self, args: ServerArgs) -> None:
-        self.args = args
-        if args.tp_size != 1:
-            raise NotImplementedError(f"--tp-size {args.tp_size}: tensor parallelism is not implemented yet; use 1")
+    def __init__(self, args: ServerArgs, tp: TensorParallel = SINGLE) -> None:
+        """`tp`: this rank's share of a tensor-parallel job (runtime/model/tensor_parallel.py)."""
+        self.args, self.tp = args, tp
         self.device = torch.device(args.resolved_device())
         self.model_path = resolve_model_path(args.model_path)
         self.dtype = self._pick_dtype()
         torch.manual_seed(args.random_seed)
-        self.model = load_model(self.model_path, self.dtype, self.device)
+        self.model = load_model(self.model_path, self.dtype, self.device, tp)
         self.config = self.model.cfg
         self.draft_model = self._load_draft_model()
         self.context_len = min(args.context_length or self.config.max_position, self.config.max_position)
@@ -41,7 +42,7 @@ class ModelRunner:
         # flight has been processed, so a full batch can turn over without stalling admission
         self.req_to_token_pool = ReqToTokenPool(2 * self.max_running_requests + 1, self.context_len + 8, self.device)
         self.allocator = TokenAllocator(self.max_total_tokens, self.device)
-        self.kv_pool = KVPool(self.max_total_tokens, self.config.num_layers, self.config.num_kv_heads,
+        self.kv_pool = KVPool(self.max_total_tokens, self.config.num_layers, self.config.num_kv_heads // tp.size,
                               self.config.head_dim, self.dtype, self.device)
         backend = args.resolved_attention_backend()
         self.attn_backend = create_attention_backend(backend, self.kv_pool, self.req_to_token_pool)
@@ -60,8 +61,18 @@ class ModelRunner:
         if self.args.dtype != "auto" or self.device.type != "cpu":
             return _DTYPES[self.args.resolved_dtype()]
         dtype, why = pick_cpu_dtype(load_config(self.model_path))
+        if self.tp.size > 1 and not self._agree(int(dtype == torch.bfloat16)):  # bf16 only if every rank measured it
+            dtype, why = torch.float32, f"{why}; not on every rank"
         logger.info("--dtype auto: %s (%s)", str(dtype).removeprefix("torch."), why)
         return dtype
+
+    def _agree(self, value: int) -> int:
+        """The smallest of every rank's value: ranks plan in lockstep, so they must size alike."""
+        if self.tp.size == 1:
+            return value
+        t = torch.tensor([value], dtype=torch.int64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.tp.group)
+        return int(t.item())
 
     def _load_draft_model(self):
         """STANDALONE speculation: the draft model, which must share the target's vocabulary."""
@@ -77,9 +88,13 @@ class ModelRunner:
     def _kv_capacity(self) -> int:
         if self.args.max_total_tokens:
             return self.args.max_total_tokens
+        return self._agree(self._kv_capacity_here())
+
+    def _kv_capacity_here(self) -> int:
         per_token = 0
         for cfg in (self.config, *([self.draft_model.cfg] if self.draft_model is not None else [])):
-            per_token += KVPool.bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.dtype)
+            per_token += KVPool.bytes_per_token(cfg.num_layers, cfg.num_kv_heads // self.tp.size, cfg.head_dim,
+                                                self.dtype)
         if self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
             budget = free * (self.args.mem_fraction_static or _GPU_KV_MEM_FRACTION)

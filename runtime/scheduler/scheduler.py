@@ -11,6 +11,7 @@ import os
 import signal
 import time
 
+import torch
 import zmq
 
 from tandem.ipc.messages import (AbortReq, ChildError, FinishReason, FlushCacheReply, FlushCacheReq,
@@ -21,6 +22,7 @@ from tandem.runtime.grammar.backend import GrammarBackend
 from tandem.runtime.launcher import ParentWatch
 from tandem.runtime.model.forward_batch import ForwardMode
 from tandem.runtime.model.runner import ModelRunner
+from tandem.runtime.model.tensor_parallel import SINGLE, init_tensor_parallel
 from tandem.runtime.sampling.penalties import PenaltyCounts
 from tandem.runtime.scheduler.batch import BatchContext, ScheduleBatch
 from tandem.runtime.scheduler.forward_worker import ForwardWorker, GenerationBatchResult, reserve_intra_op_threads
@@ -33,6 +35,7 @@ from tandem.runtime.scheduler.req_rows import ReqRows
 from tandem.runtime.scheduler.request import Req
 from tandem.runtime.scheduler.result_processor import FinishChecker, apply_new_tokens
 from tandem.runtime.scheduler.stats import StepStats
+from tandem.runtime.scheduler.tp_sync import ControlSync
 from tandem.runtime.scheduler.watchdog import Watchdog
 from tandem.runtime.server_args import ServerArgs
 from tandem.runtime.speculative.drafter import Drafter, NgramDrafter
@@ -70,12 +73,19 @@ def make_drafter(args: ServerArgs, runner: ModelRunner) -> Drafter | None:
 
 
 class Scheduler:
-    def __init__(self, args: ServerArgs, addrs: IPCAddresses, watch: ParentWatch | None = None) -> None:
+    def __init__(self, args: ServerArgs, addrs: IPCAddresses, watch: ParentWatch | None = None,
+                 tp_rank: int = 0) -> None:
         self.args = args
         self.watch = watch
         self.overlap = not args.disable_overlap_schedule
         intra_op_threads = reserve_intra_op_threads()  # before the model loads: see its docstring
-        self.runner = runner = ModelRunner(args)
+        tp, self.sync = SINGLE, None
+        if args.tp_size > 1:  # rank 0 leads: it alone talks to the other processes (tp_sync.py)
+            tp, control = init_tensor_parallel(tp_rank, args.tp_size, args.dist_init_addr,
+                                               torch.device(args.resolved_device()))
+            self.sync = ControlSync(tp_rank, control)
+        self.is_leader = tp.rank == 0
+        self.runner = runner = ModelRunner(args, tp)
         self.tokenizer = load_tokenizer(args.tokenizer_path or args.model_path)
         eos = set(runner.config.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
@@ -97,7 +107,7 @@ class Scheduler:
         self.streamer = OutputStreamer(args.stream_interval)
         self.grammar: GrammarBackend | None = None
         self.grammar_queue: GrammarQueue | None = None
-        if args.grammar_backend == "xgrammar":
+        if args.grammar_backend == "xgrammar" and args.tp_size == 1:  # compile times differ across ranks
             self.grammar = GrammarBackend(self.tokenizer, runner.config.vocab_size,
                                           any_whitespace=not args.constrained_json_disable_any_whitespace)
             self.grammar_queue = GrammarQueue(self.grammar, args.grammar_compile_timeout, think_end_ids)
@@ -105,9 +115,11 @@ class Scheduler:
         self._arrivals = 0
         self._flush_pending: list[int] = []  # flush requests waiting for no step in flight
         self.ctx = zmq.Context(2)
-        self.recv_sock = bind_pull(self.ctx, addrs.tokenizer_to_scheduler)
-        self.detok_sock = connect_push(self.ctx, addrs.scheduler_to_detokenizer)
-        self.reply_sock = connect_push(self.ctx, addrs.scheduler_to_tokenizer)
+        self.recv_sock = self.detok_sock = self.reply_sock = None
+        if self.is_leader:
+            self.recv_sock = bind_pull(self.ctx, addrs.tokenizer_to_scheduler)
+            self.detok_sock = connect_push(self.ctx, addrs.scheduler_to_detokenizer)
+            self.reply_sock = connect_push(self.ctx, addrs.scheduler_to_tokenizer)
 
     # -- the loop -----------------------------------------------------------------------------------
     def event_loop(self) -> None:
@@ -161,16 +173,23 @@ class Scheduler:
         self.stats.record_grammar_fill(time.perf_counter() - t0, len(matchers))
 
     def _receive(self, block_ms: int) -> None:
-        if not block_ms or self.recv_sock.poll(block_ms):
-            for msg in recv_all_nowait(self.recv_sock):
-                self._handle(msg)
+        msgs = []
+        if self.recv_sock is not None and (not block_ms or self.recv_sock.poll(block_ms)):
+            msgs = recv_all_nowait(self.recv_sock)
+        expired = self.planner.expired(time.monotonic())
+        if self.sync is not None:  # every rank takes rank 0's messages and rank 0's clock
+            msgs, rids = self.sync.share(msgs, [req.rid for req in expired])
+            timed_out = set(rids)
+            expired = [req for req in self.planner.waiting if req.rid in timed_out]
+        for msg in msgs:
+            self._handle(msg)
         if self.grammar_queue:
             ready, failed = self.grammar_queue.poll()
             for req in ready:
                 self.planner.add(req)
             for req, reason in failed:
                 self._end(req, reason)
-        for req in self.planner.expired(time.monotonic()):
+        for req in expired:
             timeout = self.args.request_timeout
             self._finish(req, FinishReason(type="abort", status_code=503, err_type="ServiceUnavailable",
                                            message=f"request waited longer than --request-timeout ({timeout} s)"))
@@ -187,12 +206,11 @@ class Scheduler:
                 self._end(req, reason)
         elif isinstance(msg, FlushCacheReq):
             if self.planner.has_work():
-                send(self.reply_sock, FlushCacheReply(req_id=msg.req_id, success=False,
-                                                      message="requests are still running"))
+                self._reply(FlushCacheReply(req_id=msg.req_id, success=False, message="requests are still running"))
             else:
                 self._flush_pending.append(msg.req_id)  # done once no step is in flight
         elif isinstance(msg, GetServerInfoReq):
-            send(self.reply_sock, GetServerInfoReply(req_id=msg.req_id, info=self.server_info()))
+            self._reply(GetServerInfoReply(req_id=msg.req_id, info=self.server_info()))
 
     def _add_request(self, msg: TokenizedGenerateReq) -> None:
         self._arrivals += 1
@@ -200,7 +218,9 @@ class Scheduler:
         error = self.planner.admission_error(req)
         if error is None and req.sampling_params.constraint is not None and self.grammar_queue is None:
             error = FinishReason(type="abort", status_code=400, err_type="BadRequest",
-                                 message="guided decoding is off on this server (--grammar-backend none)")
+                                 message="guided decoding is off on this server (--grammar-backend none)"
+                                 if self.args.grammar_backend == "none" else
+                                 "guided decoding is not available with --tp-size > 1")
         if error is not None:
             req.finished_reason = error
             self.streamer.add(req)
@@ -216,8 +236,7 @@ class Scheduler:
         if ok:
             self.kv.flush()
         for req_id in req_ids:
-            send(self.reply_sock, FlushCacheReply(req_id=req_id, success=ok,
-                                                  message="" if ok else "requests are still running"))
+            self._reply(FlushCacheReply(req_id=req_id, success=ok, message="" if ok else "requests are still running"))
 
     # -- results ---------------------------------------------------------------------------------------
     def _process(self, batch: ScheduleBatch) -> float:
@@ -274,8 +293,12 @@ class Scheduler:
 
     def _stream(self) -> None:
         out = self.streamer.build()
-        if out is not None:
+        if out is not None and self.is_leader:
             send(self.detok_sock, out)
+
+    def _reply(self, msg) -> None:
+        if self.is_leader:
+            send(self.reply_sock, msg)
 
     # -- visibility ---------------------------------------------------------------------------------------
     def server_info(self) -> dict:
@@ -305,13 +328,14 @@ class Scheduler:
             self.stats.maybe_log_decode(len(self.planner.running), used, usage, len(self.planner.waiting), self.overlap)
 
 
-def run_scheduler_process(args: ServerArgs, addrs: IPCAddresses, watch: ParentWatch) -> None:
-    """Entry point of the spawned scheduler process."""
-    logging.basicConfig(level=args.log_level.upper(), format="[%(asctime)s scheduler] %(message)s")
+def run_scheduler_process(args: ServerArgs, addrs: IPCAddresses, watch: ParentWatch, tp_rank: int = 0) -> None:
+    """Entry point of the spawned scheduler process (one per tensor-parallel rank)."""
+    name = "scheduler" if args.tp_size == 1 else f"scheduler TP{tp_rank}"
+    logging.basicConfig(level=args.log_level.upper(), format=f"[%(asctime)s {name}] %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the main process decides when we stop
     ctx = zmq.Context()
     try:
-        scheduler = Scheduler(args, addrs, watch)
+        scheduler = Scheduler(args, addrs, watch, tp_rank)
     except Exception as exc:
         logger.exception("scheduler failed to start")
         sock = connect_push(ctx, addrs.scheduler_to_tokenizer)
@@ -319,7 +343,8 @@ def run_scheduler_process(args: ServerArgs, addrs: IPCAddresses, watch: ParentWa
         sock.close(linger=1000)
         raise SystemExit(1)
     r = scheduler.runner
-    send(scheduler.reply_sock, ReadyMsg(role="scheduler", pid=os.getpid(), max_total_tokens=r.max_total_tokens,
-                                        context_len=r.context_len, vocab_size=r.config.vocab_size,
-                                        max_running_requests=r.max_running_requests))
+    if scheduler.is_leader:
+        send(scheduler.reply_sock, ReadyMsg(role="scheduler", pid=os.getpid(), max_total_tokens=r.max_total_tokens,
+                                            context_len=r.context_len, vocab_size=r.config.vocab_size,
+                                            max_running_requests=r.max_running_requests))
     scheduler.event_loop()

@@ -1,0 +1,96 @@
+"""Tensor parallelism at the model level: two gloo ranks (child processes) give TP=1's greedy
+tokens and logits; the weight split and its refusals, without processes."""
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from tandem.runtime.model.bare_loop import BareLoop
+from tandem.runtime.model.config import ModelConfig
+from tandem.runtime.model.runner import ModelRunner
+from tandem.runtime.model.tensor_parallel import TensorParallel, check_divisible, shard_weights
+from tandem.runtime.server_args import ServerArgs
+
+PROMPTS = [list(range(300, 340)), list(range(500, 507)), [42]]
+
+RANK_SCRIPT = textwrap.dedent("""
+    import sys, torch
+    from tandem.runtime.model.bare_loop import BareLoop
+    from tandem.runtime.model.runner import ModelRunner
+    from tandem.runtime.model.tensor_parallel import init_tensor_parallel
+    from tandem.runtime.server_args import ServerArgs
+    path, addr, rank, out = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
+    tp, _ = init_tensor_parallel(rank, 2, addr, torch.device("cpu"))
+    args = ServerArgs(model_path=path, max_total_tokens=600, max_running_requests=4, dtype="float32", tp_size=2)
+    res = BareLoop(ModelRunner(args, tp)).generate({prompts}, 10, keep_logits=True)
+    if rank == 0:
+        torch.save({{"ids": res.output_ids, "logits": res.step_logits}}, out)
+""")
+
+
+def free_addr() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{s.getsockname()[1]}"
+
+
+def run_tp2(path: str, out: str) -> dict:
+    addr = free_addr()
+    script = RANK_SCRIPT.format(prompts=PROMPTS)
+    procs = [subprocess.Popen([sys.executable, "-c", script, path, addr, str(rank), out],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for rank in (0, 1)]
+    try:
+        logs = [p.communicate(timeout=240)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert all(p.returncode == 0 for p in procs), "\n".join(logs)[-3000:]
+    return torch.load(out)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # tied embeddings; an LM head and qkv bias
+def test_tp2_equals_tp1(tiny_model_dir, tmp_path, arch):
+    path = tiny_model_dir(arch)
+    ref = BareLoop(ModelRunner(ServerArgs(model_path=path, max_total_tokens=600, max_running_requests=4,
+                                          dtype="float32"))).generate(PROMPTS, 10, keep_logits=True)
+    got = run_tp2(path, str(tmp_path / "tp2.pt"))
+    assert got["ids"] == ref.output_ids
+    for a, b in zip(ref.step_logits, got["logits"]):
+        assert (a - b).abs().max().item() < 1e-4  # fp32; the all-reduce only reorders sums
+
+
+def test_shards_put_back_together_give_the_checkpoint():
+    cfg = ModelConfig.from_hf_dict({"architectures": ["LlamaForCausalLM"], "vocab_size": 8, "hidden_size": 4,
+                                    "intermediate_size": 6, "num_hidden_layers": 1, "num_attention_heads": 4,
+                                    "num_key_value_heads": 2, "head_dim": 1})
+    weights = {"layers.0.self_attn.qkv_proj.weight": torch.arange(8 * 4.).view(8, 4),
+               "layers.0.self_attn.o_proj.weight": torch.arange(16.).view(4, 4),
+               "layers.0.mlp.gate_up_proj.weight": torch.arange(48.).view(12, 4),
+               "layers.0.mlp.down_proj.weight": torch.arange(24.).view(4, 6),
+               "embed_tokens.weight": torch.arange(32.).view(8, 4), "norm.weight": torch.ones(4)}
+    shards = [shard_weights(weights, cfg, TensorParallel(rank, 2)) for rank in (0, 1)]
+    qkv = [s["layers.0.self_attn.qkv_proj.weight"] for s in shards]
+    # rank r: query heads 2r, 2r+1 (rows 0-3 are q), KV head r of k (rows 4-5) and of v (rows 6-7)
+    assert torch.equal(qkv[1], weights["layers.0.self_attn.qkv_proj.weight"][[2, 3, 5, 7]])
+    gate_up = [s["layers.0.mlp.gate_up_proj.weight"] for s in shards]
+    assert torch.equal(gate_up[0], weights["layers.0.mlp.gate_up_proj.weight"][[0, 1, 2, 6, 7, 8]])
+    assert torch.equal(torch.cat([s["layers.0.mlp.down_proj.weight"] for s in shards], dim=1),
+                       weights["layers.0.mlp.down_proj.weight"])
+    assert torch.equal(torch.cat([s["embed_tokens.weight"] for s in shards]), weights["embed_tokens.weight"])
+    assert all(torch.equal(s["norm.weight"], weights["norm.weight"]) for s in shards)
+
+
+def test_uneven_heads_are_refused_naming_the_counts():
+    smollm2 = ModelConfig.from_hf_dict({"architectures": ["LlamaForCausalLM"], "vocab_size": 49152,
+                                        "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
+                                        "num_attention_heads": 9, "num_key_value_heads": 3})
+    with pytest.raises(ValueError, match=r"tp_size=2 does not divide the model's query heads and KV heads "
+                                         r"\(it has 9 query heads, 3 KV heads"):
+        check_divisible(smollm2, 2)
+    check_divisible(smollm2, 3)
