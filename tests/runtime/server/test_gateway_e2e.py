@@ -1,7 +1,9 @@
 """tandem workers behind the real SGLang Model Gateway (`smg launch`, from PyPI): two workers
 over HTTP, and separately one over gRPC. 64 concurrent OpenAI chats through each gateway all
 succeed, a client that disconnects through the gateway aborts the worker's request, and the
-gateway's load view shows the workers' loads."""
+gateway's load view shows the workers' loads. Data parallelism is this deployment: a
+cache-aware gateway over the two HTTP workers keeps each prompt family on one worker and uses
+both."""
 from __future__ import annotations
 
 import json
@@ -59,12 +61,16 @@ def deployment(tmp_path_factory, tiny_model_dir):
         started.append(grpc_worker)
         http_gw = Gateway([w.url for w in http_workers], str(logs / "smg_http.log"))
         started.append(http_gw)
+        cache_gw = Gateway([w.url for w in http_workers], str(logs / "smg_cache.log"), policy="cache_aware")
+        started.append(cache_gw)
+        cache_gw.wait_ready()
         grpc_gw = Gateway([f"grpc://127.0.0.1:{grpc_port}"], str(logs / "smg_grpc.log"))
         started.append(grpc_gw)
         http_gw.model, grpc_gw.model = wait_for_chat(http_gw), wait_for_chat(grpc_gw)
         wait_for_loads(http_gw, len(http_workers))
         wait_for_loads(grpc_gw, 1)
-        yield {"http": (http_gw, http_workers), "grpc": (grpc_gw, [grpc_worker])}
+        yield {"http": (http_gw, http_workers), "grpc": (grpc_gw, [grpc_worker]),
+               "cache_aware": (cache_gw, http_workers)}
     finally:
         for handle in reversed(started):
             handle.stop()
@@ -110,3 +116,30 @@ def test_disconnects_through_the_gateway_abort_and_loads_show_them(deployment, k
         resp.close()
     for w in workers:
         assert_no_leaks(w)  # the gateway closed its worker connections, and the workers aborted
+
+
+def finished_requests(worker) -> float:
+    """The worker's sglang:num_requests counter, all finish types together."""
+    lines = worker.get("/metrics").text.splitlines()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith("sglang:num_requests_total"))
+
+
+def test_cache_aware_gateway_is_data_parallel(deployment):
+    """Two prompt families (long distinct prefixes), 32 requests each, all at once: the gateway
+    sends each family to one worker (cache affinity) and both workers serve."""
+    gateway, workers = deployment["cache_aware"]
+    families = ["Pirate log. " * 40, "Court record, sealed. " * 25]
+    before = [finished_requests(w) for w in workers]
+    for family in families:  # one each first: the gateway learns which worker holds which prefix
+        assert requests.post(gateway.url + "/generate", timeout=120, json={
+            "text": family, "sampling_params": {"max_new_tokens": 2, "temperature": 0}}).status_code == 200
+
+    def generate(i: int) -> int:
+        return requests.post(gateway.url + "/generate", timeout=300, json={
+            "text": families[i % 2] + f"Entry {i}.", "sampling_params": {"max_new_tokens": 4, "temperature": 0}}
+        ).status_code
+
+    with ThreadPoolExecutor(64) as pool:
+        assert list(pool.map(generate, range(64))) == [200] * 64
+    served = sorted(finished_requests(w) - b for w, b in zip(workers, before))
+    assert served == [33, 33], served  # 32 + the first of its family on each: both used, no family split

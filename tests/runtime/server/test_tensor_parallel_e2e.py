@@ -64,6 +64,21 @@ def test_tp2_n_samples_and_cache_hits(tp_servers):
     assert [o["output_ids"] for o in again] == [o["output_ids"] for o in first]
 
 
+def test_tp2_under_forced_retraction_gives_the_same_tokens(tp_servers, tiny_model_dir, tmp_path):
+    """Every rank retracts and requeues alike (the same planner on the same inputs)."""
+    server = start_server(["--model-path", tiny_model_dir("llama"), "--max-total-tokens", "4000", "--tp-size", "2"],
+                          str(tmp_path / "retract.log"), env={"TANDEM_TEST_RETRACT": "1"})
+    try:
+        retracting = _serve_all(server)
+        assert server.info()["num_retractions"] > 0
+    finally:
+        server.stop()
+    for a, b in zip(_serve_all(tp_servers[0]), retracting):
+        assert a["output_ids"] == b["output_ids"]
+        assert [x[0] for x in a["meta_info"]["output_token_logprobs"]] == \
+               pytest.approx([x[0] for x in b["meta_info"]["output_token_logprobs"]], abs=1e-4)
+
+
 def test_tp2_refuses_guided_decoding_by_name(tp_servers):
     resp = tp_servers[1].post("/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 4,
                                                                               "regex": "[a-z]+"}})
