@@ -13,7 +13,7 @@ KV heads, the intermediate size and the vocabulary is refused, naming the counts
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
 
 import torch
 import torch.distributed as dist
@@ -21,22 +21,28 @@ import torch.distributed as dist
 from tandem.runtime.model.config import ModelConfig
 
 
-@dataclass(frozen=True)
 class TensorParallel:
-    rank: int = 0
-    size: int = 1
-    group: object | None = None  # the model's process group (the forward thread's collectives)
+    """This rank's place in the job, and the host time its model collectives took (`comm_s`:
+    the whole exchange with gloo, only the launch with NCCL, which runs asynchronously)."""
+
+    def __init__(self, rank: int = 0, size: int = 1, group: object | None = None) -> None:
+        self.rank, self.size, self.group = rank, size, group
+        self.comm_s = 0.0
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.size > 1:
+            t0 = time.perf_counter()
             dist.all_reduce(x, group=self.group)
+            self.comm_s += time.perf_counter() - t0
         return x
 
     def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
         if self.size == 1:
             return x
+        t0 = time.perf_counter()
         parts = [torch.empty_like(x) for _ in range(self.size)]
         dist.all_gather(parts, x.contiguous(), group=self.group)
+        self.comm_s += time.perf_counter() - t0
         return torch.cat(parts, dim=-1)
 
 

@@ -79,6 +79,8 @@ class Scheduler:
         self.watch = watch
         self.overlap = not args.disable_overlap_schedule
         intra_op_threads = reserve_intra_op_threads()  # before the model loads: see its docstring
+        if args.resolved_device() == "cpu":  # this node's ranks share its cores
+            intra_op_threads = max(1, intra_op_threads // (args.tp_size // args.nnodes))
         tp, self.sync = SINGLE, None
         if args.tp_size > 1:  # rank 0 leads: it alone talks to the other processes (tp_sync.py)
             tp, control = init_tensor_parallel(tp_rank, args.tp_size, args.dist_init_addr,
@@ -315,6 +317,8 @@ class Scheduler:
             "num_grammar_queue_reqs": len(self.grammar_queue or ()),
             "overlap_schedule": self.overlap,
             "num_retractions": self.planner.num_retractions,
+            **({"tp_size": self.runner.tp.size, "tp_comm_s": round(self.runner.tp.comm_s, 4)}
+               if self.runner.tp.size > 1 else {}),
             **self.stats.info(),
         }
 

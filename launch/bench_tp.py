@@ -1,0 +1,71 @@
+"""`tandem bench tp`: the same offline workload through the engine at each --tp-size, side by
+side, with the time the model's collectives (all-reduce, logits all-gather) took per step.
+
+On a CPU the ranks share the node's cores (each takes cores / ranks intra-op threads), so TP
+there buys memory per rank, not speed: the table shows what the communication costs."""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from typing import Any
+
+from tandem.launch.bench_offline import _greedy, machine_info, make_workload, model_vocab
+
+
+def run_tp(args: argparse.Namespace, tp_size: int, prompts: list[list[int]], out_lens: list[int]) -> dict[str, Any]:
+    from tandem.runtime.engine import Engine
+
+    with Engine(args.model_path, dtype=args.dtype, tp_size=tp_size, max_total_tokens=args.max_total_tokens,
+                log_level="warning") as engine:
+        engine.generate(input_ids=prompts[:2], sampling_params=[_greedy(4)] * 2)  # warm-up
+        engine.flush_cache()
+        before = engine.server_info()
+        t0 = time.perf_counter()
+        outs = engine.generate(input_ids=prompts, sampling_params=[_greedy(n) for n in out_lens])
+        seconds = time.perf_counter() - t0
+        after = engine.server_info()
+    tokens = sum(o["meta_info"]["completion_tokens"] for o in outs)
+    steps = after["num_steps"] - before["num_steps"]
+    comm_s = after.get("tp_comm_s", 0.0) - before.get("tp_comm_s", 0.0)
+    return {"tp_size": tp_size, "output_tokens": tokens, "seconds": round(seconds, 3),
+            "tok_s": round(tokens / seconds, 2), "steps": steps,
+            "comm_ms_per_step": round(1e3 * comm_s / steps, 3) if steps else 0.0,
+            "comm_share": round(comm_s / seconds, 4)}
+
+
+def format_table(rows: list[dict[str, Any]]) -> str:
+    base = rows[0]["tok_s"]
+    lines = [f"{'tp':>3} {'tok/s':>9} {'seconds':>9} {'steps':>6} {'comm ms/step':>13} {'comm share':>11} {'vs first':>9}"]
+    for r in rows:
+        lines.append(f"{r['tp_size']:>3} {r['tok_s']:>9.1f} {r['seconds']:>9.2f} {r['steps']:>6} "
+                     f"{r['comm_ms_per_step']:>13.3f} {100 * r['comm_share']:>10.1f}% {r['tok_s'] / base:>8.2f}x")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="tandem bench tp", description=__doc__)
+    parser.add_argument("--model-path", default=None, help="default the embedded SmolLM2 (its heads split by 3 only)")
+    parser.add_argument("--tp-sizes", type=int, nargs="+", default=[1, 3])
+    parser.add_argument("--num-seqs", type=int, default=32)
+    parser.add_argument("--min-len", type=int, default=32)
+    parser.add_argument("--max-len", type=int, default=256)
+    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--max-total-tokens", type=int, default=20000)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--output-file", default=None)
+    args = parser.parse_args(argv)
+    wl = make_workload(args.num_seqs, args.min_len, args.max_len, model_vocab(args.model_path), args.seed,
+                       args.output_len)
+    print(f"#seqs: {args.num_seqs}  #output tokens: {wl.output_tokens}  dtype: {args.dtype}  {machine_info()}")
+    rows = [run_tp(args, tp, wl.prompts, wl.output_lens) for tp in args.tp_sizes]
+    print(format_table(rows))
+    if args.output_file:
+        with open(args.output_file, "w") as f:
+            json.dump({"machine": machine_info(), "rows": rows}, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
