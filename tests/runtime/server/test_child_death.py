@@ -65,8 +65,10 @@ def _stream_events(server, body: dict, out: list) -> None:
 
 
 def test_sigterm_drains_then_exits_zero(tmp_path, tiny_model_dir):
+    # every step sleeps 10 ms: the 1500-token requests outlast the 3 s grace period on any machine
     server = start_server(["--model-path", tiny_model_dir("llama"), "--max-total-tokens", "4000",
-                           "--graceful-shutdown-timeout", "3"], str(tmp_path / "server.log"))
+                           "--graceful-shutdown-timeout", "3"], str(tmp_path / "server.log"),
+                          env={"TANDEM_TEST_FORWARD_HANG": "0.01"})
     try:
         pids = server.info()
         long_sp = {"max_new_tokens": 1500, "temperature": 0, "ignore_eos": True}

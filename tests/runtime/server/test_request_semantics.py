@@ -227,7 +227,7 @@ def test_priority_preemption_requeues_the_running_request(tmp_path, tiny_model_d
 
     server = start_server(["--model-path", tiny_model_dir("llama"), "--max-total-tokens", "4000",
                            "--max-running-requests", "1", "--enable-priority-scheduling", "--priority-preemption"],
-                          str(tmp_path / "pp.log"))
+                          str(tmp_path / "pp.log"), env={"TANDEM_TEST_FORWARD_HANG": "0.01"})  # low runs >= 3 s
     try:
         low_body = {"input_ids": [9] * 5, "rid": "low", "priority": 0,
                     "sampling_params": {"max_new_tokens": 300, "temperature": 0, "ignore_eos": True}}
