@@ -51,7 +51,7 @@ class Core:
                                    sampling_params=SamplingParams(**{"max_new_tokens": max_new_tokens,
                                                                      "ignore_eos": True, **sp}),
                                    priority=priority, logprob=logprob, return_hidden_states=return_hidden_states)
-        req = Req.from_message(msg, arrival)
+        req = Req.from_message(msg, arrival, default_seed=arrival)
         assert self.planner.admission_error(req) is None
         self.planner.add(req)
         return req

@@ -7,7 +7,6 @@ OutputStreamer.
 """
 from __future__ import annotations
 
-import random
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -76,9 +75,11 @@ class Req:
     sent_hidden_len: int = 0
 
     @staticmethod
-    def from_message(msg: TokenizedGenerateReq, arrival_seq: int) -> "Req":
+    def from_message(msg: TokenizedGenerateReq, arrival_seq: int, default_seed: int) -> "Req":
+        """`default_seed`: the seed when the request names none (the scheduler draws it from an RNG
+        seeded by --random-seed, in arrival order, so every tensor-parallel rank draws the same)."""
         sp = msg.sampling_params
-        seed = sp.sampling_seed if sp.sampling_seed is not None else random.getrandbits(63)
+        seed = sp.sampling_seed if sp.sampling_seed is not None else default_seed
         req = Req(rid=msg.rid, origin_input_ids=np.asarray(msg.input_ids).tolist(), sampling_params=sp,
                   stream=msg.stream, seed=seed, arrival_seq=arrival_seq, logprob=msg.logprob,
                   return_hidden_states=msg.return_hidden_states, priority=msg.priority or 0,

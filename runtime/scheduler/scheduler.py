@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import random
 import signal
 import time
 
@@ -115,6 +116,7 @@ class Scheduler:
             self.grammar_queue = GrammarQueue(self.grammar, args.grammar_compile_timeout, think_end_ids)
         self.watchdog = Watchdog(args.watchdog_timeout)
         self._arrivals = 0
+        self._seed_rng = random.Random(args.random_seed)  # seeds of seedless requests: alike on every TP rank
         self._flush_pending: list[int] = []  # flush requests waiting for no step in flight
         self.ctx = zmq.Context(2)
         self.recv_sock = self.detok_sock = self.reply_sock = None
@@ -216,7 +218,7 @@ class Scheduler:
 
     def _add_request(self, msg: TokenizedGenerateReq) -> None:
         self._arrivals += 1
-        req = Req.from_message(msg, self._arrivals)
+        req = Req.from_message(msg, self._arrivals, self._seed_rng.getrandbits(63))
         error = self.planner.admission_error(req)
         if error is None and req.sampling_params.constraint is not None and self.grammar_queue is None:
             error = FinishReason(type="abort", status_code=400, err_type="BadRequest",

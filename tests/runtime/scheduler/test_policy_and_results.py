@@ -18,7 +18,7 @@ def _req(seq: int, ids=(1, 2, 3), priority: int = 0, stream: bool = False, **sp)
     msg = TokenizedGenerateReq(rid=f"r{seq}", input_ids=np.asarray(ids, np.int32), sampling_params=SamplingParams(**sp),
                                stream=stream, priority=priority, created_time=0.0,
                                logprob=LogprobParams(return_logprob=True))
-    return Req.from_message(msg, seq)
+    return Req.from_message(msg, seq, default_seed=seq)
 
 
 def test_fcfs_priority_and_lpm_ordering():

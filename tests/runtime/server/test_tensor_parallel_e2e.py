@@ -43,6 +43,11 @@ def tp_servers(tiny_model_dir, tmp_path_factory):
 
 
 def test_tp2_gives_tp1_tokens_and_logprobs(tp_servers):
+    # first on both fresh servers, no seed: each scheduler draws its seeds from an RNG seeded by
+    # --random-seed in arrival order, so both ranks of TP=2 sample alike and match TP=1 (ranks
+    # with seeds of their own would feed different tokens into the shared hidden state)
+    sampled = {"input_ids": PROMPTS[2], "sampling_params": {"max_new_tokens": 16, "temperature": 1.0}}
+    assert tp_servers[1].generate(sampled)["output_ids"] == tp_servers[0].generate(sampled)["output_ids"]
     tp1, tp2 = (_serve_all(server) for server in tp_servers)
     for a, b in zip(tp1, tp2):
         assert a["output_ids"] == b["output_ids"]
