@@ -58,3 +58,16 @@ def test_reasoning_parser_names():
     assert _cli(["--reasoning-parser", "deepseek-r1"]).reasoning_parser == "deepseek-r1"
     with pytest.raises(ValueError, match="reasoning_parser='r2'"):
         ServerArgs(reasoning_parser="r2")
+
+
+def test_parallelism_flags():
+    args = _cli(["--tp-size", "4", "--nnodes", "2", "--node-rank", "1", "--dist-init-addr", "10.0.0.1:5000"])
+    assert (args.tp_size, args.nnodes, args.node_rank, args.dist_init_addr) == (4, 2, 1, "10.0.0.1:5000")
+    for bad, fragment in [({"tp_size": 3, "nnodes": 2, "dist_init_addr": "h:1"}, "tp_size=3 must be a multiple of nnodes=2"),
+                          ({"tp_size": 2, "nnodes": 2}, "dist_init_addr (HOST:PORT on node 0) is needed"),
+                          ({"node_rank": 1}, "node_rank=1"),
+                          ({"dist_init_addr": "host"}, "dist_init_addr='host'"),
+                          ({"tp_size": 2, "speculative_algorithm": "NGRAM"},
+                           "speculative_algorithm=NGRAM is not available with tp_size=2")]:
+        with pytest.raises(ValueError, match=fragment.replace("(", r"\(").replace(")", r"\)")):
+            ServerArgs(**bad)
