@@ -60,12 +60,12 @@ def test_prefill_only_and_not_asked(tiny_server, hf_tiny):
 def test_streaming_hidden_states_stay_aligned_with_tokens(tiny_server):
     resp = requests.post(tiny_server.url + "/generate", stream=True, timeout=120, json={
         "input_ids": PROMPT, "return_hidden_states": True, "stream": True,
-        "sampling_params": {"max_new_tokens": 9, "temperature": 0, "ignore_eos": True}})
+        "sampling_params": {"max_new_tokens": 120, "temperature": 0, "ignore_eos": True}})  # enough for >1 chunk
     chunks = [orjson.loads(line[6:]) for line in resp.iter_lines() if line and line != b"data: [DONE]"]
     assert len(chunks) >= 2
     for c in chunks:
         assert len(c["meta_info"]["hidden_states"]) == len(c["output_ids"])
-    assert len(chunks[-1]["output_ids"]) == 9
+    assert len(chunks[-1]["output_ids"]) == 120
 
 
 def test_n_choices_and_batches_each_get_their_rows(tiny_server):
