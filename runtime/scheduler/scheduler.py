@@ -180,11 +180,9 @@ class Scheduler:
         msgs = []
         if self.recv_sock is not None and (not block_ms or self.recv_sock.poll(block_ms)):
             msgs = recv_all_nowait(self.recv_sock)
-        expired = self.planner.expired(time.monotonic())
+        expired_rids = [req.rid for req in self.planner.expired(time.monotonic())]
         if self.sync is not None:  # every rank takes rank 0's messages and rank 0's clock
-            msgs, rids = self.sync.share(msgs, [req.rid for req in expired])
-            timed_out = set(rids)
-            expired = [req for req in self.planner.waiting if req.rid in timed_out]
+            msgs, expired_rids = self.sync.share(msgs, expired_rids)
         for msg in msgs:
             self._handle(msg)
         if self.grammar_queue:
@@ -193,7 +191,8 @@ class Scheduler:
                 self.planner.add(req)
             for req, reason in failed:
                 self._end(req, reason)
-        for req in expired:
+        timed_out = set(expired_rids)
+        for req in [req for req in self.planner.waiting if req.rid in timed_out]:  # not aborted meanwhile
             timeout = self.args.request_timeout
             self._finish(req, FinishReason(type="abort", status_code=503, err_type="ServiceUnavailable",
                                            message=f"request waited longer than --request-timeout ({timeout} s)"))

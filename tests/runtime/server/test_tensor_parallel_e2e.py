@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import psutil
@@ -82,6 +83,27 @@ def test_tp2_under_forced_retraction_gives_the_same_tokens(tp_servers, tiny_mode
         assert a["output_ids"] == b["output_ids"]
         assert [x[0] for x in a["meta_info"]["output_token_logprobs"]] == \
                pytest.approx([x[0] for x in b["meta_info"]["output_token_logprobs"]], abs=1e-4)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_request_timeout_uses_rank0s_clock(tiny_model_dir, tmp_path, tp):
+    """A request that waits past --request-timeout gets a 503 (under TP on every rank alike: rank
+    0's clock decides); the blocker is untouched (each step sleeps 10 ms: it runs for seconds)."""
+    server = start_server(["--model-path", tiny_model_dir("llama"), "--max-total-tokens", "4000", "--tp-size", str(tp),
+                           "--max-running-requests", "1", "--request-timeout", "1"], str(tmp_path / "timeout.log"),
+                          env={"TANDEM_TEST_FORWARD_HANG": "0.01"})
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            blocker = pool.submit(server.post, "/generate", {"input_ids": [5] * 4, "sampling_params": {
+                "max_new_tokens": 300, "temperature": 0, "ignore_eos": True}})
+            while server.info()["num_running_reqs"] < 1:
+                time.sleep(0.05)
+            waiting = server.post("/generate", {"input_ids": [6] * 4, "sampling_params": {"max_new_tokens": 4}})
+            assert waiting.status_code == 503 and "request-timeout" in waiting.text
+            assert blocker.result(60).status_code == 200
+            assert len(blocker.result().json()["output_ids"]) == 300
+    finally:
+        server.stop()
 
 
 def test_tp2_refuses_guided_decoding_by_name(tp_servers):
