@@ -8,11 +8,13 @@ busy or idle. Whoever outlives the main process removes the IPC directory.
 from __future__ import annotations
 
 import ctypes
+import logging
 import multiprocessing as mp
 import os
 import signal
 import socket
 import sys
+import time
 from multiprocessing.process import BaseProcess
 
 from tandem.ipc.sockets import IPCAddresses
@@ -111,9 +113,6 @@ def run_scheduler_node(args: ServerArgs) -> int:
     """Nodes other than 0 (--node-rank > 0): this node's scheduler ranks and nothing else. Returns
     when one of them dies (1: a dead rank ends the job; its peers' collectives fail on every
     node) or on SIGTERM / SIGINT (0)."""
-    import logging
-    import time
-
     addrs = IPCAddresses.fresh()  # unused sockets: only rank 0 talks to a tokenizer manager
     procs = spawn_children(args, addrs)
     stopping: list[int] = []
