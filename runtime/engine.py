@@ -21,6 +21,9 @@ _STREAM_END = object()
 class Engine:
     def __init__(self, model_path: str | None = None, **server_args: Any) -> None:
         self.args = ServerArgs(model_path=model_path, **server_args)
+        if self.args.node_rank > 0:
+            raise ValueError(f"node_rank={self.args.node_rank}: nodes other than 0 run scheduler ranks only; "
+                             f"start them with `tandem serve`, and the Engine on node 0")
         try:
             import uvloop
 
