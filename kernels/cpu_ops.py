@@ -44,9 +44,10 @@ def load_cpu_ops() -> object | None:
     from torch.utils import cpp_extension
 
     csrc = os.path.join(os.path.dirname(__file__), "csrc")
-    paths = [os.path.join(csrc, name) for name in _SOURCES]
+    sources = [os.path.join(csrc, name) for name in _SOURCES]
+    headers = [os.path.join(csrc, name) for name in _HEADERS]
     try:
-        cpp_extension.load(name=_build_name(paths + [os.path.join(csrc, h) for h in _HEADERS]), sources=paths, extra_cflags=_CFLAGS,
+        cpp_extension.load(name=_build_name(sources + headers), sources=sources, extra_cflags=_CFLAGS,
                            extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
     except Exception as exc:  # noqa: BLE001 - no compiler, no ninja, a broken toolchain: keep the torch path
         logger.warning("CPU ops not built (%s: %s); the model keeps torch's ops (gather + SDPA for decode)",

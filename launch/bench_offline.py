@@ -82,25 +82,40 @@ def _greedy(n: int) -> dict[str, Any]:
 # ---------------------------------------------------------------- the systems
 
 
-def run_engine(args: argparse.Namespace, wl: Workload, overlap: bool) -> SystemResult:
+@dataclass
+class TimedRun:
+    seconds: float
+    before: dict[str, Any]  # server_info just before the timed run
+    after: dict[str, Any]  # and just after
+
+
+def timed_engine_run(wl: Workload, model_path: str | None, **server_args: Any) -> TimedRun:
+    """The workload, greedy, through an Engine: a warm-up, a cache flush (the timed run must not
+    hit the warm-up's prefixes), then the timed run between two server_info reads."""
     from tandem.runtime.engine import Engine
 
-    with Engine(args.model_path, dtype=args.dtype, max_total_tokens=args.max_total_tokens,
-                max_running_requests=args.max_running_requests, disable_overlap_schedule=not overlap,
-                log_level="warning") as engine:
-        engine.generate(input_ids=wl.prompts[:2], sampling_params=[_greedy(4)] * 2)  # warm-up
-        engine.flush_cache()  # the timed run must not hit the warm-up's prefixes
+    with Engine(model_path, log_level="warning", **server_args) as engine:
+        engine.generate(input_ids=wl.prompts[:2], sampling_params=[_greedy(4)] * 2)
+        engine.flush_cache()
         before = engine.server_info()
         t0 = time.perf_counter()
         outs = engine.generate(input_ids=wl.prompts, sampling_params=[_greedy(n) for n in wl.output_lens])
         seconds = time.perf_counter() - t0
-        info = engine.server_info()
+        after = engine.server_info()
     tokens = sum(o["meta_info"]["completion_tokens"] for o in outs)
     if tokens != wl.output_tokens:
         raise RuntimeError(f"engine produced {tokens} output tokens, expected {wl.output_tokens}")
+    return TimedRun(seconds, before, after)
+
+
+def run_engine(args: argparse.Namespace, wl: Workload, overlap: bool) -> SystemResult:
+    run = timed_engine_run(wl, args.model_path, dtype=args.dtype, max_total_tokens=args.max_total_tokens,
+                           max_running_requests=args.max_running_requests, disable_overlap_schedule=not overlap)
+    info = run.after
     keep = {k: info.get(k) for k in ("step_time_median_ms", "step_time_p99_ms", "num_steps", "num_retractions")}
     name = "tandem (overlap on)" if overlap else "tandem (overlap off)"
-    return SystemResult(name, tokens, seconds, tokens, idle_in_window(before, info), keep)
+    tokens = wl.output_tokens
+    return SystemResult(name, tokens, run.seconds, tokens, idle_in_window(run.before, info), keep)
 
 
 def run_guided(args: argparse.Namespace, wl: Workload, schema: str) -> tuple[SystemResult, SystemResult, Any]:

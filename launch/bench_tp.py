@@ -7,31 +7,21 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 from typing import Any
 
-from tandem.launch.bench_offline import _greedy, machine_info, make_workload, model_vocab
+from tandem.launch.bench_offline import Workload, machine_info, make_workload, model_vocab, timed_engine_run
 
 
-def run_tp(args: argparse.Namespace, tp_size: int, prompts: list[list[int]], out_lens: list[int]) -> dict[str, Any]:
-    from tandem.runtime.engine import Engine
-
-    with Engine(args.model_path, dtype=args.dtype, tp_size=tp_size, max_total_tokens=args.max_total_tokens,
-                log_level="warning") as engine:
-        engine.generate(input_ids=prompts[:2], sampling_params=[_greedy(4)] * 2)  # warm-up
-        engine.flush_cache()
-        before = engine.server_info()
-        t0 = time.perf_counter()
-        outs = engine.generate(input_ids=prompts, sampling_params=[_greedy(n) for n in out_lens])
-        seconds = time.perf_counter() - t0
-        after = engine.server_info()
-    tokens = sum(o["meta_info"]["completion_tokens"] for o in outs)
+def run_tp(args: argparse.Namespace, tp_size: int, wl: Workload) -> dict[str, Any]:
+    run = timed_engine_run(wl, args.model_path, dtype=args.dtype, tp_size=tp_size,
+                           max_total_tokens=args.max_total_tokens)
+    before, after = run.before, run.after
     steps = after["num_steps"] - before["num_steps"]
     comm_s = after.get("tp_comm_s", 0.0) - before.get("tp_comm_s", 0.0)
-    return {"tp_size": tp_size, "output_tokens": tokens, "seconds": round(seconds, 3),
-            "tok_s": round(tokens / seconds, 2), "steps": steps,
+    return {"tp_size": tp_size, "output_tokens": wl.output_tokens, "seconds": round(run.seconds, 3),
+            "tok_s": round(wl.output_tokens / run.seconds, 2), "steps": steps,
             "comm_ms_per_step": round(1e3 * comm_s / steps, 3) if steps else 0.0,
-            "comm_share": round(comm_s / seconds, 4)}
+            "comm_share": round(comm_s / run.seconds, 4)}
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:
@@ -59,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     wl = make_workload(args.num_seqs, args.min_len, args.max_len, model_vocab(args.model_path), args.seed,
                        args.output_len)
     print(f"#seqs: {args.num_seqs}  #output tokens: {wl.output_tokens}  dtype: {args.dtype}  {machine_info()}")
-    rows = [run_tp(args, tp, wl.prompts, wl.output_lens) for tp in args.tp_sizes]
+    rows = [run_tp(args, tp, wl) for tp in args.tp_sizes]
     print(format_table(rows))
     if args.output_file:
         with open(args.output_file, "w") as f:

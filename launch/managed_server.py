@@ -12,7 +12,6 @@ import json
 import os
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -21,17 +20,13 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
 
+from tandem.runtime.launcher import free_port  # re-exported: the gateway bench takes it from here
+
 STOP_GRACE_S = 10.0
 
 
 class BenchError(RuntimeError):
     """A failure that ends a benchmark with a message instead of a traceback."""
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _healthy(base_url: str) -> bool:

@@ -76,7 +76,7 @@ def spawn_children(args: ServerArgs, addrs: IPCAddresses) -> list[BaseProcess]:
     ctx = mp.get_context("spawn")
     me = os.getpid()
     if args.tp_size > 1 and args.dist_init_addr is None:  # one node: rendezvous on a free local port
-        args = args.replace(dist_init_addr=f"127.0.0.1:{_free_port()}")
+        args = args.replace(dist_init_addr=f"127.0.0.1:{free_port()}")
     procs = [ctx.Process(target=_scheduler_main, args=(args, addrs, me, rank), daemon=True,
                          name="tandem-scheduler" if args.tp_size == 1 else f"tandem-scheduler-tp{rank}")
              for rank in node_tp_ranks(args)]
@@ -103,10 +103,11 @@ def dead_child(procs: list[BaseProcess]) -> BaseProcess | None:
     return next((p for p in procs if not p.is_alive()), None)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        return int(s.getsockname()[1])
 
 
 def run_scheduler_node(args: ServerArgs) -> int:

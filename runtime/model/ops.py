@@ -73,7 +73,7 @@ class CpuOps:
 
     def add_rmsnorm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-        out, summed = self._ops.add_rmsnorm(x, residual, weight, eps)
+        out, summed = self._ops.add_rmsnorm(x, residual, weight, eps)  # the op returns a list
         return out, summed
 
     def rotary(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,

@@ -61,8 +61,9 @@ class ModelRunner:
         if self.args.dtype != "auto" or self.device.type != "cpu":
             return _DTYPES[self.args.resolved_dtype()]
         dtype, why = pick_cpu_dtype(load_config(self.model_path))
-        if self.tp.size > 1 and not self._agree(int(dtype == torch.bfloat16)):  # bf16 only if every rank measured it
-            dtype, why = torch.float32, f"{why}; not on every rank"
+        every_rank_bf16 = self._agree(int(dtype == torch.bfloat16))  # every rank calls it: a collective
+        if dtype == torch.bfloat16 and not every_rank_bf16:
+            dtype, why = torch.float32, f"{why}; bf16 not faster on every rank"
         logger.info("--dtype auto: %s (%s)", str(dtype).removeprefix("torch."), why)
         return dtype
 

@@ -80,14 +80,13 @@ class Scheduler:
         self.watch = watch
         self.overlap = not args.disable_overlap_schedule
         intra_op_threads = reserve_intra_op_threads()  # before the model loads: see its docstring
-        if args.resolved_device() == "cpu":  # this node's ranks share its cores
+        device = torch.device(args.resolved_device())
+        if device.type == "cpu":  # this node's ranks share its cores
             intra_op_threads = max(1, intra_op_threads // (args.tp_size // args.nnodes))
         tp, self.sync = SINGLE, None
         if args.tp_size > 1:  # rank 0 leads: it alone talks to the other processes (tp_sync.py)
-            tp, control = init_tensor_parallel(tp_rank, args.tp_size, args.dist_init_addr,
-                                               torch.device(args.resolved_device()))
+            tp, control = init_tensor_parallel(tp_rank, args.tp_size, args.dist_init_addr, device)
             self.sync = ControlSync(tp_rank, control)
-        self.is_leader = tp.rank == 0
         self.runner = runner = ModelRunner(args, tp)
         self.tokenizer = load_tokenizer(args.tokenizer_path or args.model_path)
         eos = set(runner.config.eos_token_ids)
@@ -124,6 +123,11 @@ class Scheduler:
             self.recv_sock = bind_pull(self.ctx, addrs.tokenizer_to_scheduler)
             self.detok_sock = connect_push(self.ctx, addrs.scheduler_to_detokenizer)
             self.reply_sock = connect_push(self.ctx, addrs.scheduler_to_tokenizer)
+
+    @property
+    def is_leader(self) -> bool:
+        """Rank 0 (or the only rank): the one that talks to the tokenizer manager and detokenizer."""
+        return self.runner.tp.rank == 0
 
     # -- the loop -----------------------------------------------------------------------------------
     def event_loop(self) -> None:
@@ -191,9 +195,14 @@ class Scheduler:
                 self.planner.add(req)
             for req, reason in failed:
                 self._end(req, reason)
-        timed_out = set(expired_rids)
-        for req in [req for req in self.planner.waiting if req.rid in timed_out]:  # not aborted meanwhile
-            timeout = self.args.request_timeout
+        self._expire(expired_rids)
+
+    def _expire(self, rids: list[str]) -> None:
+        """Finish the waiting requests the (rank 0's) clock timed out; one aborted since is skipped."""
+        if not rids:  # the common case: no scan of the waiting queue
+            return
+        timed_out, timeout = set(rids), self.args.request_timeout
+        for req in [req for req in self.planner.waiting if req.rid in timed_out]:
             self._finish(req, FinishReason(type="abort", status_code=503, err_type="ServiceUnavailable",
                                            message=f"request waited longer than --request-timeout ({timeout} s)"))
 
