@@ -1,6 +1,9 @@
 // Paged decode attention on CPU: each request's one query attends over its keys read straight
 // from the KV pool through its req_to_token row. No gather into a padded batch: every K/V row
-// is read once, in place, and each K/V head row once for its whole GQA group.
+// is read from memory once, in place, and each K/V head row serves its whole GQA group.
+//
+// Two paths, tested against the same float64 reference: an AVX-512 one for head dims of 64 and
+// 128 (the common ones), and a portable one for everything else and CPUs without AVX-512.
 #include <torch/library.h>
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -10,46 +13,79 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <limits>
 #include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
 using tandem_cpu::load;
+using tandem_cpu::store;
 
-// every head of one slot: its rows are contiguous, one cache line at a time
-template <typename kv_t>
+// every head of one slot: its rows are contiguous, one cache line at a time (kLevel: 3 = L1, 2 = L2, 1 = L3)
+template <int kLevel = 3, typename kv_t>
 inline void prefetch_slot(const kv_t* pool, int64_t slot, int64_t row_elems) {
   const char* row = reinterpret_cast<const char*>(pool + slot * row_elems);
-  for (int64_t byte = 0; byte < row_elems * int64_t(sizeof(kv_t)); byte += 64) __builtin_prefetch(row + byte);
+  for (int64_t byte = 0; byte < row_elems * int64_t(sizeof(kv_t)); byte += 64) __builtin_prefetch(row + byte, 0, kLevel);
 }
 
-// kD > 0: the head dim known at compile time, so the per-token loops unroll and the GQA group's
-// accumulators stay in registers; kD == 0: any head dim, read from `d_runtime`.
-template <typename kv_t, int64_t kD>
-void decode_attention_kernel(const float* q, const kv_t* k, const kv_t* v, const int64_t* req_to_token,
-                             int64_t row_stride, const int64_t* rows, const int64_t* seq_lens, float* out,
-                             int64_t bs, int64_t hq, int64_t hkv, int64_t d_runtime, float scale) {
+// Prefetches `count` slots into L2 spread evenly over `steps` calls of tick(), so a sequence's
+// next K or V arrives while the cores compute on what is already in cache.
+template <typename kv_t>
+struct SpreadPrefetch {
+  const kv_t* pool;
+  const int64_t* slots;
+  int64_t count, steps, row_elems, done = 0, step = 0;
+
+  void tick() {
+    const int64_t due = (count * ++step + steps - 1) / steps;
+    for (; done < std::min(due, count); ++done) prefetch_slot<1>(pool, slots[done], row_elems);
+  }
+};
+
+// softmax of each head's scores in place (row stride `stride`); returns 1 / sum per head
+inline void softmax_rows(float* scores, int64_t hq, int64_t n, int64_t stride, float* inv_sum) {
+  for (int64_t head = 0; head < hq; ++head) {
+    float* sh = scores + head * stride;
+    float m = -std::numeric_limits<float>::infinity();
+    for (int64_t t = 0; t < n; ++t) m = std::max(m, sh[t]);
+    float sum = 0.f;
+    for (int64_t t = 0; t < n; ++t) {
+      sh[t] = std::exp(sh[t] - m);
+      sum += sh[t];
+    }
+    inv_sum[head] = 1.f / sum;
+  }
+}
+
+// Portable path. kD > 0: the head dim known at compile time, so the per-token loops unroll;
+// kD == 0: any head dim, read from `d_runtime`.
+template <typename scalar_t, int64_t kD>
+void decode_attention_portable(const scalar_t* q, int64_t q_stride, const scalar_t* k, const scalar_t* v, const int64_t* req_to_token,
+                               int64_t row_stride, const int64_t* rows, const int64_t* seq_lens, scalar_t* out,
+                               int64_t bs, int64_t hq, int64_t hkv, int64_t d_runtime, float scale) {
   const int64_t d = kD > 0 ? kD : d_runtime;
   const int64_t group = hq / hkv;
   // one task per request, all its KV heads: a slot's K (or V) rows for every head are contiguous,
   // so each token costs one streak of cache lines, prefetched a few tokens ahead
   constexpr int64_t kPrefetch = 4;
   at::parallel_for(0, bs, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores, acc(hq * d), kf(d), inv_sum(hq);
+    std::vector<float> scores, acc(hq * d), kf(d), qf(hq * d), inv_sum(hq);
     for (int64_t b = begin; b < end; ++b) {
       const int64_t n = seq_lens[b];
       const int64_t* slots = req_to_token + rows[b] * row_stride;
-      const float* qb = q + b * hq * d;
+      for (int64_t i = 0; i < hq * d; ++i) qf[i] = load(q[b * q_stride + i]);
       scores.resize(hq * n);
       for (int64_t t = 0; t < n; ++t) {
         if (t + kPrefetch < n) prefetch_slot(k, slots[t + kPrefetch], hkv * d);
         for (int64_t h = 0; h < hkv; ++h) {
-          const kv_t* kt = k + (slots[t] * hkv + h) * d;
+          const scalar_t* kt = k + (slots[t] * hkv + h) * d;
           for (int64_t i = 0; i < d; ++i) kf[i] = load(kt[i]);
           for (int64_t g = 0; g < group; ++g) {
-            const float* qg = qb + (h * group + g) * d;
+            const float* qg = qf.data() + (h * group + g) * d;
             float s = 0.f;
 #pragma omp simd reduction(+ : s)
             for (int64_t i = 0; i < d; ++i) s += qg[i] * kf[i];
@@ -57,22 +93,12 @@ void decode_attention_kernel(const float* q, const kv_t* k, const kv_t* v, const
           }
         }
       }
-      for (int64_t head = 0; head < hq; ++head) {
-        float* sh = scores.data() + head * n;
-        float m = -std::numeric_limits<float>::infinity();
-        for (int64_t t = 0; t < n; ++t) m = std::max(m, sh[t]);
-        float sum = 0.f;
-        for (int64_t t = 0; t < n; ++t) {
-          sh[t] = std::exp(sh[t] - m);
-          sum += sh[t];
-        }
-        inv_sum[head] = 1.f / sum;
-      }
+      softmax_rows(scores.data(), hq, n, n, inv_sum.data());
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t t = 0; t < n; ++t) {
         if (t + kPrefetch < n) prefetch_slot(v, slots[t + kPrefetch], hkv * d);
         for (int64_t h = 0; h < hkv; ++h) {
-          const kv_t* vt = v + (slots[t] * hkv + h) * d;
+          const scalar_t* vt = v + (slots[t] * hkv + h) * d;
           for (int64_t i = 0; i < d; ++i) kf[i] = load(vt[i]);
           for (int64_t g = 0; g < group; ++g) {
             const float w = scores[(h * group + g) * n + t];
@@ -83,12 +109,163 @@ void decode_attention_kernel(const float* q, const kv_t* k, const kv_t* v, const
         }
       }
       for (int64_t head = 0; head < hq; ++head) {
-        float* oh = out + (b * hq + head) * d;
-        for (int64_t i = 0; i < d; ++i) oh[i] = acc[head * d + i] * inv_sum[head];
+        scalar_t* oh = out + (b * hq + head) * d;
+        for (int64_t i = 0; i < d; ++i) store(oh + i, acc[head * d + i] * inv_sum[head]);
       }
     }
   });
 }
+
+#if defined(__AVX512F__)
+// AVX-512 path. A K/V row loads as float32 vectors in a lane order of its dtype's choosing:
+// float32 and float16 in element order; bfloat16 32 elements at a time as two vectors, the even
+// elements then the odd ones (a shift and a mask, no shuffle). Queries are laid out in the same
+// order, so dot products are unchanged, and outputs are put back in element order at the end.
+template <typename kv_t>
+struct Row;
+
+template <>
+struct Row<float> {
+  static constexpr int kElems = 16;  // elements per load, giving kElems / 16 vectors
+  static int lane(int e) { return e; }
+  static inline void load(const float* p, __m512* x) { x[0] = _mm512_loadu_ps(p); }
+};
+
+template <>
+struct Row<at::Half> {
+  static constexpr int kElems = 16;
+  static int lane(int e) { return e; }
+  static inline void load(const at::Half* p, __m512* x) {
+    x[0] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  }
+};
+
+template <>
+struct Row<at::BFloat16> {
+  static constexpr int kElems = 32;
+  static int lane(int e) { return (e / 32) * 32 + (e % 2) * 16 + (e % 32) / 2; }
+  static inline void load(const at::BFloat16* p, __m512* x) {
+    const __m512i raw = _mm512_loadu_si512(p);
+    x[0] = _mm512_castsi512_ps(_mm512_slli_epi32(raw, 16));
+    x[1] = _mm512_castsi512_ps(_mm512_and_si512(raw, _mm512_set1_epi32(int(0xFFFF0000u))));
+  }
+};
+
+// a row of kD elements as kD / 16 float32 vectors, in Row's lane order
+template <typename kv_t, int kD>
+inline void load_row(const kv_t* p, __m512* x) {
+#pragma GCC unroll 8
+  for (int c = 0; c < kD; c += Row<kv_t>::kElems) Row<kv_t>::load(p + c, x + c / 16);
+}
+
+// the block's accumulator for token j sits at index kSlot[j], so that the reduction below hands
+// back token j's sum in lane j
+constexpr int kSlot[16] = {0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15};
+
+// 16 vectors -> one whose lane 4j+k holds the sum of the lanes of v[4k+j]: 45 shuffles and adds
+// for 16 horizontal sums (about three a sum instead of eight)
+inline __m512 sum_lanes16(const __m512* v) {
+  __m512 a[8], b[4], c[2];
+  for (int i = 0; i < 8; ++i)
+    a[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
+                         _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
+  for (int i = 0; i < 4; ++i)
+    b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xDD));
+  for (int i = 0; i < 2; ++i) {
+    const __m512d lo = _mm512_castps_pd(b[2 * i]), hi = _mm512_castps_pd(b[2 * i + 1]);
+    c[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(lo, hi)), _mm512_castpd_ps(_mm512_unpackhi_pd(lo, hi)));
+  }
+  return _mm512_add_ps(_mm512_shuffle_ps(c[0], c[1], 0x88), _mm512_shuffle_ps(c[0], c[1], 0xDD));
+}
+
+template <typename scalar_t, int kD>
+void decode_attention_avx512(const scalar_t* q, int64_t q_stride, const scalar_t* k, const scalar_t* v, const int64_t* req_to_token,
+                             int64_t row_stride, const int64_t* rows, const int64_t* seq_lens, scalar_t* out,
+                             int64_t bs, int64_t hq, int64_t hkv, float scale) {
+  using R = Row<scalar_t>;
+  constexpr int kVec = kD / 16;
+  constexpr int kHeads = kVec >= 16 ? 1 : 16 / kVec;  // query heads whose V accumulators fit in registers
+  constexpr int64_t kAhead = 32;  // tokens prefetched ahead while a sequence is first read
+  const int64_t group = hq / hkv, slot_elems = hkv * kD;
+  at::parallel_for(0, bs, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> q_lanes(hq * kD), acc_lanes(hq * kD), scores, inv_sum(hq);
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t n = seq_lens[b], stride = (n + 15) / 16 * 16;
+      const int64_t* slots = req_to_token + rows[b] * row_stride;
+      for (int64_t head = 0; head < hq; ++head)
+        for (int e = 0; e < kD; ++e) q_lanes[head * kD + R::lane(e)] = load(q[b * q_stride + head * kD + e]);
+      scores.resize(hq * stride);
+      // Memory and compute overlap across phases: while the scores are computed, this sequence's
+      // V is prefetched; while V is summed, the next sequence's K. Only a thread's first sequence
+      // streams its K as it goes.
+      const int64_t blocks = stride / 16;
+      SpreadPrefetch<scalar_t> v_prefetch{v, slots, n, hq * blocks, slot_elems};
+      // scores, 16 tokens at a time; every head after the first finds the K rows in cache
+      for (int64_t head = 0; head < hq; ++head) {
+        const scalar_t* k_head = k + (head / group) * kD;
+        __m512 qv[kVec];
+        for (int u = 0; u < kVec; ++u) qv[u] = _mm512_loadu_ps(q_lanes.data() + head * kD + u * 16);
+        for (int64_t t0 = 0; t0 < n; t0 += 16) {
+          if (head == 0 && b == begin)
+            for (int64_t t = t0 + kAhead; t < std::min(t0 + kAhead + 16, n); ++t) prefetch_slot(k, slots[t], slot_elems);
+          v_prefetch.tick();
+          const int64_t tn = std::min<int64_t>(16, n - t0);
+          __m512 acc[16];
+#pragma GCC unroll 16
+          for (int j = 0; j < 16; ++j) {
+            __m512 s = _mm512_setzero_ps();
+            if (j < tn) {
+              __m512 x[kVec];
+              load_row<scalar_t, kD>(k_head + slots[t0 + j] * slot_elems, x);
+#pragma GCC unroll 16
+              for (int u = 0; u < kVec; ++u) s = _mm512_fmadd_ps(x[u], qv[u], s);
+            }
+            acc[kSlot[j]] = s;
+          }
+          _mm512_storeu_ps(scores.data() + head * stride + t0, _mm512_mul_ps(sum_lanes16(acc), _mm512_set1_ps(scale)));
+        }
+      }
+      softmax_rows(scores.data(), hq, n, stride, inv_sum.data());
+      // weighted V, up to kHeads query heads of one KV head per pass with their sums in registers
+      const int64_t passes = hkv * ((group + kHeads - 1) / kHeads);
+      SpreadPrefetch<scalar_t> k_prefetch{k, nullptr, 0, passes * n, slot_elems};
+      if (b + 1 < end) {
+        k_prefetch.slots = req_to_token + rows[b + 1] * row_stride;
+        k_prefetch.count = seq_lens[b + 1];
+      }
+      for (int64_t h = 0; h < hkv; ++h) {
+        const scalar_t* v_head = v + h * kD;
+        for (int64_t g0 = 0; g0 < group; g0 += kHeads) {
+          const int64_t heads = std::min<int64_t>(kHeads, group - g0), first = h * group + g0;
+          __m512 acc[kHeads][kVec];
+          for (int i = 0; i < kHeads; ++i)
+            for (int u = 0; u < kVec; ++u) acc[i][u] = _mm512_setzero_ps();
+          for (int64_t t = 0; t < n; ++t) {
+            k_prefetch.tick();
+            __m512 x[kVec];
+            load_row<scalar_t, kD>(v_head + slots[t] * slot_elems, x);
+#pragma GCC unroll 16
+            for (int i = 0; i < kHeads; ++i) {
+              if (i < heads) {
+                const __m512 w = _mm512_set1_ps(scores[(first + i) * stride + t]);
+#pragma GCC unroll 16
+                for (int u = 0; u < kVec; ++u) acc[i][u] = _mm512_fmadd_ps(w, x[u], acc[i][u]);
+              }
+            }
+          }
+          for (int i = 0; i < heads; ++i)
+            for (int u = 0; u < kVec; ++u)
+              _mm512_storeu_ps(acc_lanes.data() + (first + i) * kD + u * 16,
+                               _mm512_mul_ps(acc[i][u], _mm512_set1_ps(inv_sum[first + i])));
+        }
+      }
+      for (int64_t head = 0; head < hq; ++head)
+        for (int e = 0; e < kD; ++e) store(out + (b * hq + head) * kD + e, acc_lanes[head * kD + R::lane(e)]);
+    }
+  });
+}
+#endif
 
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_buffer, const at::Tensor& v_buffer,
                             const at::Tensor& req_to_token, const at::Tensor& req_pool_indices,
@@ -96,27 +273,34 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_buffer, con
   TORCH_CHECK(q.dim() == 3 && k_buffer.dim() == 3 && v_buffer.dim() == 3, "q, k_buffer, v_buffer: 3 dims each");
   TORCH_CHECK(k_buffer.sizes() == v_buffer.sizes() && k_buffer.dtype() == v_buffer.dtype(),
               "k_buffer and v_buffer differ");
+  TORCH_CHECK(q.dtype() == k_buffer.dtype(), "q and the KV pool must have one dtype");
   TORCH_CHECK(k_buffer.is_contiguous() && v_buffer.is_contiguous(), "the KV pool must be contiguous");
   TORCH_CHECK(q.size(2) == k_buffer.size(2), "head_dim of q and the pool differ");
   TORCH_CHECK(q.size(1) % k_buffer.size(1) == 0, "query heads must be a multiple of KV heads");
   TORCH_CHECK(req_to_token.scalar_type() == at::kLong && req_pool_indices.scalar_type() == at::kLong &&
               seq_lens.scalar_type() == at::kLong, "req_to_token, req_pool_indices, seq_lens: int64");
   TORCH_CHECK(req_to_token.stride(1) == 1, "req_to_token rows must be contiguous");
-  const at::Tensor qf = q.to(at::kFloat).contiguous();
+  // q may be a view into the fused qkv output: only its heads must be packed rows
+  const at::Tensor qc = q.stride(2) == 1 && q.stride(1) == q.size(2) ? q : q.contiguous();
   const at::Tensor rows = req_pool_indices.contiguous(), lens = seq_lens.contiguous();
   const int64_t bs = q.size(0), hq = q.size(1), hkv = k_buffer.size(1), d = q.size(2);
   TORCH_CHECK(rows.size(0) == bs && lens.size(0) == bs, "one row and one length per query");
-  at::Tensor out = at::empty({bs, hq, d}, q.options().dtype(at::kFloat));
+  at::Tensor out = at::empty({bs, hq, d}, q.options());
   tandem_cpu::dispatch_float_types(k_buffer.scalar_type(), "KV pool", [&](auto tag) {
-    using kv_t = decltype(tag);
-    auto kernel = d == 64 ? decode_attention_kernel<kv_t, 64>
-                  : d == 128 ? decode_attention_kernel<kv_t, 128> : decode_attention_kernel<kv_t, 0>;
-    kernel(qf.data_ptr<float>(), k_buffer.data_ptr<kv_t>(), v_buffer.data_ptr<kv_t>(),
-                                  req_to_token.data_ptr<int64_t>(), req_to_token.stride(0), rows.data_ptr<int64_t>(),
-                                  lens.data_ptr<int64_t>(), out.data_ptr<float>(), bs, hq, hkv, d,
-                                  static_cast<float>(scale));
+    using scalar_t = decltype(tag);
+    auto args = std::make_tuple(qc.data_ptr<scalar_t>(), qc.stride(0), k_buffer.data_ptr<scalar_t>(), v_buffer.data_ptr<scalar_t>(),
+                                req_to_token.data_ptr<int64_t>(), req_to_token.stride(0), rows.data_ptr<int64_t>(),
+                                lens.data_ptr<int64_t>(), out.data_ptr<scalar_t>(), bs, hq, hkv);
+    const float s = static_cast<float>(scale);
+#if defined(__AVX512F__)
+    if (d == 64) return std::apply([&](auto... a) { decode_attention_avx512<scalar_t, 64>(a..., s); }, args);
+    if (d == 128) return std::apply([&](auto... a) { decode_attention_avx512<scalar_t, 128>(a..., s); }, args);
+#endif
+    if (d == 64) return std::apply([&](auto... a) { decode_attention_portable<scalar_t, 64>(a..., d, s); }, args);
+    if (d == 128) return std::apply([&](auto... a) { decode_attention_portable<scalar_t, 128>(a..., d, s); }, args);
+    std::apply([&](auto... a) { decode_attention_portable<scalar_t, 0>(a..., d, s); }, args);
   });
-  return out.to(q.scalar_type());
+  return out;
 }
 
 }  // namespace

@@ -62,6 +62,19 @@ def test_matches_per_request_attention(ops, dtype, tol, hq, hkv, d):
     assert (out.double() - ref).abs().max().item() < tol
 
 
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_query_may_be_a_view_into_the_fused_qkv_output(ops, dtype, tol):
+    """The model passes q as a slice of each token's [q; k; v] row: read in place, same result."""
+    lens = [300, 1, 40]
+    q, k_pool, v_pool, r2t, rows, seq_lens = make_case(dtype, len(lens), 9, 3, 64, lens, seed=5)
+    qkv = torch.cat([q.reshape(len(lens), -1), torch.randn(len(lens), 2 * 3 * 64).to(dtype)], dim=1)
+    q_view = qkv[:, :9 * 64].view(len(lens), 9, 64)
+    assert not q_view.is_contiguous()
+    out = ops.decode_attention(q_view, k_pool, v_pool, r2t, rows, seq_lens, 0.125)
+    assert torch.equal(out, ops.decode_attention(q, k_pool, v_pool, r2t, rows, seq_lens, 0.125))
+    assert (out.double() - reference(q, k_pool, v_pool, r2t, rows, seq_lens, 0.125)).abs().max().item() < tol
+
+
 def test_reads_only_the_named_slots(ops):
     """Garbage everywhere outside the requests' slots changes nothing."""
     lens = [7, 33]
