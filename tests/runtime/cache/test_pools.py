@@ -1,10 +1,10 @@
-"""TokenAllocator and ReqToTokenPool: handing out, taking back, refusing misuse."""
+"""TokenAllocator, ReqToTokenPool and KVPool: handing out, taking back, refusing misuse, where the KV lives."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from tandem.runtime.cache.pools import ReqToTokenPool, TokenAllocator
+from tandem.runtime.cache.pools import KVPool, ReqToTokenPool, TokenAllocator
 
 
 def test_alloc_hands_out_distinct_slots_and_never_slot_zero() -> None:
@@ -135,3 +135,36 @@ def test_req_to_token_pool_clear() -> None:
     assert pool.alloc() is not None and pool.alloc() is not None
     pool.clear()
     assert pool.available_size() == 2
+
+
+def _anon_huge_kib() -> int:
+    with open("/proc/self/smaps") as f:
+        return sum(int(line.split()[1]) for line in f if line.startswith("AnonHugePages:"))
+
+
+def test_kv_pool_layers_are_separate_zeroed_buffers():
+    pool = KVPool(1000, num_layers=3, num_kv_heads=2, head_dim=16, dtype=torch.bfloat16)
+    buffers = pool.k_buffer + pool.v_buffer
+    assert all(b.shape == (1001, 2, 16) and b.is_contiguous() and not b.any() for b in buffers)
+    starts = sorted(b.data_ptr() for b in buffers)
+    assert all(later - earlier >= 1001 * 2 * 16 * 2 for earlier, later in zip(starts, starts[1:]))
+    pool.k_buffer[1][5] = 1.0  # a write lands in its own layer only
+    assert sum(int(b.count_nonzero()) for b in buffers) == 2 * 16
+
+
+def _thp_mode() -> str:
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            return f.read().split("[")[1].split("]")[0]
+    except (OSError, IndexError):
+        return "never"
+
+
+def test_cpu_kv_pool_sits_on_huge_pages_where_the_kernel_offers_them():
+    if _thp_mode() == "never":
+        pytest.skip("transparent huge pages are off on this machine")  # nothing to advise
+    before = _anon_huge_kib()
+    pool = KVPool(100_000, num_layers=4, num_kv_heads=2, head_dim=64, dtype=torch.bfloat16)  # ~200 MiB
+    pool_kib = 2 * 4 * 100_001 * 2 * 64 * 2 // 1024
+    assert _anon_huge_kib() - before > pool_kib // 2
+    del pool
