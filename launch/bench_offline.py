@@ -26,6 +26,7 @@ import gc
 import json
 import os
 import random
+import statistics
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -274,7 +275,9 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return round(a / b, 4) if a and b else None
 
 
-def build_report(args: argparse.Namespace, wl: Workload, res: dict[str, SystemResult]) -> dict[str, Any]:
+def build_report(args: argparse.Namespace, wl: Workload, res: dict[str, SystemResult],
+                 overlap_pairs: list[float]) -> dict[str, Any]:
+    """overlap_pairs: off seconds / on seconds of each alternating pair of engine runs."""
     on, off, bare, hf = (res.get(k) for k in ("overlap", "no_overlap", "bare", "transformers"))
     ct2, bound = res.get("ctranslate2_float32"), res.get("gemm_bound")
     guided, same = res.get("guided"), res.get("guided_baseline")
@@ -292,6 +295,8 @@ def build_report(args: argparse.Namespace, wl: Workload, res: dict[str, SystemRe
         "gemm_bound_tok_s": round(bound.tok_s, 2) if bound else None,
         "tandem_over_gemm_bound": _ratio(on.tok_s, bound.tok_s if bound else None),
         "overlap_speedup": _ratio(on.tok_s, off.tok_s),
+        "overlap_speedup_paired_median": round(statistics.median(overlap_pairs), 4),
+        "overlap_speedup_pairs": [round(r, 4) for r in overlap_pairs],
         "idle_fraction_overlap": on.idle_fraction,
         "idle_fraction_no_overlap": off.idle_fraction,
         "dtype": args.dtype,
@@ -339,7 +344,9 @@ def format_table(res: dict[str, SystemResult], report: dict[str, Any]) -> str:
     if report["tandem_over_ctranslate2"] is not None:
         lines.append(f"tandem / ctranslate2    {_times(report['tandem_over_ctranslate2'])}   (ctranslate2 float32, tandem {report['dtype']})")
     lines.append(f"tandem / bare           {_fmt(report['tandem_over_bare'], '.2f')}   (serving efficiency)")
-    lines.append(f"overlap on / off        {_times(report['overlap_speedup'])}")
+    pairs = report["overlap_speedup_pairs"]
+    lines.append(f"overlap on / off        {_times(report['overlap_speedup'])}   (best of each; paired runs: median "
+                 f"{_times(report['overlap_speedup_paired_median'])}, {min(pairs):.2f}-{max(pairs):.2f}x over {len(pairs)})")
     if report["guided_over_unconstrained"] is not None:
         lines.append(f"json_schema / unconstrained (same output lengths)   "
                      f"{_times(report['guided_over_unconstrained'])}   grammar mask "
@@ -434,10 +441,13 @@ def main(argv: list[str] | None = None) -> int:
           f"#output tokens: {wl.output_tokens}  dtype: {args.dtype}", flush=True)
     res: dict[str, SystemResult] = {}
     # alternating off/on, the best of --repeats each: on 2 shared cores one run varies by ~5-10%,
-    # as much as the difference overlap makes
+    # as much as the difference overlap makes; each on/off pair also gives a ratio of two runs
+    # minutes apart at most, and their median is the overlap figure least moved by that drift
+    overlap_pairs = []
     for _ in range(args.repeats):
-        for key, overlap in (("no_overlap", False), ("overlap", True)):
-            run = run_engine(args, wl, overlap=overlap)
+        pair = {key: run_engine(args, wl, overlap=overlap) for key, overlap in (("no_overlap", False), ("overlap", True))}
+        overlap_pairs.append(pair["no_overlap"].seconds / pair["overlap"].seconds)
+        for key, run in pair.items():
             if key not in res or run.seconds < res[key].seconds:
                 res[key] = run
     res = {"overlap": res["overlap"], "no_overlap": res["no_overlap"]}
@@ -451,7 +461,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json_schema:
         with open(args.json_schema, encoding="utf-8") as f:
             res["guided"], res["guided_baseline"], _ = run_guided(args, wl, f.read())
-    report = build_report(args, wl, res)
+    report = build_report(args, wl, res, overlap_pairs)
     print(format_table(res, report), flush=True)
     if args.output_file:
         with open(args.output_file, "w", encoding="utf-8") as f:

@@ -162,3 +162,5 @@ def test_repeats_alternate_and_keep_the_best_of_each(monkeypatch, tmp_path: Path
     r = json.loads(out.read_text())
     assert calls == [False, True, False, True]
     assert r["no_overlap_seconds"] == 1.5 and r["overlap_seconds"] == 2.0 and r["repeats"] == 2
+    # each pair's own ratio (off seconds / on seconds), and their median
+    assert r["overlap_speedup_pairs"] == [1.5, 0.6] and r["overlap_speedup_paired_median"] == pytest.approx(1.05)
