@@ -1,4 +1,4 @@
-// Loads and stores of float32 / bfloat16 / float16 elements as float, written on the bit patterns
+// Loads and stores of float32 / bfloat16 / float16 elements as float (and loads of fp8 e5m2 and e4m3), written on the bit patterns
 // (not the c10 classes' conversions) so the compiler vectorizes the loops that use them.
 #pragma once
 #include <ATen/ATen.h>
@@ -16,6 +16,16 @@ inline float load(at::BFloat16 x) {
   return f;
 }
 inline float load(at::Half x) { return static_cast<float>(x); }
+// fp8 e5m2 is the high byte of a float16
+inline float load(at::Float8_e5m2 x) {
+  return static_cast<float>(at::Half(static_cast<uint16_t>(x.x << 8), at::Half::from_bits()));
+}
+// fp8 e4m3fn's exponent and mantissa, moved into a float16's, read 2^8 too small (the biases
+// differ by 8), subnormals and zero included; its one NaN code never reaches a KV pool (clamped)
+inline float load(at::Float8_e4m3fn x) {
+  const uint16_t bits = static_cast<uint16_t>(((x.x & 0x7F) << 7) | ((x.x & 0x80) << 8));
+  return static_cast<float>(at::Half(bits, at::Half::from_bits())) * 256.f;
+}
 
 inline void store(float* dst, float v) { *dst = v; }
 inline void store(at::BFloat16* dst, float v) {

@@ -3,7 +3,8 @@
 // is read from memory once, in place, and each K/V head row serves its whole GQA group.
 //
 // Two paths, tested against the same float64 reference: an AVX-512 one for head dims of 64 and
-// 128 (the common ones), and a portable one for everything else and CPUs without AVX-512.
+// 128 (the common ones), and a portable one for everything else and CPUs without AVX-512. The
+// pool holds q's dtype or fp8 (e5m2 or e4m3, --kv-cache-dtype), widened to float32 as it is read.
 #include <torch/library.h>
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -14,6 +15,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512F__)
@@ -38,11 +40,11 @@ template <typename kv_t>
 struct SpreadPrefetch {
   const kv_t* pool;
   const int64_t* slots;
-  int64_t count, steps, row_elems, done = 0, step = 0;
+  int64_t count, steps, row_elems, done = 0, credit = 0;
 
+  // Bresenham's stepping: no division on the per-token path
   void tick() {
-    const int64_t due = (count * ++step + steps - 1) / steps;
-    for (; done < std::min(due, count); ++done) prefetch_slot<1>(pool, slots[done], row_elems);
+    for (credit += count; credit > 0 && done < count; credit -= steps) prefetch_slot<1>(pool, slots[done++], row_elems);
   }
 };
 
@@ -63,9 +65,9 @@ inline void softmax_rows(float* scores, int64_t hq, int64_t n, int64_t stride, f
 
 // Portable path. kD > 0: the head dim known at compile time, so the per-token loops unroll;
 // kD == 0: any head dim, read from `d_runtime`.
-template <typename scalar_t, int64_t kD>
-void decode_attention_portable(const scalar_t* q, int64_t q_stride, const scalar_t* k, const scalar_t* v, const int64_t* req_to_token,
-                               int64_t row_stride, const int64_t* rows, const int64_t* seq_lens, scalar_t* out,
+template <typename q_t, typename kv_t, int64_t kD>
+void decode_attention_portable(const q_t* q, int64_t q_stride, const kv_t* k, const kv_t* v, const int64_t* req_to_token,
+                               int64_t row_stride, const int64_t* rows, const int64_t* seq_lens, q_t* out,
                                int64_t bs, int64_t hq, int64_t hkv, int64_t d_runtime, float scale) {
   const int64_t d = kD > 0 ? kD : d_runtime;
   const int64_t group = hq / hkv;
@@ -82,7 +84,7 @@ void decode_attention_portable(const scalar_t* q, int64_t q_stride, const scalar
       for (int64_t t = 0; t < n; ++t) {
         if (t + kPrefetch < n) prefetch_slot(k, slots[t + kPrefetch], hkv * d);
         for (int64_t h = 0; h < hkv; ++h) {
-          const scalar_t* kt = k + (slots[t] * hkv + h) * d;
+          const kv_t* kt = k + (slots[t] * hkv + h) * d;
           for (int64_t i = 0; i < d; ++i) kf[i] = load(kt[i]);
           for (int64_t g = 0; g < group; ++g) {
             const float* qg = qf.data() + (h * group + g) * d;
@@ -98,7 +100,7 @@ void decode_attention_portable(const scalar_t* q, int64_t q_stride, const scalar
       for (int64_t t = 0; t < n; ++t) {
         if (t + kPrefetch < n) prefetch_slot(v, slots[t + kPrefetch], hkv * d);
         for (int64_t h = 0; h < hkv; ++h) {
-          const scalar_t* vt = v + (slots[t] * hkv + h) * d;
+          const kv_t* vt = v + (slots[t] * hkv + h) * d;
           for (int64_t i = 0; i < d; ++i) kf[i] = load(vt[i]);
           for (int64_t g = 0; g < group; ++g) {
             const float w = scores[(h * group + g) * n + t];
@@ -109,7 +111,7 @@ void decode_attention_portable(const scalar_t* q, int64_t q_stride, const scalar
         }
       }
       for (int64_t head = 0; head < hq; ++head) {
-        scalar_t* oh = out + (b * hq + head) * d;
+        q_t* oh = out + (b * hq + head) * d;
         for (int64_t i = 0; i < d; ++i) store(oh + i, acc[head * d + i] * inv_sum[head]);
       }
     }
@@ -151,6 +153,30 @@ struct Row<at::BFloat16> {
   }
 };
 
+// fp8 e5m2 is the high byte of a float16: shifted into place, then widened like one
+template <>
+struct Row<at::Float8_e5m2> {
+  static constexpr int kElems = 16;
+  static int lane(int e) { return e; }
+  static inline void load(const at::Float8_e5m2* p, __m512* x) {
+    const __m256i bytes = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    x[0] = _mm512_cvtph_ps(_mm256_slli_epi16(bytes, 8));
+  }
+};
+
+// fp8 e4m3fn: exponent and mantissa moved into a float16's (see cpu_dtype.h), widened, scaled by 2^8
+template <>
+struct Row<at::Float8_e4m3fn> {
+  static constexpr int kElems = 16;
+  static int lane(int e) { return e; }
+  static inline void load(const at::Float8_e4m3fn* p, __m512* x) {
+    const __m256i bytes = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    const __m256i magnitude = _mm256_slli_epi16(_mm256_and_si256(bytes, _mm256_set1_epi16(0x7F)), 7);
+    const __m256i sign = _mm256_slli_epi16(_mm256_and_si256(bytes, _mm256_set1_epi16(0x80)), 8);
+    x[0] = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_or_si256(magnitude, sign)), _mm512_set1_ps(256.f));
+  }
+};
+
 // a row of kD elements as kD / 16 float32 vectors, in Row's lane order
 template <typename kv_t, int kD>
 inline void load_row(const kv_t* p, __m512* x) {
@@ -179,11 +205,55 @@ inline __m512 sum_lanes16(const __m512* v) {
   return _mm512_add_ps(_mm512_shuffle_ps(c[0], c[1], 0x88), _mm512_shuffle_ps(c[0], c[1], 0xDD));
 }
 
-template <typename scalar_t, int kD>
-void decode_attention_avx512(const scalar_t* q, int64_t q_stride, const scalar_t* k, const scalar_t* v, const int64_t* req_to_token,
-                             int64_t row_stride, const int64_t* rows, const int64_t* seq_lens, scalar_t* out,
+// Scores of every query head over one sequence's keys, scaled, 16 tokens at a time. Per KV head
+// and block, the key rows are widened to float32 once (into an L1 scratch; float32 rows are read
+// in place) and serve the whole GQA group. `on_block(kv_head, t0)` runs before each block (the
+// caller's prefetching).
+template <typename kv_t, int kD, typename OnBlock>
+void compute_scores(const float* q_lanes, const kv_t* k, const int64_t* slots, int64_t n, int64_t stride,
+                    int64_t hkv, int64_t group, int64_t slot_elems, float scale, float* scores, OnBlock&& on_block) {
+  constexpr int kVec = kD / 16;
+  alignas(64) float widened[16 * kD];
+  const float* rows[16];
+  for (int64_t h = 0; h < hkv; ++h) {
+    for (int64_t t0 = 0; t0 < n; t0 += 16) {
+      on_block(h, t0);
+      const int64_t tn = std::min<int64_t>(16, n - t0);
+      for (int j = 0; j < tn; ++j) {
+        const kv_t* row = k + slots[t0 + j] * slot_elems + h * kD;
+        if constexpr (std::is_same_v<kv_t, float>) {
+          rows[j] = row;
+        } else {
+          __m512 x[kVec];
+          load_row<kv_t, kD>(row, x);
+          for (int u = 0; u < kVec; ++u) _mm512_store_ps(widened + j * kD + u * 16, x[u]);
+          rows[j] = widened + j * kD;
+        }
+      }
+      for (int64_t head = h * group; head < (h + 1) * group; ++head) {
+        __m512 qv[kVec];
+        for (int u = 0; u < kVec; ++u) qv[u] = _mm512_loadu_ps(q_lanes + head * kD + u * 16);
+        __m512 acc[16];
+#pragma GCC unroll 16
+        for (int j = 0; j < 16; ++j) {
+          __m512 s = _mm512_setzero_ps();
+          if (j < tn) {
+#pragma GCC unroll 16
+            for (int u = 0; u < kVec; ++u) s = _mm512_fmadd_ps(_mm512_loadu_ps(rows[j] + u * 16), qv[u], s);
+          }
+          acc[kSlot[j]] = s;
+        }
+        _mm512_storeu_ps(scores + head * stride + t0, _mm512_mul_ps(sum_lanes16(acc), _mm512_set1_ps(scale)));
+      }
+    }
+  }
+}
+
+template <typename q_t, typename kv_t, int kD>
+void decode_attention_avx512(const q_t* q, int64_t q_stride, const kv_t* k, const kv_t* v, const int64_t* req_to_token,
+                             int64_t row_stride, const int64_t* rows, const int64_t* seq_lens, q_t* out,
                              int64_t bs, int64_t hq, int64_t hkv, float scale) {
-  using R = Row<scalar_t>;
+  using R = Row<kv_t>;
   constexpr int kVec = kD / 16;
   constexpr int kHeads = kVec >= 16 ? 1 : 16 / kVec;  // query heads whose V accumulators fit in registers
   constexpr int64_t kAhead = 32;  // tokens prefetched ahead while a sequence is first read
@@ -198,44 +268,25 @@ void decode_attention_avx512(const scalar_t* q, int64_t q_stride, const scalar_t
       scores.resize(hq * stride);
       // Memory and compute overlap across phases: while the scores are computed, this sequence's
       // V is prefetched; while V is summed, the next sequence's K. Only a thread's first sequence
-      // streams its K as it goes.
+      // streams its K as it goes; later passes over its keys find them in cache.
       const int64_t blocks = stride / 16;
-      SpreadPrefetch<scalar_t> v_prefetch{v, slots, n, hq * blocks, slot_elems};
-      // scores, 16 tokens at a time; every head after the first finds the K rows in cache
-      for (int64_t head = 0; head < hq; ++head) {
-        const scalar_t* k_head = k + (head / group) * kD;
-        __m512 qv[kVec];
-        for (int u = 0; u < kVec; ++u) qv[u] = _mm512_loadu_ps(q_lanes.data() + head * kD + u * 16);
-        for (int64_t t0 = 0; t0 < n; t0 += 16) {
-          if (head == 0 && b == begin)
-            for (int64_t t = t0 + kAhead; t < std::min(t0 + kAhead + 16, n); ++t) prefetch_slot(k, slots[t], slot_elems);
-          v_prefetch.tick();
-          const int64_t tn = std::min<int64_t>(16, n - t0);
-          __m512 acc[16];
-#pragma GCC unroll 16
-          for (int j = 0; j < 16; ++j) {
-            __m512 s = _mm512_setzero_ps();
-            if (j < tn) {
-              __m512 x[kVec];
-              load_row<scalar_t, kD>(k_head + slots[t0 + j] * slot_elems, x);
-#pragma GCC unroll 16
-              for (int u = 0; u < kVec; ++u) s = _mm512_fmadd_ps(x[u], qv[u], s);
-            }
-            acc[kSlot[j]] = s;
-          }
-          _mm512_storeu_ps(scores.data() + head * stride + t0, _mm512_mul_ps(sum_lanes16(acc), _mm512_set1_ps(scale)));
-        }
-      }
+      SpreadPrefetch<kv_t> v_prefetch{v, slots, n, hkv * blocks, slot_elems};
+      auto on_block = [&](int64_t kv_head, int64_t t0) {
+        if (kv_head == 0 && b == begin)
+          for (int64_t t = t0 + kAhead; t < std::min(t0 + kAhead + 16, n); ++t) prefetch_slot(k, slots[t], slot_elems);
+        v_prefetch.tick();
+      };
+      compute_scores<kv_t, kD>(q_lanes.data(), k, slots, n, stride, hkv, group, slot_elems, scale, scores.data(), on_block);
       softmax_rows(scores.data(), hq, n, stride, inv_sum.data());
       // weighted V, up to kHeads query heads of one KV head per pass with their sums in registers
       const int64_t passes = hkv * ((group + kHeads - 1) / kHeads);
-      SpreadPrefetch<scalar_t> k_prefetch{k, nullptr, 0, passes * n, slot_elems};
+      SpreadPrefetch<kv_t> k_prefetch{k, nullptr, 0, passes * n, slot_elems};
       if (b + 1 < end) {
         k_prefetch.slots = req_to_token + rows[b + 1] * row_stride;
         k_prefetch.count = seq_lens[b + 1];
       }
       for (int64_t h = 0; h < hkv; ++h) {
-        const scalar_t* v_head = v + h * kD;
+        const kv_t* v_head = v + h * kD;
         for (int64_t g0 = 0; g0 < group; g0 += kHeads) {
           const int64_t heads = std::min<int64_t>(kHeads, group - g0), first = h * group + g0;
           __m512 acc[kHeads][kVec];
@@ -244,7 +295,7 @@ void decode_attention_avx512(const scalar_t* q, int64_t q_stride, const scalar_t
           for (int64_t t = 0; t < n; ++t) {
             k_prefetch.tick();
             __m512 x[kVec];
-            load_row<scalar_t, kD>(v_head + slots[t] * slot_elems, x);
+            load_row<kv_t, kD>(v_head + slots[t] * slot_elems, x);
 #pragma GCC unroll 16
             for (int i = 0; i < kHeads; ++i) {
               if (i < heads) {
@@ -267,13 +318,29 @@ void decode_attention_avx512(const scalar_t* q, int64_t q_stride, const scalar_t
 }
 #endif
 
+template <typename q_t, typename kv_t>
+void run(const at::Tensor& q, const at::Tensor& k_buffer, const at::Tensor& v_buffer, const at::Tensor& req_to_token,
+         const at::Tensor& rows, const at::Tensor& lens, at::Tensor& out, double scale) {
+  const int64_t bs = q.size(0), hq = q.size(1), hkv = k_buffer.size(1), d = q.size(2);
+  auto args = std::make_tuple(q.data_ptr<q_t>(), q.stride(0), k_buffer.data_ptr<kv_t>(), v_buffer.data_ptr<kv_t>(),
+                              req_to_token.data_ptr<int64_t>(), req_to_token.stride(0), rows.data_ptr<int64_t>(),
+                              lens.data_ptr<int64_t>(), out.data_ptr<q_t>(), bs, hq, hkv);
+  const float s = static_cast<float>(scale);
+#if defined(__AVX512F__)
+  if (d == 64) return std::apply([&](auto... a) { decode_attention_avx512<q_t, kv_t, 64>(a..., s); }, args);
+  if (d == 128) return std::apply([&](auto... a) { decode_attention_avx512<q_t, kv_t, 128>(a..., s); }, args);
+#endif
+  if (d == 64) return std::apply([&](auto... a) { decode_attention_portable<q_t, kv_t, 64>(a..., d, s); }, args);
+  if (d == 128) return std::apply([&](auto... a) { decode_attention_portable<q_t, kv_t, 128>(a..., d, s); }, args);
+  std::apply([&](auto... a) { decode_attention_portable<q_t, kv_t, 0>(a..., d, s); }, args);
+}
+
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_buffer, const at::Tensor& v_buffer,
                             const at::Tensor& req_to_token, const at::Tensor& req_pool_indices,
                             const at::Tensor& seq_lens, double scale) {
   TORCH_CHECK(q.dim() == 3 && k_buffer.dim() == 3 && v_buffer.dim() == 3, "q, k_buffer, v_buffer: 3 dims each");
   TORCH_CHECK(k_buffer.sizes() == v_buffer.sizes() && k_buffer.dtype() == v_buffer.dtype(),
               "k_buffer and v_buffer differ");
-  TORCH_CHECK(q.dtype() == k_buffer.dtype(), "q and the KV pool must have one dtype");
   TORCH_CHECK(k_buffer.is_contiguous() && v_buffer.is_contiguous(), "the KV pool must be contiguous");
   TORCH_CHECK(q.size(2) == k_buffer.size(2), "head_dim of q and the pool differ");
   TORCH_CHECK(q.size(1) % k_buffer.size(1) == 0, "query heads must be a multiple of KV heads");
@@ -283,22 +350,17 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_buffer, con
   // q may be a view into the fused qkv output: only its heads must be packed rows
   const at::Tensor qc = q.stride(2) == 1 && q.stride(1) == q.size(2) ? q : q.contiguous();
   const at::Tensor rows = req_pool_indices.contiguous(), lens = seq_lens.contiguous();
-  const int64_t bs = q.size(0), hq = q.size(1), hkv = k_buffer.size(1), d = q.size(2);
+  const int64_t bs = q.size(0);
   TORCH_CHECK(rows.size(0) == bs && lens.size(0) == bs, "one row and one length per query");
-  at::Tensor out = at::empty({bs, hq, d}, q.options());
-  tandem_cpu::dispatch_float_types(k_buffer.scalar_type(), "KV pool", [&](auto tag) {
-    using scalar_t = decltype(tag);
-    auto args = std::make_tuple(qc.data_ptr<scalar_t>(), qc.stride(0), k_buffer.data_ptr<scalar_t>(), v_buffer.data_ptr<scalar_t>(),
-                                req_to_token.data_ptr<int64_t>(), req_to_token.stride(0), rows.data_ptr<int64_t>(),
-                                lens.data_ptr<int64_t>(), out.data_ptr<scalar_t>(), bs, hq, hkv);
-    const float s = static_cast<float>(scale);
-#if defined(__AVX512F__)
-    if (d == 64) return std::apply([&](auto... a) { decode_attention_avx512<scalar_t, 64>(a..., s); }, args);
-    if (d == 128) return std::apply([&](auto... a) { decode_attention_avx512<scalar_t, 128>(a..., s); }, args);
-#endif
-    if (d == 64) return std::apply([&](auto... a) { decode_attention_portable<scalar_t, 64>(a..., d, s); }, args);
-    if (d == 128) return std::apply([&](auto... a) { decode_attention_portable<scalar_t, 128>(a..., d, s); }, args);
-    std::apply([&](auto... a) { decode_attention_portable<scalar_t, 0>(a..., d, s); }, args);
+  at::Tensor out = at::empty(q.sizes(), q.options());
+  tandem_cpu::dispatch_float_types(q.scalar_type(), "q", [&](auto q_tag) {
+    using q_t = decltype(q_tag);
+    if (k_buffer.scalar_type() == q.scalar_type()) return run<q_t, q_t>(qc, k_buffer, v_buffer, req_to_token, rows, lens, out, scale);
+    if (k_buffer.scalar_type() == at::kFloat8_e5m2)
+      return run<q_t, at::Float8_e5m2>(qc, k_buffer, v_buffer, req_to_token, rows, lens, out, scale);
+    TORCH_CHECK(k_buffer.scalar_type() == at::kFloat8_e4m3fn, "the KV pool holds ", k_buffer.scalar_type(),
+                ": it must hold q's dtype (", q.scalar_type(), "), float8_e5m2 or float8_e4m3fn");
+    run<q_t, at::Float8_e4m3fn>(qc, k_buffer, v_buffer, req_to_token, rows, lens, out, scale);
   });
   return out;
 }

@@ -31,11 +31,11 @@ def reference(q, k_pool, v_pool, req_to_token, rows, lens, scale):
     return out
 
 
-def make_case(dtype, bs, hq, hkv, d, lens, seed=0):
+def make_case(dtype, bs, hq, hkv, d, lens, seed=0, kv_dtype=None):
     g = torch.Generator().manual_seed(seed)
     pool_size = sum(lens) + 50
-    k_pool = torch.randn(pool_size, hkv, d, generator=g).to(dtype)
-    v_pool = torch.randn(pool_size, hkv, d, generator=g).to(dtype)
+    k_pool = torch.randn(pool_size, hkv, d, generator=g).to(kv_dtype or dtype)
+    v_pool = torch.randn(pool_size, hkv, d, generator=g).to(kv_dtype or dtype)
     req_to_token = torch.zeros(bs + 3, max(lens) + 7, dtype=torch.int64)  # rows wider than any sequence
     rows = torch.randperm(bs + 3, generator=g)[:bs]
     slots = torch.randperm(pool_size - 1, generator=g) + 1  # scattered, never slot 0
@@ -60,6 +60,45 @@ def test_matches_per_request_attention(ops, dtype, tol, hq, hkv, d):
     assert out.dtype == dtype and out.shape == q.shape
     ref = reference(q, k_pool, v_pool, r2t, rows, seq_lens, scale)
     assert (out.double() - ref).abs().max().item() < tol
+
+
+# an fp8 pool (--kv-cache-dtype) is read exactly (every fp8 value is a float32), so the
+# op still differs from float64 on the same pool only by float32 sums and q's output rounding
+@pytest.mark.parametrize("kv_dtype", [torch.float8_e5m2, torch.float8_e4m3fn])
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2), (torch.float16, 2e-3)])
+@pytest.mark.parametrize("hq, hkv, d", [(9, 3, 64), (14, 2, 128), (6, 2, 32)])  # AVX-512 paths and the portable one
+def test_fp8_pool_matches_attention_over_the_same_pool(ops, kv_dtype, dtype, tol, hq, hkv, d):
+    lens = [1, 17, 129, 40]
+    q, k_pool, v_pool, r2t, rows, seq_lens = make_case(dtype, len(lens), hq, hkv, d, lens, kv_dtype=kv_dtype)
+    out = ops.decode_attention(q, k_pool, v_pool, r2t, rows, seq_lens, 1 / math.sqrt(d))
+    assert out.dtype == dtype
+    ref = reference(q, k_pool, v_pool, r2t, rows, seq_lens, 1 / math.sqrt(d))
+    assert (out.double() - ref).abs().max().item() < tol
+
+
+def test_every_fp8_code_widens_to_its_value(ops):
+    """All 256 codes of each format (e4m3's NaN aside) as a one-token pool: attention returns V itself."""
+    for kv_dtype in (torch.float8_e5m2, torch.float8_e4m3fn):
+        codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(kv_dtype)
+        values = codes.float()
+        finite = values.isfinite()
+        v_pool = torch.zeros(2, 1, 256, dtype=kv_dtype)
+        v_pool[1, 0] = torch.where(finite, codes.float(), 0.0).to(kv_dtype)
+        k_pool = torch.zeros(2, 1, 256, dtype=kv_dtype)
+        r2t = torch.tensor([[1]])
+        for d in (64, 32):  # an AVX-512 head dim and a portable one, each reading every code once
+            for start in range(0, 256, d):
+                out = ops.decode_attention(torch.ones(1, 1, d), k_pool[:, :, start:start + d].contiguous(),
+                                           v_pool[:, :, start:start + d].contiguous(), r2t, torch.tensor([0]),
+                                           torch.tensor([1]), 1.0)
+                expect = torch.where(finite, values, 0.0)[start:start + d]
+                assert torch.equal(out[0, 0], expect), (kv_dtype, d, start)
+
+
+def test_a_pool_of_another_dtype_is_refused(ops):
+    q, k_pool, v_pool, r2t, rows, seq_lens = make_case(torch.bfloat16, 2, 6, 2, 16, [3, 4], kv_dtype=torch.float16)
+    with pytest.raises(RuntimeError, match="must hold q's dtype"):
+        ops.decode_attention(q, k_pool, v_pool, r2t, rows, seq_lens, 0.25)
 
 
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
