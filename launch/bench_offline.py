@@ -110,8 +110,9 @@ def timed_engine_run(wl: Workload, model_path: str | None, **server_args: Any) -
 
 
 def run_engine(args: argparse.Namespace, wl: Workload, overlap: bool) -> SystemResult:
-    run = timed_engine_run(wl, args.model_path, dtype=args.dtype, max_total_tokens=args.max_total_tokens,
-                           max_running_requests=args.max_running_requests, disable_overlap_schedule=not overlap)
+    run = timed_engine_run(wl, args.model_path, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
+                           max_total_tokens=args.max_total_tokens, max_running_requests=args.max_running_requests,
+                           disable_overlap_schedule=not overlap)
     info = run.after
     keep = {k: info.get(k) for k in ("step_time_median_ms", "step_time_p99_ms", "num_steps", "num_retractions")}
     name = "tandem (overlap on)" if overlap else "tandem (overlap off)"
@@ -126,8 +127,9 @@ def run_guided(args: argparse.Namespace, wl: Workload, schema: str) -> tuple[Sys
     the cache flushed before each timed run."""
     from tandem.runtime.engine import Engine
 
-    with Engine(args.model_path, dtype=args.dtype, max_total_tokens=args.max_total_tokens,
-                max_running_requests=args.max_running_requests, log_level="warning") as engine:
+    with Engine(args.model_path, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
+                max_total_tokens=args.max_total_tokens, max_running_requests=args.max_running_requests,
+                log_level="warning") as engine:
         constrained = [{**_greedy(n), "json_schema": schema} for n in wl.output_lens]
         engine.generate(input_ids=wl.prompts[:2], sampling_params=constrained[:2])  # warm-up, compiles
         engine.flush_cache()
@@ -164,7 +166,7 @@ def run_bare(args: argparse.Namespace, wl: Workload) -> SystemResult:
     from tandem.runtime.model.runner import ModelRunner
     from tandem.runtime.server_args import ServerArgs
 
-    runner = ModelRunner(ServerArgs(model_path=args.model_path, dtype=args.dtype,
+    runner = ModelRunner(ServerArgs(model_path=args.model_path, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
                                     max_total_tokens=args.max_total_tokens,
                                     max_running_requests=args.max_running_requests))
     loop = BareLoop(runner)
@@ -300,6 +302,7 @@ def build_report(args: argparse.Namespace, wl: Workload, res: dict[str, SystemRe
         "idle_fraction_overlap": on.idle_fraction,
         "idle_fraction_no_overlap": off.idle_fraction,
         "dtype": args.dtype,
+        "kv_cache_dtype": args.kv_cache_dtype,
         "num_seqs": len(wl.prompts),
         "min_len": args.min_len,
         "max_len": args.max_len,
@@ -367,6 +370,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--seed", type=int, default=0)
     a("--dtype", choices=["float32", "bfloat16", "auto"], default="float32",
       help="auto: what `--dtype auto` picks on this CPU (bf16 only where it measures faster)")
+    a("--kv-cache-dtype", choices=["auto", "fp8_e5m2", "fp8_e4m3"], default="auto",
+      help="tandem's KV pool (engine and bare loop); the peers keep their own")
     a("--output-len", type=int, default=None, help="every sequence's output length (default: drawn like inputs)")
     a("--max-running-requests", type=int, default=64, help="engine batch cap; also the bare loop's batch size")
     a("--max-total-tokens", type=int, default=None, help="KV slots; default fits every sequence at once")
@@ -438,7 +443,7 @@ def main(argv: list[str] | None = None) -> int:
     wl = make_workload(args.num_seqs, args.min_len, args.max_len, model_vocab(args.model_path), args.seed,
                        args.output_len)
     print(f"#seqs: {len(wl.prompts)}  #input tokens: {sum(map(len, wl.prompts))}  "
-          f"#output tokens: {wl.output_tokens}  dtype: {args.dtype}", flush=True)
+          f"#output tokens: {wl.output_tokens}  dtype: {args.dtype}  KV cache: {args.kv_cache_dtype}", flush=True)
     res: dict[str, SystemResult] = {}
     # alternating off/on, the best of --repeats each: on 2 shared cores one run varies by ~5-10%,
     # as much as the difference overlap makes; each on/off pair also gives a ratio of two runs

@@ -36,18 +36,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output-len", type=int, default=32)
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--attention-backend", default="auto")
+    parser.add_argument("--kv-cache-dtype", default="auto", help="auto (the model dtype) or fp8_e5m2")
     parser.add_argument("--output-file", default=None, help="append one JSON line per batch size")
     args = parser.parse_args(argv)
     need = max(args.batch_size) * (args.input_len + args.output_len) + 64
     runner = ModelRunner(ServerArgs(model_path=args.model_path, dtype=args.dtype, max_total_tokens=need,
-                                    max_running_requests=max(args.batch_size), attention_backend=args.attention_backend))
+                                    max_running_requests=max(args.batch_size), attention_backend=args.attention_backend,
+                                    kv_cache_dtype=args.kv_cache_dtype))
     run(runner, 1, min(args.input_len, 16), 2)  # warm-up
     rows = [run(runner, bs, args.input_len, args.output_len) for bs in args.batch_size]
     if runner.device.type == "cpu":
         for r in rows:  # the machine's limit at this batch: the decode step's matmuls alone
             r["gemm_bound_decode_tok_s"] = round(gemm_bound.measure(runner.config, runner.dtype, r["batch_size"]).decode_tok_s, 1)
             r["decode_of_gemm_bound"] = round(r["decode_throughput_tok_s"] / r["gemm_bound_decode_tok_s"], 3)
-    print(f"model: {runner.model_path}  dtype: {runner.dtype}  device: {runner.device}  cpu: {machine_info()['cpu_model']}")
+    print(f"model: {runner.model_path}  dtype: {runner.dtype}  KV: {runner.kv_dtype}  device: {runner.device}  "
+          f"cpu: {machine_info()['cpu_model']}")
     header = (f"{'batch':>6} {'in':>5} {'out':>5} {'prefill s':>10} {'prefill tok/s':>14} {'decode s/step':>14} "
               f"{'decode tok/s':>13} {'GEMM bound':>11} {'of bound':>9}")
     print(header)
@@ -58,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.output_file:
         with open(args.output_file, "a") as f:
             for r in rows:
-                f.write(json.dumps({"dtype": str(runner.dtype), **r}) + "\n")
+                f.write(json.dumps({"dtype": str(runner.dtype), "kv_cache_dtype": str(runner.kv_dtype), **r}) + "\n")
     return 0
 
 

@@ -24,6 +24,7 @@ class ServerArgs:
     dtype: str = "auto"  # auto = float32 on CPU, bfloat16 on GPU
     device: str = "auto"  # auto = cuda when available
     attention_backend: str = "auto"  # auto = triton on CUDA, cpu (torch + the paged decode op) on CPU
+    kv_cache_dtype: str = "auto"  # auto = the model dtype; fp8_e5m2 halves KV bytes (cpu and torch backends)
     max_total_tokens: int | None = None
     mem_fraction_static: float | None = None
     max_running_requests: int = 128
@@ -73,6 +74,7 @@ class ServerArgs:
             "schedule_policy": self.schedule_policy in ("fcfs", "lpm"),
             "dtype": self.dtype in ("auto", "float32", "bfloat16", "float16"),
             "attention_backend": self.attention_backend in ("auto", "torch", "cpu", "triton"),
+            "kv_cache_dtype": self.kv_cache_dtype in ("auto", "fp8_e5m2", "fp8_e4m3"),
             "chunked_prefill_size": self.chunked_prefill_size > 0 or self.chunked_prefill_size == -1,
             "max_running_requests": self.max_running_requests > 0,
             "tp_size": self.tp_size >= 1,
@@ -92,6 +94,9 @@ class ServerArgs:
                              f"every node runs tp_size / nnodes ranks")
         if self.nnodes > 1 and self.dist_init_addr is None:
             raise ValueError("dist_init_addr (HOST:PORT on node 0) is needed with nnodes > 1")
+        if self.kv_cache_dtype != "auto" and self.attention_backend == "triton":
+            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype} is not supported by attention_backend=triton "
+                             f"(use torch or cpu, or kv_cache_dtype=auto)")
         self._check_speculative()
 
     def _check_speculative(self) -> None:

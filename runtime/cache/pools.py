@@ -8,6 +8,7 @@ import torch
 
 _HUGE_PAGE = 2 << 20
 _MADV_HUGEPAGE = 14
+_E4M3_MAX = 448.0
 
 
 class ReqToTokenPool:
@@ -82,7 +83,8 @@ class TokenAllocator:
 
 
 class KVPool:
-    """Per-layer K and V buffers of shape [num_slots + 1, num_kv_heads, head_dim]."""
+    """Per-layer K and V buffers of shape [num_slots + 1, num_kv_heads, head_dim], in `dtype`: the
+    model's, or fp8 (--kv-cache-dtype) that attention widens back to the model dtype as it reads."""
 
     def __init__(self, size: int, num_layers: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
@@ -100,8 +102,11 @@ class KVPool:
             self.v_buffer = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
 
     def set_kv(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        self.k_buffer[layer_id][loc] = k
-        self.v_buffer[layer_id][loc] = v
+        """Store new K/V, rounded to the pool's dtype (a no-op unless it is narrower, like fp8)."""
+        if self.dtype == torch.float8_e4m3fn:  # no infinities: out-of-range values would turn to NaN
+            k, v = k.clamp(-_E4M3_MAX, _E4M3_MAX), v.clamp(-_E4M3_MAX, _E4M3_MAX)
+        self.k_buffer[layer_id][loc] = k.to(self.dtype)
+        self.v_buffer[layer_id][loc] = v.to(self.dtype)
 
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:

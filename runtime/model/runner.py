@@ -20,6 +20,7 @@ from tandem.runtime.server_args import ServerArgs
 logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_KV_DTYPES = {"fp8_e5m2": torch.float8_e5m2, "fp8_e4m3": torch.float8_e4m3fn}
 _CPU_KV_MEM_FRACTION = 0.1  # of free host memory, when neither max_total_tokens nor a fraction is given
 _GPU_KV_MEM_FRACTION = 0.85
 
@@ -31,6 +32,7 @@ class ModelRunner:
         self.device = torch.device(args.resolved_device())
         self.model_path = resolve_model_path(args.model_path)
         self.dtype = self._pick_dtype()
+        self.kv_dtype = self._kv_dtype()
         torch.manual_seed(args.random_seed)
         self.model = load_model(self.model_path, self.dtype, self.device, tp)
         self.config = self.model.cfg
@@ -43,7 +45,7 @@ class ModelRunner:
         self.req_to_token_pool = ReqToTokenPool(2 * self.max_running_requests + 1, self.context_len + 8, self.device)
         self.allocator = TokenAllocator(self.max_total_tokens, self.device)
         self.kv_pool = KVPool(self.max_total_tokens, self.config.num_layers, self.config.num_kv_heads // tp.size,
-                              self.config.head_dim, self.dtype, self.device)
+                              self.config.head_dim, self.kv_dtype, self.device)
         backend = args.resolved_attention_backend()
         self.attn_backend = create_attention_backend(backend, self.kv_pool, self.req_to_token_pool)
         self.model.use_ops(create_ops(backend))
@@ -51,11 +53,11 @@ class ModelRunner:
         if self.draft_model is not None:  # its own KV, in the slots the target's rows name
             dc = self.draft_model.cfg
             self.draft_kv_pool = KVPool(self.max_total_tokens, dc.num_layers, dc.num_kv_heads, dc.head_dim,
-                                        self.dtype, self.device)
+                                        self.kv_dtype, self.device)
             self.draft_attn_backend = create_attention_backend(backend, self.draft_kv_pool, self.req_to_token_pool)
             self.draft_model.use_ops(create_ops(backend))
-        logger.info("model %s loaded: %s, %d KV slots, context %d", self.model_path, self.config.arch,
-                    self.max_total_tokens, self.context_len)
+        logger.info("model %s loaded: %s, %d KV slots (%s), context %d", self.model_path, self.config.arch,
+                    self.max_total_tokens, str(self.kv_dtype).removeprefix("torch."), self.context_len)
 
     def _pick_dtype(self) -> torch.dtype:
         if self.args.dtype != "auto" or self.device.type != "cpu":
@@ -66,6 +68,17 @@ class ModelRunner:
             dtype, why = torch.float32, f"{why}; bf16 not faster on every rank"
         logger.info("--dtype auto: %s (%s)", str(dtype).removeprefix("torch."), why)
         return dtype
+
+    def _kv_dtype(self) -> torch.dtype:
+        """What the KV pool stores: the model dtype, or fp8 e5m2 (half of bf16's bytes; 2 mantissa
+        bits, the exponent range of fp16, so no scales), which attention widens as it reads."""
+        if self.args.kv_cache_dtype == "auto":
+            return self.dtype
+        backend = self.args.resolved_attention_backend()
+        if backend == "triton":
+            raise ValueError(f"kv_cache_dtype={self.args.kv_cache_dtype} is not supported by the triton attention "
+                             f"backend (auto picks it on {self.device.type}); use attention_backend torch or cpu")
+        return _KV_DTYPES[self.args.kv_cache_dtype]
 
     def _agree(self, value: int) -> int:
         """The smallest of every rank's value: ranks plan in lockstep, so they must size alike."""
@@ -95,7 +108,7 @@ class ModelRunner:
         per_token = 0
         for cfg in (self.config, *([self.draft_model.cfg] if self.draft_model is not None else [])):
             per_token += KVPool.bytes_per_token(cfg.num_layers, cfg.num_kv_heads // self.tp.size, cfg.head_dim,
-                                                self.dtype)
+                                                self.kv_dtype)
         if self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
             budget = free * (self.args.mem_fraction_static or _GPU_KV_MEM_FRACTION)

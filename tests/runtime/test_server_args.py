@@ -71,3 +71,12 @@ def test_parallelism_flags():
                            "speculative_algorithm=NGRAM is not available with tp_size=2")]:
         with pytest.raises(ValueError, match=fragment.replace("(", r"\(").replace(")", r"\)")):
             ServerArgs(**bad)
+
+
+def test_kv_cache_dtype():
+    assert _cli(["--kv-cache-dtype", "fp8_e4m3"]).kv_cache_dtype == "fp8_e4m3"
+    assert ServerArgs().kv_cache_dtype == "auto"
+    with pytest.raises(ValueError, match="kv_cache_dtype='fp8'"):
+        ServerArgs(kv_cache_dtype="fp8")
+    with pytest.raises(ValueError, match="kv_cache_dtype=fp8_e5m2 is not supported by attention_backend=triton"):
+        ServerArgs(kv_cache_dtype="fp8_e5m2", attention_backend="triton")
