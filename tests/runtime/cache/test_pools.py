@@ -137,11 +137,6 @@ def test_req_to_token_pool_clear() -> None:
     assert pool.available_size() == 2
 
 
-def _anon_huge_kib() -> int:
-    with open("/proc/self/smaps") as f:
-        return sum(int(line.split()[1]) for line in f if line.startswith("AnonHugePages:"))
-
-
 def test_kv_pool_layers_are_separate_zeroed_buffers():
     pool = KVPool(1000, num_layers=3, num_kv_heads=2, head_dim=16, dtype=torch.bfloat16)
     buffers = pool.k_buffer + pool.v_buffer
@@ -160,11 +155,24 @@ def _thp_mode() -> str:
         return "never"
 
 
-def test_cpu_kv_pool_sits_on_huge_pages_where_the_kernel_offers_them():
+def _mapping_flags(addr: int) -> dict[str, str]:
+    """The /proc/self/smaps fields of the mapping that holds `addr`."""
+    flags, inside = {}, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= addr < hi
+            elif inside:
+                flags[head.rstrip(":")] = line.split()[1]
+    return flags
+
+
+def test_cpu_kv_pool_is_advised_onto_huge_pages():
+    """What the pool controls is the advice (THPeligible); whether the kernel finds free huge pages
+    at fault time depends on the machine's fragmentation, so it is not asserted."""
     if _thp_mode() == "never":
         pytest.skip("transparent huge pages are off on this machine")  # nothing to advise
-    before = _anon_huge_kib()
     pool = KVPool(100_000, num_layers=4, num_kv_heads=2, head_dim=64, dtype=torch.bfloat16)  # ~200 MiB
-    pool_kib = 2 * 4 * 100_001 * 2 * 64 * 2 // 1024
-    assert _anon_huge_kib() - before > pool_kib // 2
-    del pool
+    assert _mapping_flags(pool.k_buffer[1].data_ptr()).get("THPeligible") == "1"
