@@ -93,7 +93,7 @@ class KVPool:
         shape = (size + 1, num_kv_heads, head_dim)
         if torch.device(device).type == "cpu":
             # one allocation on huge pages: decode attention streams the whole pool every step,
-            # and with 4 KiB pages a quarter of its time went to TLB misses and restarted prefetch
+            # and with 4 KiB pages an eighth of its time went to TLB misses and restarted prefetch
             layer_elems = shape[0] * shape[1] * shape[2]
             layers = _huge_page_tensor(2 * num_layers * layer_elems, dtype).view(2 * num_layers, *shape)
             self.k_buffer, self.v_buffer = list(layers[:num_layers]), list(layers[num_layers:])

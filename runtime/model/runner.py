@@ -70,8 +70,9 @@ class ModelRunner:
         return dtype
 
     def _kv_dtype(self) -> torch.dtype:
-        """What the KV pool stores: the model dtype, or fp8 e5m2 (half of bf16's bytes; 2 mantissa
-        bits, the exponent range of fp16, so no scales), which attention widens as it reads."""
+        """What the KV pool stores: the model dtype, or fp8 (half of bf16's bytes, no scales): e5m2
+        has fp16's exponent range and 2 mantissa bits, e4m3 3 bits and a range of +-448 (clamped),
+        which attention widens as it reads."""
         if self.args.kv_cache_dtype == "auto":
             return self.dtype
         backend = self.args.resolved_attention_backend()
