@@ -7,6 +7,8 @@ import os
 import torch
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+FP8_DTYPES = (torch.float8_e5m2, torch.float8_e4m3fn)  # KV pools of --kv-cache-dtype
+KV_DTYPES = FLOAT_DTYPES + FP8_DTYPES
 INDEX_DTYPES = (torch.int32, torch.int64)
 
 
@@ -40,6 +42,13 @@ def check_same_dtype(**tensors: torch.Tensor) -> None:
     dtypes = {name: t.dtype for name, t in tensors.items()}
     if len(set(dtypes.values())) > 1:
         raise TypeError(f"dtypes must match: {dtypes}")
+
+
+def check_kv_pool_dtype(model_dtype: torch.dtype, k_buffer: torch.Tensor, v_buffer: torch.Tensor) -> None:
+    """A KV pool holds the model's dtype, or fp8 that kernels widen as they read."""
+    check_same_dtype(k_buffer=k_buffer, v_buffer=v_buffer)
+    if k_buffer.dtype != model_dtype and k_buffer.dtype not in FP8_DTYPES:
+        raise TypeError(f"the KV pool holds {k_buffer.dtype}: it must hold {model_dtype} (the model's) or an fp8 dtype")
 
 
 def interpreting() -> bool:

@@ -14,8 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
-from tandem.kernels._checks import (INDEX_DTYPES, check_dim, check_same_device, check_same_dtype, check_tensor,
-                                    dot_precision, next_pow2)
+from tandem.kernels._checks import (INDEX_DTYPES, KV_DTYPES, check_dim, check_kv_pool_dtype, check_same_device,
+                                    check_tensor, dot_precision, next_pow2)
 
 MAX_HEAD_DIM = 256
 MIN_HEAD_BLOCK = 16  # tl.dot needs M >= 16 on GPU; spare rows are masked
@@ -24,7 +24,8 @@ MAX_HEAD_BLOCK = 64
 
 def decode_attention_ref(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
                          kv_indptr: torch.Tensor, kv_indices: torch.Tensor, scale: float) -> torch.Tensor:
-    """q: [bs, Hq, D]; request b attends to slots kv_indices[kv_indptr[b]:kv_indptr[b+1]]."""
+    """q: [bs, Hq, D]; request b attends to slots kv_indices[kv_indptr[b]:kv_indptr[b+1]] (the pool
+    in q's dtype or fp8)."""
     out = torch.empty_like(q)
     group = q.shape[1] // k_buffer.shape[1]
     bounds = kv_indptr.tolist()
@@ -90,7 +91,7 @@ def _decode_split_kernel(Q, K_buf, V_buf, KvIndptr, KvIndices, NumSplits, MidO, 
         mask_n = cols < hi
         slots = tl.load(KvIndices + kv_start + cols, mask=mask_n, other=0).to(tl.int64)
         k = tl.load(K_buf + slots[None, :] * stride_kbs + kv_head * stride_kbh + offs_d[:, None],
-                    mask=mask_d[:, None] & mask_n[None, :], other=0.0)
+                    mask=mask_d[:, None] & mask_n[None, :], other=0.0).to(q.dtype)  # an fp8 pool widens
         qk = tl.dot(q, k, input_precision=PRECISION) * qk_scale
         qk = tl.where(mask_n[None, :], qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
@@ -98,7 +99,7 @@ def _decode_split_kernel(Q, K_buf, V_buf, KvIndptr, KvIndices, NumSplits, MidO, 
         p = tl.exp2(qk - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(V_buf + slots[:, None] * stride_vbs + kv_head * stride_vbh + offs_d[None, :],
-                    mask=mask_n[:, None] & mask_d[None, :], other=0.0)
+                    mask=mask_n[:, None] & mask_d[None, :], other=0.0).to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
 
@@ -131,11 +132,12 @@ def _decode_merge_kernel(MidO, MidLse, NumSplits, O, stride_mob, stride_moh, str
 
 def _check_args(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, kv_indptr: torch.Tensor,
                 kv_indices: torch.Tensor, num_splits: torch.Tensor) -> None:
-    for name, t in (("q", q), ("k_buffer", k_buffer), ("v_buffer", v_buffer)):
-        check_tensor(name, t, 3)
+    check_tensor("q", q, 3)
+    for name, t in (("k_buffer", k_buffer), ("v_buffer", v_buffer)):
+        check_tensor(name, t, 3, KV_DTYPES)
     for name, t in (("kv_indptr", kv_indptr), ("kv_indices", kv_indices), ("num_splits", num_splits)):
         check_tensor(name, t, 1, INDEX_DTYPES)
-    check_same_dtype(q=q, k_buffer=k_buffer, v_buffer=v_buffer)
+    check_kv_pool_dtype(q.dtype, k_buffer, v_buffer)
     check_same_device(q=q, k_buffer=k_buffer, v_buffer=v_buffer, kv_indptr=kv_indptr, kv_indices=kv_indices)
     bs, num_heads, head_dim = q.shape
     num_kv_heads = k_buffer.shape[1]

@@ -9,8 +9,8 @@ import torch
 import triton
 import triton.language as tl
 
-from tandem.kernels._checks import (INDEX_DTYPES, check_dim, check_same_device, check_same_dtype, check_tensor,
-                                    dot_precision, next_pow2)
+from tandem.kernels._checks import (INDEX_DTYPES, KV_DTYPES, check_dim, check_kv_pool_dtype, check_same_device,
+                                    check_same_dtype, check_tensor, dot_precision, next_pow2)
 
 MAX_HEAD_DIM = 256
 
@@ -26,8 +26,8 @@ def extend_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_bu
     for b in range(len(qo) - 1):
         slots = kv_indices[kv[b]:kv[b + 1]]
         rows = slice(qo[b], qo[b + 1])
-        keys = torch.cat([k_buffer[slots], k[rows]]).float().repeat_interleave(group, dim=1)
-        vals = torch.cat([v_buffer[slots], v[rows]]).float().repeat_interleave(group, dim=1)
+        keys = torch.cat([k_buffer[slots].float(), k[rows].float()]).repeat_interleave(group, dim=1)
+        vals = torch.cat([v_buffer[slots].float(), v[rows].float()]).repeat_interleave(group, dim=1)
         prefix, ext = len(slots), qo[b + 1] - qo[b]
         q_pos = prefix + torch.arange(ext, device=q.device)
         allowed = torch.arange(prefix + ext, device=q.device)[None, :] <= q_pos[:, None]  # [ext, n]
@@ -102,9 +102,9 @@ def _extend_kernel(Q, K, V, O, K_buf, V_buf, QoIndptr, KvIndptr, KvIndices, sm_s
         mask_n = cols < prefix_len
         slots = tl.load(KvIndices + kv_start + cols, mask=mask_n, other=0).to(tl.int64)
         k = tl.load(K_buf + slots[None, :] * stride_kbs + kv_head * stride_kbh + offs_d[:, None],
-                    mask=mask_d[:, None] & mask_n[None, :], other=0.0)
+                    mask=mask_d[:, None] & mask_n[None, :], other=0.0).to(q.dtype)  # an fp8 pool widens
         v = tl.load(V_buf + slots[:, None] * stride_vbs + kv_head * stride_vbh + offs_d[None, :],
-                    mask=mask_n[:, None] & mask_d[None, :], other=0.0)
+                    mask=mask_n[:, None] & mask_d[None, :], other=0.0).to(q.dtype)
         acc, m_i, l_i = _softmax_step(q, k, v, acc, m_i, l_i, mask_n[None, :], qk_scale, PRECISION)
 
     # new tokens, causal; key 0 is visible to every row, so no row's max stays -inf
@@ -128,11 +128,14 @@ def _extend_kernel(Q, K, V, O, K_buf, V_buf, QoIndptr, KvIndptr, KvIndices, sm_s
 def _check_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_buffer: torch.Tensor,
                 v_buffer: torch.Tensor, qo_indptr: torch.Tensor, kv_indptr: torch.Tensor,
                 kv_indices: torch.Tensor) -> None:
-    for name, t in (("q", q), ("k", k), ("v", v), ("k_buffer", k_buffer), ("v_buffer", v_buffer)):
+    for name, t in (("q", q), ("k", k), ("v", v)):
         check_tensor(name, t, 3)
+    for name, t in (("k_buffer", k_buffer), ("v_buffer", v_buffer)):
+        check_tensor(name, t, 3, KV_DTYPES)
     for name, t in (("qo_indptr", qo_indptr), ("kv_indptr", kv_indptr), ("kv_indices", kv_indices)):
         check_tensor(name, t, 1, INDEX_DTYPES)
-    check_same_dtype(q=q, k=k, v=v, k_buffer=k_buffer, v_buffer=v_buffer)
+    check_same_dtype(q=q, k=k, v=v)
+    check_kv_pool_dtype(q.dtype, k_buffer, v_buffer)
     check_same_device(q=q, k=k, v=v, k_buffer=k_buffer, v_buffer=v_buffer, qo_indptr=qo_indptr,
                       kv_indptr=kv_indptr, kv_indices=kv_indices)
     num_tokens, num_heads, head_dim = q.shape

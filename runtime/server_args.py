@@ -24,7 +24,7 @@ class ServerArgs:
     dtype: str = "auto"  # auto = float32 on CPU, bfloat16 on GPU
     device: str = "auto"  # auto = cuda when available
     attention_backend: str = "auto"  # auto = triton on CUDA, cpu (torch + the paged decode op) on CPU
-    kv_cache_dtype: str = "auto"  # auto = the model dtype; fp8_e5m2 halves KV bytes (cpu and torch backends)
+    kv_cache_dtype: str = "auto"  # auto = the model dtype; fp8_e5m2 | fp8_e4m3: one byte per element
     max_total_tokens: int | None = None
     mem_fraction_static: float | None = None
     max_running_requests: int = 128
@@ -94,9 +94,6 @@ class ServerArgs:
                              f"every node runs tp_size / nnodes ranks")
         if self.nnodes > 1 and self.dist_init_addr is None:
             raise ValueError("dist_init_addr (HOST:PORT on node 0) is needed with nnodes > 1")
-        if self.kv_cache_dtype != "auto" and self.attention_backend == "triton":
-            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype} is not supported by attention_backend=triton "
-                             f"(use torch or cpu, or kv_cache_dtype=auto)")
         self._check_speculative()
 
     def _check_speculative(self) -> None:

@@ -93,7 +93,10 @@ class TritonAttnBackend:
             raise RuntimeError("TritonAttnBackend.forward called before init_forward for this batch")
         k_buffer, v_buffer = self.kv_pool.k_buffer[layer_id], self.kv_pool.v_buffer[layer_id]
         # the whole batch's K/V first: a prefix read below may be slots this pass is filling (see attention.py)
-        store_kv(k_buffer, v_buffer, batch.out_cache_loc, k, v)
+        if k_buffer.dtype == k.dtype:
+            store_kv(k_buffer, v_buffer, batch.out_cache_loc, k, v)
+        else:  # an fp8 pool: torch rounds (to nearest even, e4m3 clamped) where the kernels only read
+            self.kv_pool.set_kv(layer_id, batch.out_cache_loc, k, v)
         if meta.decode:
             return decode_attention_fwd(q, k_buffer, v_buffer, meta.kv_indptr, meta.kv_indices, meta.num_splits,
                                         meta.max_splits, scale)

@@ -75,10 +75,11 @@ class ModelRunner:
         which attention widens as it reads."""
         if self.args.kv_cache_dtype == "auto":
             return self.dtype
-        backend = self.args.resolved_attention_backend()
-        if backend == "triton":
-            raise ValueError(f"kv_cache_dtype={self.args.kv_cache_dtype} is not supported by the triton attention "
-                             f"backend (auto picks it on {self.device.type}); use attention_backend torch or cpu")
+        if (self.args.kv_cache_dtype == "fp8_e4m3" and self.device.type == "cuda"
+                and torch.cuda.get_device_capability(self.device) < (8, 9)):
+            raise ValueError(f"kv_cache_dtype=fp8_e4m3 needs a GPU of compute capability 8.9 or newer (Triton has no "
+                             f"e4m3 before it; this one is {torch.cuda.get_device_capability(self.device)}); "
+                             f"use fp8_e5m2")
         return _KV_DTYPES[self.args.kv_cache_dtype]
 
     def _agree(self, value: int) -> int:

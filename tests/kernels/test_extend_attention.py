@@ -20,10 +20,10 @@ HEADS = [(4, 4, 64), (8, 2, 128)]  # MHA, GQA
 
 
 def _ragged_case(prefix: list[int], extend: list[int], heads: int, kv_heads: int, head_dim: int,
-                 dtype: torch.dtype):
+                 dtype: torch.dtype, pool_dtype: torch.dtype | None = None):
     slots = sum(prefix) + 8
-    k_buf = torch.randn(slots, kv_heads, head_dim, dtype=dtype)
-    v_buf = torch.randn(slots, kv_heads, head_dim, dtype=dtype)
+    k_buf = torch.randn(slots, kv_heads, head_dim).to(pool_dtype or dtype)
+    v_buf = torch.randn(slots, kv_heads, head_dim).to(pool_dtype or dtype)
     kv_indices = torch.randperm(slots - 1)[:sum(prefix)] + 1
     kv_indptr, qo_indptr = (torch.zeros(len(prefix) + 1, dtype=torch.int32) for _ in range(2))
     kv_indptr[1:] = torch.tensor(prefix).cumsum(0)
@@ -46,6 +46,16 @@ def test_extend_matches_reference_on_ragged_batch(dtype: torch.dtype, heads: int
     out = extend_attention_fwd(*args, max(extend), head_dim ** -0.5, block_m=16, block_n=16)
     ref = extend_attention_ref(*args, head_dim ** -0.5)
     torch.testing.assert_close(out, ref, atol=TOL[dtype], rtol=TOL[dtype])
+
+
+@pytest.mark.parametrize("pool_dtype", [torch.float8_e5m2, torch.float8_e4m3fn])
+def test_extend_reads_an_fp8_prefix(pool_dtype: torch.dtype) -> None:
+    """The cached prefix comes from an fp8 pool, widened exactly; the new tokens stay in q's dtype."""
+    torch.manual_seed(3)
+    prefix, extend = [0, 5, 40], [3, 20, 9]
+    args = _ragged_case(prefix, extend, 8, 2, 64, torch.float32, pool_dtype)
+    out = extend_attention_fwd(*args, max(extend), 0.125, block_m=16, block_n=16)
+    torch.testing.assert_close(out, extend_attention_ref(*args, 0.125), atol=1e-5, rtol=1e-5)
 
 
 def test_extend_with_default_tiles() -> None:
