@@ -103,10 +103,15 @@ class KVPool:
 
     def set_kv(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store new K/V, rounded to the pool's dtype (a no-op unless it is narrower, like fp8)."""
+        if self.dtype == k.dtype:
+            self.k_buffer[layer_id][loc] = k
+            self.v_buffer[layer_id][loc] = v
+            return
         if self.dtype == torch.float8_e4m3fn:  # no infinities: out-of-range values would turn to NaN
             k, v = k.clamp(-_E4M3_MAX, _E4M3_MAX), v.clamp(-_E4M3_MAX, _E4M3_MAX)
-        self.k_buffer[layer_id][loc] = k.to(self.dtype)
-        self.v_buffer[layer_id][loc] = v.to(self.dtype)
+        # as bytes: index_put is not implemented for fp8 on every device
+        self.k_buffer[layer_id].view(torch.uint8)[loc] = k.to(self.dtype).view(torch.uint8)
+        self.v_buffer[layer_id].view(torch.uint8)[loc] = v.to(self.dtype).view(torch.uint8)
 
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:

@@ -90,7 +90,7 @@ class TorchAttnBackend:
             if span.kv_slots is None:
                 ks, vs = k[span.q_start:span.q_end], v[span.q_start:span.q_end]
             else:
-                ks, vs = k_pool[span.kv_slots].to(q.dtype), v_pool[span.kv_slots].to(q.dtype)
+                ks, vs = _read(k_pool, span.kv_slots, q.dtype), _read(v_pool, span.kv_slots, q.dtype)
             o = F.scaled_dot_product_attention(qs, ks.transpose(0, 1)[None], vs.transpose(0, 1)[None],
                                                attn_mask=span.mask, is_causal=span.mask is None, scale=scale,
                                                enable_gqa=True)
@@ -99,11 +99,19 @@ class TorchAttnBackend:
 
     def _decode(self, q: torch.Tensor, layer_id: int, batch: ForwardBatch, scale: float) -> torch.Tensor:
         meta: _DecodeMeta = batch.attn_metadata  # type: ignore[assignment]
-        k_all = self.kv_pool.k_buffer[layer_id][meta.kv_slots].to(q.dtype).transpose(1, 2)  # [bs, Hkv, max_seq, D]
-        v_all = self.kv_pool.v_buffer[layer_id][meta.kv_slots].to(q.dtype).transpose(1, 2)
+        k_all = _read(self.kv_pool.k_buffer[layer_id], meta.kv_slots, q.dtype).transpose(1, 2)  # [bs, Hkv, max_seq, D]
+        v_all = _read(self.kv_pool.v_buffer[layer_id], meta.kv_slots, q.dtype).transpose(1, 2)
         out = F.scaled_dot_product_attention(q[:, :, None, :], k_all, v_all, attn_mask=meta.mask, scale=scale,
                                              enable_gqa=True)
         return out[:, :, 0, :]
+
+
+def _read(pool: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Rows `slots` of a pool in `dtype`; an fp8 pool is gathered as bytes (indexing is not
+    implemented for fp8 on every device) and widened."""
+    if pool.dtype == dtype:
+        return pool[slots]
+    return pool.view(torch.uint8)[slots].view(pool.dtype).to(dtype)
 
 
 class CpuAttnBackend(TorchAttnBackend):
