@@ -15,7 +15,8 @@ from collections.abc import Iterator
 
 import requests
 
-from tandem.launch.managed_server import BenchError, free_port
+from tandem.launch.managed_server import BenchError
+from tandem.runtime.launcher import free_port
 
 PROBE = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 1, "temperature": 0.0}}
 

@@ -20,7 +20,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
 
-from tandem.runtime.launcher import free_port  # re-exported: the gateway bench takes it from here
+from tandem.runtime.launcher import free_port
 
 STOP_GRACE_S = 10.0
 

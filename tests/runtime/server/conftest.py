@@ -87,7 +87,7 @@ def smol_server(servers):
 def grpc_server(tmp_path_factory, tiny_model_dir):
     """A tiny-model server that also serves gRPC (both services), with strict thinking and a
     reasoning parser for the reasoning controls; `.grpc_target` is its host:port."""
-    from server_utils import free_port
+    from tandem.runtime.launcher import free_port
 
     port = free_port()
     logs = tmp_path_factory.mktemp("grpc_logs")

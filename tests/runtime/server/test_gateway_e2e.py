@@ -13,8 +13,10 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import requests
 
-from server_utils import assert_no_leaks, free_port, start_server
+from server_utils import assert_no_leaks, start_server
+
 from tandem.launch.managed_gateway import Gateway
+from tandem.runtime.launcher import free_port
 
 pytestmark = pytest.mark.timeout(600)
 CHAT = {"messages": [{"role": "user", "content": "Say something."}], "max_tokens": 8, "temperature": 0}

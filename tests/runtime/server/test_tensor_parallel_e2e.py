@@ -12,7 +12,9 @@ from concurrent.futures import ThreadPoolExecutor
 import psutil
 import pytest
 
-from server_utils import free_port, start_server
+from server_utils import start_server
+
+from tandem.runtime.launcher import free_port
 
 pytestmark = pytest.mark.timeout(240)
 
