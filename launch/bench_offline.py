@@ -10,7 +10,8 @@ same prompts, in one process run, with the same dtype:
 2. tandem Engine, overlap schedule off,
 3. the bare model loop (tandem's model, no scheduler/IPC/detokenizer): static batches of up to
    --max-running-requests, each decoded for the longest output in the batch,
-4. transformers `generate`: static left-padded batches of --hf-batch-size (peer, on by default),
+4. transformers `generate`: static left-padded batches of --hf-batch-size (peer, on by default,
+   launch/bench_transformers.py),
 5. CTranslate2 float32 and int8 (`--peers ...,ctranslate2`, launch/bench_ctranslate2.py),
 6. the GEMM-only bound: the model's matmuls alone for the same token counts on this CPU
    (runtime/model/gemm_bound.py), so each system's distance from the machine's limit shows.
@@ -182,52 +183,10 @@ def run_bare(args: argparse.Namespace, wl: Workload) -> SystemResult:
     return SystemResult("bare model loop", wl.output_tokens, seconds, computed)
 
 
-def load_hf_model(model_path: str | None, dtype: str):
-    from transformers import AutoModelForCausalLM
-
-    from tandem.runtime.model_files import resolve_model_path
-
-    path = resolve_model_path(model_path)
-    torch_dtype = getattr(torch, dtype)
-    if path.endswith(".gguf"):
-        return AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
-                                                    dtype=torch_dtype).eval()
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype).eval()
-
-
-def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(prompts), width), dtype=torch.long)
-    for i, p in enumerate(prompts):
-        ids[i, width - len(p):] = torch.tensor(p)
-        mask[i, width - len(p):] = 1
-    return ids, mask
-
-
-def _hf_generate(model, prompts: list[list[int]], new_tokens: int, pad_id: int) -> torch.Tensor:
-    ids, mask = left_pad(prompts, pad_id)
-    # min_new_tokens = max_new_tokens: EOS cannot end a row early, like ignore_eos on the tandem side
-    return model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=new_tokens,
-                          min_new_tokens=new_tokens, pad_token_id=pad_id, temperature=None, top_p=None, top_k=None)
-
-
 def run_transformers(args: argparse.Namespace, wl: Workload) -> SystemResult:
-    model = load_hf_model(args.model_path, args.dtype)
-    pad_id = model.generation_config.pad_token_id or model.generation_config.eos_token_id or 0
-    pad_id = pad_id[0] if isinstance(pad_id, list) else int(pad_id)
-    computed = 0
-    with torch.inference_mode():
-        _hf_generate(model, wl.prompts[:2], 4, pad_id)  # warm-up
-        t0 = time.perf_counter()
-        for prompts, out_lens in batches(wl, args.hf_batch_size):
-            out = _hf_generate(model, prompts, max(out_lens), pad_id)
-            if out.shape[1] - max(len(p) for p in prompts) != max(out_lens):
-                raise RuntimeError("transformers stopped before max_new_tokens")
-            computed += len(prompts) * max(out_lens)
-        seconds = time.perf_counter() - t0
-    del model
-    gc.collect()
+    from tandem.launch import bench_transformers
+
+    seconds, computed = bench_transformers.run(args.model_path, args.dtype, batches(wl, args.hf_batch_size))
     return SystemResult("transformers generate", wl.output_tokens, seconds, computed)
 
 

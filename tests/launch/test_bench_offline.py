@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from tandem.launch.bench_offline import Workload, batches, left_pad, main, make_workload
+from tandem.launch.bench_offline import Workload, batches, main, make_workload
+from tandem.launch.bench_transformers import left_pad
 
 TOK_S_KEYS = ("tandem_overlap_tok_s", "tandem_no_overlap_tok_s", "bare_tok_s", "transformers_tok_s")
 
