@@ -75,11 +75,11 @@ class ModelRunner:
         which attention widens as it reads."""
         if self.args.kv_cache_dtype == "auto":
             return self.dtype
-        if (self.args.kv_cache_dtype == "fp8_e4m3" and self.device.type == "cuda"
-                and torch.cuda.get_device_capability(self.device) < (8, 9)):
-            raise ValueError(f"kv_cache_dtype=fp8_e4m3 needs a GPU of compute capability 8.9 or newer (Triton has no "
-                             f"e4m3 before it; this one is {torch.cuda.get_device_capability(self.device)}); "
-                             f"use fp8_e5m2")
+        if self.args.kv_cache_dtype == "fp8_e4m3" and self.device.type == "cuda":
+            capability = torch.cuda.get_device_capability(self.device)
+            if capability < (8, 9):
+                raise ValueError(f"kv_cache_dtype=fp8_e4m3 needs a GPU of compute capability 8.9 or newer (Triton "
+                                 f"has no e4m3 before it; this one is {capability}); use fp8_e5m2")
         return _KV_DTYPES[self.args.kv_cache_dtype]
 
     def _agree(self, value: int) -> int:

@@ -20,7 +20,7 @@ from tandem.ipc.messages import (AbortReq, ChildError, FinishReason, FlushCacheR
 from tandem.ipc.sockets import IPCAddresses, bind_pull, connect_push, recv_all_nowait, send
 from tandem.runtime.envs import envs
 from tandem.runtime.grammar.backend import GrammarBackend
-from tandem.runtime.launcher import ParentWatch
+from tandem.runtime.launcher import ParentWatch, node_tp_ranks
 from tandem.runtime.model.forward_batch import ForwardMode
 from tandem.runtime.model.runner import ModelRunner
 from tandem.runtime.model.tensor_parallel import SINGLE, init_tensor_parallel
@@ -82,7 +82,7 @@ class Scheduler:
         intra_op_threads = reserve_intra_op_threads()  # before the model loads: see its docstring
         device = torch.device(args.resolved_device())
         if device.type == "cpu":  # this node's ranks share its cores
-            intra_op_threads = max(1, intra_op_threads // (args.tp_size // args.nnodes))
+            intra_op_threads = max(1, intra_op_threads // len(node_tp_ranks(args)))
         tp, self.sync = SINGLE, None
         if args.tp_size > 1:  # rank 0 leads: it alone talks to the other processes (tp_sync.py)
             tp, control = init_tensor_parallel(tp_rank, args.tp_size, args.dist_init_addr, device)
@@ -184,7 +184,8 @@ class Scheduler:
         msgs = []
         if self.recv_sock is not None and (not block_ms or self.recv_sock.poll(block_ms)):
             msgs = recv_all_nowait(self.recv_sock)
-        expired_rids = [req.rid for req in self.planner.expired(time.monotonic())]
+        # rank 0's clock decides: the other ranks' own would disagree near the deadline
+        expired_rids = [req.rid for req in self.planner.expired(time.monotonic())] if self.is_leader else []
         if self.sync is not None:  # every rank takes rank 0's messages and rank 0's clock
             msgs, expired_rids = self.sync.share(msgs, expired_rids)
         for msg in msgs:
