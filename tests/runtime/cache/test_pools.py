@@ -173,6 +173,7 @@ def test_cpu_kv_pool_is_advised_onto_huge_pages():
     """What the pool controls is the advice (THPeligible); whether the kernel finds free huge pages
     at fault time depends on the machine's fragmentation, so it is not asserted."""
     if _thp_mode() == "never":
-        pytest.skip("transparent huge pages are off on this machine")  # nothing to advise
+        # with THP set to "never" no mapping is ever eligible, advised or not: nothing to observe
+        pytest.skip("transparent huge pages are set to 'never' on this machine")
     pool = KVPool(100_000, num_layers=4, num_kv_heads=2, head_dim=64, dtype=torch.bfloat16)  # ~200 MiB
     assert _mapping_flags(pool.k_buffer[1].data_ptr()).get("THPeligible") == "1"
