@@ -30,7 +30,7 @@ class LoopResult:
     output_ids: list[list[int]]
     prefill_s: float = 0.0
     decode_s: float = 0.0
-    step_logits: list[torch.Tensor] = field(default_factory=list)  # [B, V] per sampled position, if kept
+    step_logits: list[torch.Tensor] = field(default_factory=list)  # [B, V] float32 per sampled position, if kept
 
 
 class BareLoop:
@@ -39,7 +39,7 @@ class BareLoop:
 
     def prefill(self, prompts: list[list[int]], rows: list[int], prefix_lens: list[int] | None = None,
                 all_logits: bool = False) -> torch.Tensor:
-        """Extend each row by its prompt (after `prefix_lens` tokens already in the row). Returns logits."""
+        """Extend each row by its prompt (after `prefix_lens` tokens already in the row); logits in the model dtype."""
         r = self.runner
         prefix_lens = prefix_lens or [0] * len(prompts)
         new_ids = [p[pre:] for p, pre in zip(prompts, prefix_lens)]
@@ -57,7 +57,7 @@ class BareLoop:
         return r.forward(batch)
 
     def decode(self, last_ids: torch.Tensor, rows: list[int], seq_lens: list[int]) -> torch.Tensor:
-        """One token per row at position seq_lens[i]; returns logits [B, V]."""
+        """One token per row at position seq_lens[i]; returns logits [B, V] (model dtype)."""
         r = self.runner
         slots = r.allocator.alloc(len(rows))
         if slots is None:
@@ -87,7 +87,7 @@ class BareLoop:
             logits = self.prefill(prompts, rows)
             for step in range(max_new_tokens):
                 if keep_logits:
-                    result.step_logits.append(logits)
+                    result.step_logits.append(logits.float())
                 ids = r.sample(logits, info, torch.tensor(seq_lens, device=r.device))
                 for i, t in enumerate(ids.tolist()):
                     out[i].append(t)

@@ -106,6 +106,6 @@ class CausalLM(nn.Module):
         return self.tp.all_gather_last_dim(torch.nn.functional.linear(hidden, weight))
 
     def forward(self, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
-        """Logits (float32) at `batch.logits_indices`."""
+        """Logits at `batch.logits_indices`, in the model's dtype (samplers read them as they are)."""
         hidden = self.hidden_states(batch, attn)
-        return self.logits(hidden[batch.logits_indices]).float()
+        return self.logits(hidden[batch.logits_indices])

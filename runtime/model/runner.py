@@ -120,7 +120,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        """Float32 logits at batch.logits_indices."""
+        """Logits at batch.logits_indices, in the model's dtype."""
         return self.model(batch, self.attn_backend)
 
     @torch.inference_mode()

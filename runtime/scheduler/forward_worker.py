@@ -186,7 +186,7 @@ class ForwardWorker:
         if not job.sample_indices:
             return GenerationBatchResult([], [], [], input_chunks, prompt_hidden)
         sampled_hidden = hidden[batch.logits_indices]
-        logits = r.model.logits(sampled_hidden).float()
+        logits = r.model.logits(sampled_hidden)  # the model's dtype: widened only where needed
         sample_rows = rows[job.sample_indices]
         positions = torch.tensor(job.sample_positions, dtype=torch.int64, device=device)
         next_ids = self._sample(logits, job, positions, sample_rows)
@@ -218,7 +218,7 @@ class ForwardWorker:
         batch = ForwardBatch.build(mode, input_ids, job.rows, layout.seq_lens, [n + 1 for n in num_drafts],
                                    out_cache_loc, list(range(layout.num_tokens)), device)
         hidden = r.model.hidden_states(batch, r.attn_backend)
-        logits = r.model.logits(hidden).float()
+        logits = r.model.logits(hidden)
         sampled = self._sample(logits, job, positions + 1, rows[row_of], (layout, row_of))
         runs = accept_runs(sampled.tolist(), drafts.tolist(), layout)
         kept = torch.tensor(layout.kept_indices(runs), dtype=torch.int64, device=device)
@@ -256,6 +256,8 @@ class ForwardWorker:
         are the tokens of the requests' runs (`verify`: the layout and its row_of on the device),
         and the per-request settings are spread over them."""
         layout, per_row = verify if verify is not None else (None, None)
+        if job.grammar_mask is not None or job.penalties is not None:
+            logits = logits.float()
         if job.grammar_mask is not None:  # before penalties: a bias cannot revive a masked token
             # constrained requests never draft, so their run is one token: the first of the run
             logit_rows = None if layout is None else [layout.offsets[i] for i in job.grammar_mask.sample_indices]
@@ -283,7 +285,7 @@ class ForwardWorker:
         if not nums or all(k < 0 for k in nums):
             return []
         picks = [t for t, i in enumerate(owner) if nums[i] >= 0]
-        arrays = iter(batch_output_logprobs(logits[picks], tokens[picks], [nums[owner[t]] for t in picks],
+        arrays = iter(batch_output_logprobs(logits[picks].float(), tokens[picks], [nums[owner[t]] for t in picks],
                                             [job.token_ids_logprob[owner[t]] for t in picks]))  # type: ignore[index]
         return [[next(arrays) for _ in range(n)] if k >= 0 else None for k, n in zip(nums, counts)]
 

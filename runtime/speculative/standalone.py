@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from tandem.runtime.model.forward_batch import ForwardBatch, ForwardMode
+from tandem.runtime.sampling.sampler import greedy_ids
 
 
 class StandaloneDrafter:
@@ -91,4 +92,4 @@ class StandaloneDrafter:
 
     def _greedy(self, batch: ForwardBatch) -> list[int]:
         hidden = self.model.hidden_states(batch, self.attn)
-        return self.model.logits(hidden[batch.logits_indices]).argmax(-1).tolist()
+        return greedy_ids(self.model.logits(hidden[batch.logits_indices])).tolist()
