@@ -1,6 +1,6 @@
 """The machine's limit for a model: the time of its matmuls alone (every linear layer and the LM
 head), measured on this CPU at the batch shapes a run uses, with random weights of the model's
-shapes in the run's dtype. No attention, norms, sampling or scheduling: a system's tok/s over
+shapes in the run's dtype, held as the model holds them (oneDNN-packed where it packs them). No attention, norms, sampling or scheduling: a system's tok/s over
 this bound is how much of the machine it turns into tokens.
 """
 from __future__ import annotations
@@ -13,6 +13,7 @@ import torch
 
 from tandem.kernels.cpu_ops import cpu_flags
 from tandem.runtime.model.config import ModelConfig
+from tandem.runtime.model.packed_linear import linear, pack, packs_weights
 
 PREFILL_CHUNK = 2048  # tokens per timed prefill matmul pass (tandem's default chunked prefill)
 
@@ -42,20 +43,21 @@ def _weights(cfg: ModelConfig, dtype: torch.dtype, num_layers: int,
     h, d = cfg.hidden_size, cfg.head_dim
     shapes = [((cfg.num_heads + 2 * cfg.num_kv_heads) * d, h), (h, cfg.num_heads * d),
               (2 * cfg.intermediate_size, h), (h, cfg.intermediate_size)]
-    layers = [[torch.randn(shape, dtype=dtype) * 0.02 for shape in shapes] for _ in range(num_layers)]
-    return layers, torch.randn(cfg.vocab_size, h, dtype=dtype) * 0.02 if lm_head else None
+    held = pack if packs_weights(dtype) else (lambda w: w)
+    layers = [[held(torch.randn(shape, dtype=dtype) * 0.02) for shape in shapes] for _ in range(num_layers)]
+    return layers, held(torch.randn(cfg.vocab_size, h, dtype=dtype) * 0.02) if lm_head else None
 
 
 def _time_pass(x: torch.Tensor, layers: list[list[torch.Tensor]], lm_head: torch.Tensor | None,
                repeats: int) -> float:
     def one_pass() -> None:
         for layer in layers:
-            qkv = torch.nn.functional.linear(x, layer[0])
-            torch.nn.functional.linear(qkv[:, :layer[1].shape[1]].contiguous(), layer[1])
-            gate_up = torch.nn.functional.linear(x, layer[2])
-            torch.nn.functional.linear(gate_up[:, :layer[3].shape[1]].contiguous(), layer[3])
+            qkv = linear(x, layer[0])
+            linear(qkv[:, :layer[1].shape[1]].contiguous(), layer[1])
+            gate_up = linear(x, layer[2])
+            linear(gate_up[:, :layer[3].shape[1]].contiguous(), layer[3])
         if lm_head is not None:
-            torch.nn.functional.linear(x, lm_head)
+            linear(x, lm_head)
 
     with torch.inference_mode():
         one_pass()  # warm-up: oneDNN/MKL pick and cache their kernels

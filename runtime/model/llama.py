@@ -14,6 +14,7 @@ from tandem.runtime.model.config import ModelConfig
 from tandem.runtime.model.forward_batch import ForwardBatch
 from tandem.runtime.model.layers import RMSNorm, RotaryEmbedding
 from tandem.runtime.model.ops import CpuOps, TorchOps, TritonOps
+from tandem.runtime.model.packed_linear import PackedLinear, pack_linears
 from tandem.runtime.model.tensor_parallel import SINGLE, TensorParallel, VocabParallelEmbedding
 
 
@@ -101,9 +102,19 @@ class CausalLM(nn.Module):
         x, _ = self.norm(x, residual)
         return x
 
+    def pack_weights(self) -> int:
+        """Every linear on oneDNN-packed weights (runtime/model/packed_linear.py); a tied LM head
+        gets a packed copy of the embedding, which keeps its plain rows for lookups. Returns how many."""
+        count = pack_linears(self)
+        if self.lm_head is None:
+            self.lm_head = PackedLinear(self.embed_tokens.weight, None)
+            count += 1
+        return count
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return self.tp.all_gather_last_dim(torch.nn.functional.linear(hidden, weight))
+        if self.lm_head is None:  # tied
+            return self.tp.all_gather_last_dim(torch.nn.functional.linear(hidden, self.embed_tokens.weight))
+        return self.tp.all_gather_last_dim(self.lm_head(hidden))
 
     def forward(self, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
         """Logits at `batch.logits_indices`, in the model's dtype (samplers read them as they are)."""

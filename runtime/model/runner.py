@@ -13,6 +13,7 @@ from tandem.runtime.model.gemm_bound import pick_cpu_dtype
 from tandem.runtime.model.loader import load_config, load_model
 from tandem.runtime.model_files import resolve_model_path
 from tandem.runtime.model.ops import create_ops
+from tandem.runtime.model.packed_linear import packs_weights
 from tandem.runtime.model.tensor_parallel import SINGLE, TensorParallel
 from tandem.runtime.sampling.sampler import SamplingBatchInfo, sample
 from tandem.runtime.server_args import ServerArgs
@@ -37,6 +38,9 @@ class ModelRunner:
         self.model = load_model(self.model_path, self.dtype, self.device, tp)
         self.config = self.model.cfg
         self.draft_model = self._load_draft_model()
+        if packs_weights(self.dtype, self.device):
+            packed = sum(m.pack_weights() for m in (self.model, self.draft_model) if m is not None)
+            logger.info("%d linear weights packed for oneDNN (bf16 on a CPU with native bf16)", packed)
         self.context_len = min(args.context_length or self.config.max_position, self.config.max_position)
         self.max_total_tokens = self._kv_capacity()
         self.max_running_requests = args.max_running_requests
