@@ -5,6 +5,8 @@
 // Two paths, tested against the same float64 reference: an AVX-512 one for head dims of 64 and
 // 128 (the common ones), and a portable one for everything else and CPUs without AVX-512. The
 // pool holds q's dtype or fp8 (e5m2 or e4m3, --kv-cache-dtype), widened to float32 as it is read.
+// Given the step's new K/V and their slots, the op first stores them (as KVPool.set_kv would),
+// which saves a decode step two index_put calls per layer.
 #include <torch/library.h>
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -319,9 +321,44 @@ void decode_attention_avx512(const q_t* q, int64_t q_stride, const kv_t* k, cons
 }
 #endif
 
+// src's rows [bs, heads, d] (any strides but the last) into pool slots loc[i], rounded to the
+// pool's dtype exactly as KVPool.set_kv rounds (torch's conversions; e4m3, which has no
+// infinities, clamped to +-448 first)
+template <typename src_t, typename kv_t>
+void store_rows(const at::Tensor& src, at::Tensor& pool, const int64_t* loc) {
+  const int64_t bs = src.size(0), heads = src.size(1), d = src.size(2);
+  const int64_t s0 = src.stride(0), s1 = src.stride(1), slot_elems = heads * d;
+  const src_t* s = src.data_ptr<src_t>();
+  kv_t* p = pool.data_ptr<kv_t>();
+  at::parallel_for(0, bs, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i)
+      for (int64_t h = 0; h < heads; ++h) {
+        const src_t* row = s + i * s0 + h * s1;
+        kv_t* dst = p + loc[i] * slot_elems + h * d;
+        for (int64_t e = 0; e < d; ++e) {
+          if constexpr (std::is_same_v<src_t, kv_t>) {
+            dst[e] = row[e];
+          } else if constexpr (std::is_same_v<kv_t, at::Float8_e4m3fn>) {
+            dst[e] = kv_t(std::min(std::max(static_cast<float>(row[e]), -448.f), 448.f));
+          } else {
+            dst[e] = kv_t(static_cast<float>(row[e]));
+          }
+        }
+      }
+  });
+}
+
+struct NewKV {
+  const at::Tensor *k, *v, *loc;
+};
+
 template <typename q_t, typename kv_t>
-void run(const at::Tensor& q, const at::Tensor& k_buffer, const at::Tensor& v_buffer, const at::Tensor& req_to_token,
-         const at::Tensor& rows, const at::Tensor& lens, at::Tensor& out, double scale) {
+void run(const at::Tensor& q, at::Tensor& k_buffer, at::Tensor& v_buffer, const at::Tensor& req_to_token,
+         const at::Tensor& rows, const at::Tensor& lens, at::Tensor& out, double scale, const NewKV& new_kv) {
+  if (new_kv.k != nullptr) {  // before any read: each request's newest slot is among those it attends to
+    store_rows<q_t, kv_t>(*new_kv.k, k_buffer, new_kv.loc->data_ptr<int64_t>());
+    store_rows<q_t, kv_t>(*new_kv.v, v_buffer, new_kv.loc->data_ptr<int64_t>());
+  }
   const int64_t bs = q.size(0), hq = q.size(1), hkv = k_buffer.size(1), d = q.size(2);
   auto args = std::make_tuple(q.data_ptr<q_t>(), q.stride(0), k_buffer.data_ptr<kv_t>(), v_buffer.data_ptr<kv_t>(),
                               req_to_token.data_ptr<int64_t>(), req_to_token.stride(0), rows.data_ptr<int64_t>(),
@@ -336,9 +373,29 @@ void run(const at::Tensor& q, const at::Tensor& k_buffer, const at::Tensor& v_bu
   std::apply([&](auto... a) { decode_attention_portable<q_t, kv_t, 0>(a..., d, s); }, args);
 }
 
-at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_buffer, const at::Tensor& v_buffer,
+// the step's new K/V: k, v [bs, Hkv, D] in q's dtype (views into the qkv output are fine),
+// out_cache_loc [bs] int64 slots inside the pool
+NewKV check_new_kv(const at::Tensor& q, const at::Tensor& k_buffer, const c10::optional<at::Tensor>& k,
+                   const c10::optional<at::Tensor>& v, const c10::optional<at::Tensor>& loc) {
+  if (!k.has_value() && !v.has_value() && !loc.has_value()) return {nullptr, nullptr, nullptr};
+  TORCH_CHECK(k.has_value() && v.has_value() && loc.has_value(), "k, v and out_cache_loc come together");
+  for (const at::Tensor* t : {&*k, &*v}) {
+    TORCH_CHECK(t->dim() == 3 && t->size(0) == q.size(0) && t->size(1) == k_buffer.size(1) &&
+                t->size(2) == k_buffer.size(2) && t->stride(2) == 1, "k, v: [batch, kv_heads, head_dim], rows contiguous");
+    TORCH_CHECK(t->scalar_type() == q.scalar_type(), "k, v: q's dtype");
+  }
+  TORCH_CHECK(loc->scalar_type() == at::kLong && loc->dim() == 1 && loc->size(0) == q.size(0) && loc->is_contiguous(),
+              "out_cache_loc: int64 [batch], contiguous");
+  const int64_t* slots = loc->data_ptr<int64_t>();
+  for (int64_t i = 0; i < loc->size(0); ++i)
+    TORCH_CHECK(slots[i] >= 0 && slots[i] < k_buffer.size(0), "out_cache_loc: slot ", slots[i], " is outside the pool");
+  return {&*k, &*v, &*loc};
+}
+
+at::Tensor decode_attention(const at::Tensor& q, at::Tensor k_buffer, at::Tensor v_buffer,
                             const at::Tensor& req_to_token, const at::Tensor& req_pool_indices,
-                            const at::Tensor& seq_lens, double scale) {
+                            const at::Tensor& seq_lens, double scale, const c10::optional<at::Tensor>& k,
+                            const c10::optional<at::Tensor>& v, const c10::optional<at::Tensor>& out_cache_loc) {
   TORCH_CHECK(q.dim() == 3 && k_buffer.dim() == 3 && v_buffer.dim() == 3, "q, k_buffer, v_buffer: 3 dims each");
   TORCH_CHECK(k_buffer.sizes() == v_buffer.sizes() && k_buffer.dtype() == v_buffer.dtype(),
               "k_buffer and v_buffer differ");
@@ -353,15 +410,17 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_buffer, con
   const at::Tensor rows = req_pool_indices.contiguous(), lens = seq_lens.contiguous();
   const int64_t bs = q.size(0);
   TORCH_CHECK(rows.size(0) == bs && lens.size(0) == bs, "one row and one length per query");
+  const NewKV new_kv = check_new_kv(q, k_buffer, k, v, out_cache_loc);
   at::Tensor out = at::empty(q.sizes(), q.options());
   tandem_cpu::dispatch_float_types(q.scalar_type(), "q", [&](auto q_tag) {
     using q_t = decltype(q_tag);
-    if (k_buffer.scalar_type() == q.scalar_type()) return run<q_t, q_t>(qc, k_buffer, v_buffer, req_to_token, rows, lens, out, scale);
+    if (k_buffer.scalar_type() == q.scalar_type())
+      return run<q_t, q_t>(qc, k_buffer, v_buffer, req_to_token, rows, lens, out, scale, new_kv);
     if (k_buffer.scalar_type() == at::kFloat8_e5m2)
-      return run<q_t, at::Float8_e5m2>(qc, k_buffer, v_buffer, req_to_token, rows, lens, out, scale);
+      return run<q_t, at::Float8_e5m2>(qc, k_buffer, v_buffer, req_to_token, rows, lens, out, scale, new_kv);
     TORCH_CHECK(k_buffer.scalar_type() == at::kFloat8_e4m3fn, "the KV pool holds ", k_buffer.scalar_type(),
                 ": it must hold q's dtype (", q.scalar_type(), "), float8_e5m2 or float8_e4m3fn");
-    run<q_t, at::Float8_e4m3fn>(qc, k_buffer, v_buffer, req_to_token, rows, lens, out, scale);
+    run<q_t, at::Float8_e4m3fn>(qc, k_buffer, v_buffer, req_to_token, rows, lens, out, scale, new_kv);
   });
   return out;
 }
@@ -369,8 +428,9 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_buffer, con
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(tandem_cpu, m) {
-  m.def("decode_attention(Tensor q, Tensor k_buffer, Tensor v_buffer, Tensor req_to_token, "
-        "Tensor req_pool_indices, Tensor seq_lens, float scale) -> Tensor");
+  m.def("decode_attention(Tensor q, Tensor(a!) k_buffer, Tensor(b!) v_buffer, Tensor req_to_token, "
+        "Tensor req_pool_indices, Tensor seq_lens, float scale, Tensor? k=None, Tensor? v=None, "
+        "Tensor? out_cache_loc=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tandem_cpu, CPU, m) { m.impl("decode_attention", &decode_attention); }

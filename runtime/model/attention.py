@@ -115,10 +115,10 @@ def _read(pool: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype) -> torch.
 
 
 class CpuAttnBackend(TorchAttnBackend):
-    """The torch backend with decode in one C++ op (kernels/csrc) that reads each request's K/V in
-    place through its req_to_token row: no per-layer gather into a padded batch (that copy took
-    about a third of a batch-64 decode step). Extend stays the torch path. Without a toolchain to
-    build the op, decode stays the torch path too (logged)."""
+    """The torch backend with decode in one C++ op (kernels/csrc) that stores the step's K/V and
+    reads each request's K/V in place through its req_to_token row: no per-layer gather into a
+    padded batch (that copy took about a third of a batch-64 decode step). Extend stays the torch
+    path. Without a toolchain to build the op, decode stays the torch path too (logged)."""
 
     def __init__(self, kv_pool: KVPool, req_to_token_pool: ReqToTokenPool) -> None:
         super().__init__(kv_pool, req_to_token_pool)
@@ -132,11 +132,13 @@ class CpuAttnBackend(TorchAttnBackend):
         else:
             super().init_forward(batch)
 
-    def _decode(self, q: torch.Tensor, layer_id: int, batch: ForwardBatch, scale: float) -> torch.Tensor:
-        if self.ops is None:
-            return super()._decode(q, layer_id, batch, scale)
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
+                batch: ForwardBatch, scale: float) -> torch.Tensor:
+        if batch.mode != ForwardMode.DECODE or self.ops is None:
+            return super().forward(q, k, v, layer_id, batch, scale)
         return self.ops.decode_attention(q, self.kv_pool.k_buffer[layer_id], self.kv_pool.v_buffer[layer_id],
-                                         self.req_to_token, batch.req_pool_indices, batch.seq_lens, scale)
+                                         self.req_to_token, batch.req_pool_indices, batch.seq_lens, scale,
+                                         k, v, batch.out_cache_loc)
 
 
 def create_attention_backend(name: str, kv_pool: KVPool, req_to_token_pool: ReqToTokenPool) -> AttentionBackend:

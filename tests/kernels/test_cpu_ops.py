@@ -135,3 +135,47 @@ def test_bad_shapes_are_refused(ops):
         ops.decode_attention(q, k_pool, v_pool, r2t.int(), rows, seq_lens, 0.25)
     with pytest.raises(RuntimeError, match="one row and one length per query"):
         ops.decode_attention(q, k_pool, v_pool, r2t, rows[:1], seq_lens[:1], 0.25)
+
+
+@pytest.mark.parametrize("dtype, kv_dtype", [(torch.float32, None), (torch.bfloat16, None),
+                                             (torch.bfloat16, torch.float8_e5m2), (torch.float32, torch.float8_e4m3fn)])
+def test_new_kv_is_stored_as_set_kv_stores_it_then_attended(ops, dtype, kv_dtype):
+    """Given the step's K/V (views into a qkv row, like the model's) and their slots, the op writes
+    the pool exactly as KVPool.set_kv does (fp8 rounding, e4m3's clamp) before it reads: the
+    output equals set_kv followed by the op without them."""
+    from tandem.runtime.cache.pools import KVPool
+
+    lens = [5, 1, 40]
+    hq, hkv, d = 9, 3, 64
+    q, _, _, r2t, rows, seq_lens = make_case(dtype, len(lens), hq, hkv, d, lens, seed=7)
+    g = torch.Generator().manual_seed(8)
+    qkv = torch.randn(len(lens), (hq + 2 * hkv) * d, generator=g) * 300  # past e4m3's +-448 for some
+    qkv = qkv.to(dtype)
+    k, v = (qkv[:, (hq + i * hkv) * d:(hq + (i + 1) * hkv) * d].view(len(lens), hkv, d) for i in (0, 1))
+    loc = r2t[rows, seq_lens - 1]  # each request's newest position
+    pools = [KVPool(int(r2t.max()) + 1, 1, hkv, d, kv_dtype or dtype, "cpu") for _ in range(2)]
+    for pool in pools:
+        pool.k_buffer[0].copy_(torch.randn(pool.k_buffer[0].shape, generator=g).to(pool.dtype))
+        pool.v_buffer[0].copy_(torch.randn(pool.v_buffer[0].shape, generator=g).to(pool.dtype))
+    pools[1].k_buffer[0].copy_(pools[0].k_buffer[0])
+    pools[1].v_buffer[0].copy_(pools[0].v_buffer[0])
+    pools[0].set_kv(0, loc, k, v)
+    want = ops.decode_attention(q, pools[0].k_buffer[0], pools[0].v_buffer[0], r2t, rows, seq_lens, 0.125)
+    got = ops.decode_attention(q, pools[1].k_buffer[0], pools[1].v_buffer[0], r2t, rows, seq_lens, 0.125, k, v, loc)
+    as_bytes = lambda t: t.view(torch.uint8) if t.element_size() == 1 else t  # noqa: E731 - fp8 has no equality
+    assert torch.equal(as_bytes(pools[1].k_buffer[0]), as_bytes(pools[0].k_buffer[0]))
+    assert torch.equal(as_bytes(pools[1].v_buffer[0]), as_bytes(pools[0].v_buffer[0]))
+    assert torch.equal(got, want)
+
+
+def test_bad_new_kv_is_refused(ops):
+    q, k_pool, v_pool, r2t, rows, seq_lens = make_case(torch.float32, 2, 4, 2, 16, [3, 4])
+    k = v = torch.zeros(2, 2, 16)
+    with pytest.raises(RuntimeError, match="outside the pool"):
+        ops.decode_attention(q, k_pool, v_pool, r2t, rows, seq_lens, 0.25, k, v, torch.tensor([0, k_pool.shape[0]]))
+    with pytest.raises(RuntimeError, match="come together"):
+        ops.decode_attention(q, k_pool, v_pool, r2t, rows, seq_lens, 0.25, k, v, None)
+    with pytest.raises(RuntimeError, match="q's dtype"):
+        ops.decode_attention(q, k_pool, v_pool, r2t, rows, seq_lens, 0.25, k.double(), v, torch.tensor([1, 2]))
+    with pytest.raises(RuntimeError, match="kv_heads"):
+        ops.decode_attention(q, k_pool, v_pool, r2t, rows, seq_lens, 0.25, k[:, :1], v, torch.tensor([1, 2]))
