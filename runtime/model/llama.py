@@ -112,9 +112,9 @@ class CausalLM(nn.Module):
         return count
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.lm_head is None:  # tied
-            return self.tp.all_gather_last_dim(torch.nn.functional.linear(hidden, self.embed_tokens.weight))
-        return self.tp.all_gather_last_dim(self.lm_head(hidden))
+        tied = self.lm_head is None
+        local = torch.nn.functional.linear(hidden, self.embed_tokens.weight) if tied else self.lm_head(hidden)
+        return self.tp.all_gather_last_dim(local)
 
     def forward(self, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
         """Logits at `batch.logits_indices`, in the model's dtype (samplers read them as they are)."""
