@@ -34,6 +34,8 @@ from typing import Any
 
 import torch
 
+from tandem.runtime.server_args import KV_CACHE_DTYPES
+
 FIRST_ORDINARY_ID = 17  # below this SmolLM2 keeps its special tokens; random prompts avoid them
 KV_SLACK_TOKENS = 256
 
@@ -329,7 +331,7 @@ def build_parser() -> argparse.ArgumentParser:
     a("--seed", type=int, default=0)
     a("--dtype", choices=["float32", "bfloat16", "auto"], default="float32",
       help="auto: what `--dtype auto` picks on this CPU (bf16 only where it measures faster)")
-    a("--kv-cache-dtype", choices=["auto", "fp8_e5m2", "fp8_e4m3"], default="auto",
+    a("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
       help="tandem's KV pool (engine and bare loop); the peers keep their own")
     a("--output-len", type=int, default=None, help="every sequence's output length (default: drawn like inputs)")
     a("--max-running-requests", type=int, default=64, help="engine batch cap; also the bare loop's batch size")

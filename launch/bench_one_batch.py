@@ -9,7 +9,7 @@ from tandem.launch.bench_offline import machine_info
 from tandem.runtime.model import gemm_bound
 from tandem.runtime.model.bare_loop import BareLoop
 from tandem.runtime.model.runner import ModelRunner
-from tandem.runtime.server_args import ServerArgs
+from tandem.runtime.server_args import KV_CACHE_DTYPES, ServerArgs
 
 
 def run(runner: ModelRunner, batch_size: int, input_len: int, output_len: int, seed: int = 0) -> dict:
@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output-len", type=int, default=32)
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--attention-backend", default="auto")
-    parser.add_argument("--kv-cache-dtype", default="auto", help="auto (the model dtype) or fp8_e5m2")
+    parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto", help="auto: the model dtype")
     parser.add_argument("--output-file", default=None, help="append one JSON line per batch size")
     args = parser.parse_args(argv)
     need = max(args.batch_size) * (args.input_len + args.output_len) + 64

@@ -11,6 +11,9 @@ from typing import Any
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "default.toml"
 
 
+# auto: the model dtype; fp8: one byte per element, no scales (runner.py maps them to torch dtypes)
+KV_CACHE_DTYPES = ("auto", "fp8_e5m2", "fp8_e4m3")
+
 @dataclass(frozen=True)
 class ServerArgs:
     model_path: str | None = None  # None = the embedded SmolLM2-135M-Instruct
@@ -24,7 +27,7 @@ class ServerArgs:
     dtype: str = "auto"  # auto = float32 on CPU, bfloat16 on GPU
     device: str = "auto"  # auto = cuda when available
     attention_backend: str = "auto"  # auto = triton on CUDA, cpu (torch + the paged decode op) on CPU
-    kv_cache_dtype: str = "auto"  # auto = the model dtype; fp8_e5m2 | fp8_e4m3: one byte per element
+    kv_cache_dtype: str = "auto"  # one of KV_CACHE_DTYPES
     max_total_tokens: int | None = None
     mem_fraction_static: float | None = None
     max_running_requests: int = 128
@@ -74,7 +77,7 @@ class ServerArgs:
             "schedule_policy": self.schedule_policy in ("fcfs", "lpm"),
             "dtype": self.dtype in ("auto", "float32", "bfloat16", "float16"),
             "attention_backend": self.attention_backend in ("auto", "torch", "cpu", "triton"),
-            "kv_cache_dtype": self.kv_cache_dtype in ("auto", "fp8_e5m2", "fp8_e4m3"),
+            "kv_cache_dtype": self.kv_cache_dtype in KV_CACHE_DTYPES,
             "chunked_prefill_size": self.chunked_prefill_size > 0 or self.chunked_prefill_size == -1,
             "max_running_requests": self.max_running_requests > 0,
             "tp_size": self.tp_size >= 1,
