@@ -8,7 +8,8 @@ Then it checks what a long-running server must keep true:
 - every request is accounted for: finished, aborted, disconnected by its client, or rejected
   with a status; none lost (an answer without a finish reason), none hung, no 5xx;
 - nothing leaks: after `/flush_cache` every KV slot and request row is free;
-- memory is flat: the RSS of each process in the last quarter against the first quarter;
+- memory is flat: the RSS of each process in the last quarter against the second (the first is
+  warm-up: allocator arenas and oneDNN kernels for each new batch shape; a leak keeps growing);
 - nothing outlives the server: no process, no IPC directory.
 
 Prints a table and writes JSON; exits 1 when a check fails.
@@ -171,10 +172,12 @@ def _quarters(samples: list[int]) -> list[float]:
 
 
 def _drift(samples: list[int]) -> float:
+    """Last quarter over second. The first quarter is warm-up (a one-minute soak's scheduler by
+    quarter: 653, 694, 698, 693 MB), and on a loaded CI machine warm-up alone once passed 1.25x."""
     if len(samples) < 4:
         return 1.0
     q = len(samples) // 4
-    return statistics.mean(samples[-q:]) / statistics.mean(samples[:q])
+    return statistics.mean(samples[-q:]) / statistics.mean(samples[q:2 * q])
 
 
 def run(cfg: SoakConfig) -> dict[str, Any]:
@@ -190,7 +193,7 @@ def run(cfg: SoakConfig) -> dict[str, Any]:
     checks = {
         "every request accounted for (no lost, hung or 5xx)": not tally.problems,
         "no leaked KV slots or rows after /flush_cache": leaks["ok"],
-        f"RSS drift <= {cfg.max_rss_drift:g}x (last quarter / first quarter)": max(drift.values()) <= cfg.max_rss_drift,
+        f"RSS drift <= {cfg.max_rss_drift:g}x (last quarter / second quarter)": max(drift.values()) <= cfg.max_rss_drift,
         "nothing outlives the server (processes, IPC dirs)": not leftovers,
         "clean exit on SIGTERM": exit_status == 0,
     }

@@ -5,7 +5,7 @@ from __future__ import annotations
 import orjson
 import pytest
 
-from tandem.launch.bench_soak import main
+from tandem.launch.bench_soak import _drift, main
 
 pytestmark = pytest.mark.timeout(400)
 
@@ -22,3 +22,12 @@ def test_soak_one_minute(tiny_model_dir, tmp_path, monkeypatch):
     assert outcomes.get("finished", 0) > 0 and outcomes.get("aborted", 0) > 0 and outcomes.get("disconnected", 0) > 0
     assert result["requests"] == sum(outcomes.values()) and not result["problems"]
     assert result["leaks"]["num_retractions"] > 0
+
+
+def test_drift_skips_warm_up_and_catches_steady_growth():
+    warm_then_flat = [500, 600, 650, 690, 694, 698, 697, 693]
+    assert _drift(warm_then_flat) == pytest.approx(695 / 670)
+    leaking = [500 + 40 * i for i in range(8)]  # 2 MB/s for the whole run
+    assert _drift(leaking) == pytest.approx(760 / 600)
+    assert _drift(leaking) > 1.25
+    assert _drift([1, 2, 3]) == 1.0  # too few samples to judge
