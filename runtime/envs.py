@@ -37,8 +37,8 @@ class Envs:
     FORCE_STREAM_INTERVAL = EnvVar("TANDEM_FORCE_STREAM_INTERVAL", 50, "internal stream interval of non-streaming logprob requests")
     CACHE_DIR = EnvVar("TANDEM_CACHE_DIR", "", "where converted tokenizers are cached (default ~/.cache/tandem)")
     HEALTH_CHECK_INTERVAL = EnvVar("TANDEM_CHILD_WATCH_INTERVAL", 0.5, "seconds between child-process liveness checks")
-    CPU_PACK_WEIGHTS = EnvVar("TANDEM_CPU_PACK_WEIGHTS", True, "bf16 linears on oneDNN-packed weights on CPUs "
-                              "with native bf16 (0: torch's plain linear, for A/B runs)")
+    CPU_PACK_WEIGHTS = EnvVar("TANDEM_CPU_PACK_WEIGHTS", True, "linears on packed weights on CPU: bf16 "
+                              "in oneDNN's layout (native bf16 CPUs), fp32 in MKL's (0: torch's plain linear, for A/B runs)")
     TEST_FORWARD_HANG = EnvVar("TANDEM_TEST_FORWARD_HANG", 0.0, "seconds every forward step sleeps first (watchdog tests)")
 
     @classmethod

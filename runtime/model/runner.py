@@ -27,8 +27,10 @@ _GPU_KV_MEM_FRACTION = 0.85
 
 
 class ModelRunner:
-    def __init__(self, args: ServerArgs, tp: TensorParallel = SINGLE) -> None:
-        """`tp`: this rank's share of a tensor-parallel job (runtime/model/tensor_parallel.py)."""
+    def __init__(self, args: ServerArgs, tp: TensorParallel = SINGLE, pack_now: bool = True) -> None:
+        """`tp`: this rank's share of a tensor-parallel job (runtime/model/tensor_parallel.py).
+        `pack_now=False`: forward passes run on another thread, which calls `pack_weights` itself
+        before the first one."""
         self.args, self.tp = args, tp
         self.device = torch.device(args.resolved_device())
         self.model_path = resolve_model_path(args.model_path)
@@ -38,9 +40,8 @@ class ModelRunner:
         self.model = load_model(self.model_path, self.dtype, self.device, tp)
         self.config = self.model.cfg
         self.draft_model = self._load_draft_model()
-        if packs_weights(self.dtype, self.device):
-            packed = sum(m.pack_weights() for m in (self.model, self.draft_model) if m is not None)
-            logger.info("%d linear weights packed for oneDNN (bf16 on a CPU with native bf16)", packed)
+        if pack_now:
+            self.pack_weights()
         self.context_len = min(args.context_length or self.config.max_position, self.config.max_position)
         self.max_total_tokens = self._kv_capacity()
         self.max_running_requests = args.max_running_requests
@@ -62,6 +63,16 @@ class ModelRunner:
             self.draft_model.use_ops(create_ops(backend))
         logger.info("model %s loaded: %s, %d KV slots (%s), context %d", self.model_path, self.config.arch,
                     self.max_total_tokens, str(self.kv_dtype).removeprefix("torch."), self.context_len)
+
+    def pack_weights(self) -> None:
+        """Linears on packed weights where this dtype and device have them (runtime/model/packed_linear.py).
+        Call it on the thread that runs forward passes, under its intra-op thread count: MKL's fp32
+        packs keep the threading plan of the count they were made under (packed with one thread,
+        batch-64 matmuls ran on one thread: 2x slower)."""
+        if packs_weights(self.dtype, self.device):
+            packed = sum(m.pack_weights() for m in (self.model, self.draft_model) if m is not None)
+            logger.info("%d linear weights packed for the CPU GEMM (%s, %d threads)", packed,
+                        "oneDNN, bf16" if self.dtype == torch.bfloat16 else "MKL, fp32", torch.get_num_threads())
 
     def _pick_dtype(self) -> torch.dtype:
         if self.args.dtype != "auto" or self.device.type != "cpu":

@@ -142,8 +142,10 @@ class ForwardWorker:
         self.stats = stats
         self._test_hang_s = envs.TEST_FORWARD_HANG.get()
         self._jobs: queue.Queue[tuple[ForwardJob, Future]] = queue.Queue()
+        self._ready: Future = Future()
         self._thread = threading.Thread(target=self._loop, name="tandem-forward", daemon=True)
         self._thread.start()
+        self._ready.result()  # a failure to pack the weights surfaces here, in the scheduler's start-up
 
     def submit(self, job: ForwardJob) -> Future:
         fut: Future = Future()
@@ -155,6 +157,12 @@ class ForwardWorker:
         # req_to_token rows and slot indices there before submitting a job, and one stream orders
         # those writes before the job's kernels without any event bookkeeping.
         torch.set_num_threads(self._intra_op_threads)
+        try:
+            self.runner.pack_weights()  # here, under this thread's count: see ModelRunner.pack_weights
+        except BaseException as exc:
+            self._ready.set_exception(exc)
+            return
+        self._ready.set_result(None)
         while True:
             job, fut = self._jobs.get()
             if self._test_hang_s:

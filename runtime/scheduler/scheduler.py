@@ -87,7 +87,7 @@ class Scheduler:
         if args.tp_size > 1:  # rank 0 leads: it alone talks to the other processes (tp_sync.py)
             tp, control = init_tensor_parallel(tp_rank, args.tp_size, args.dist_init_addr, device)
             self.sync = ControlSync(tp_rank, control)
-        self.runner = runner = ModelRunner(args, tp)
+        self.runner = runner = ModelRunner(args, tp, pack_now=False)  # the forward worker packs
         self.tokenizer = load_tokenizer(args.tokenizer_path or args.model_path)
         eos = set(runner.config.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:

@@ -1,7 +1,10 @@
-"""oneDNN-packed linears (runtime/model/packed_linear.py): tandem packs bf16 weights only on CPUs
-with native bf16, and there a packed linear equals torch's plain bf16 linear bit for bit (the
-same oneDNN kernels, the weight blocked once instead of per call), and so does a whole model,
-tied LM head (a packed copy of the embedding) and qkv bias included."""
+"""Packed linears (runtime/model/packed_linear.py): bf16 weights in oneDNN's blocked layout on CPUs
+with native bf16, where a packed linear equals torch's plain bf16 linear bit for bit (the same
+oneDNN kernels, the weight blocked once instead of per call); fp32 weights in MKL's packed-GEMM
+layout wherever torch has MKL, equal to the plain linear up to float32 summation order. A whole
+model, tied LM head (a packed copy of the embedding) and qkv bias included, gives the plain
+model's tokens.
+"""
 from __future__ import annotations
 
 import pytest
@@ -17,23 +20,28 @@ from tandem.runtime.server_args import ServerArgs
 
 pytestmark = pytest.mark.timeout(300)
 
-# Packing is a bf16 fast path for CPUs with AMX-BF16 / AVX512-BF16; elsewhere tandem never packs
-# (asserted below on every CPU) and oneDNN's bf16 linear may not even exist, so there is nothing
-# to compare.
+# Packing bf16 is a fast path for CPUs with AMX-BF16 / AVX512-BF16; elsewhere tandem never packs
+# bf16 (asserted below on every CPU) and oneDNN's bf16 linear may not even exist, so there is
+# nothing to compare. fp32 packs wherever torch was built with MKL (every x86 wheel).
 needs_native_bf16 = pytest.mark.skipif(not packs_weights(torch.bfloat16),
                                        reason="this CPU has no native bf16: tandem keeps torch's plain linear")
+needs_mkl = pytest.mark.skipif(not packs_weights(torch.float32),
+                               reason="torch without MKL: tandem keeps torch's plain fp32 linear")
 
 
-def test_only_bf16_on_a_cpu_with_native_bf16_is_packed(monkeypatch):
+def test_which_weights_are_packed(monkeypatch):
+    has_mkl = torch.backends.mkl.is_available() and torch.backends.mkldnn.is_available()
     monkeypatch.setattr(packed_linear, "cpu_flags", lambda: {"avx512f", "amx_bf16"})
     assert packs_weights(torch.bfloat16) == torch.backends.mkldnn.is_available()
-    assert not packs_weights(torch.float32)  # MKL's fp32 path measured faster at batch 1 and in prefill
-    assert not packs_weights(torch.bfloat16, "meta")
+    assert packs_weights(torch.float32) == has_mkl
+    assert not packs_weights(torch.float16)
+    assert not packs_weights(torch.bfloat16, "meta") and not packs_weights(torch.float32, "meta")
     monkeypatch.setattr(packed_linear, "cpu_flags", lambda: {"avx512f", "avx2"})
     assert not packs_weights(torch.bfloat16)
+    assert packs_weights(torch.float32) == has_mkl  # MKL's fp32 GEMM needs no bf16 instructions
     monkeypatch.setattr(packed_linear, "cpu_flags", lambda: {"amx_bf16"})
     monkeypatch.setenv(envs.CPU_PACK_WEIGHTS.name, "0")
-    assert not packs_weights(torch.bfloat16)
+    assert not packs_weights(torch.bfloat16) and not packs_weights(torch.float32)
 
 
 @needs_native_bf16
@@ -49,27 +57,53 @@ def test_packed_linear_equals_torch_linear(rows, bias):
     assert torch.equal(layer(x), torch.nn.functional.linear(x, w, b))
 
 
-@needs_native_bf16
-def test_gemm_bound_times_the_weights_as_the_model_holds_them():
+@needs_mkl
+@pytest.mark.parametrize("rows", [0, 1, 7, 64, 300, 2100])  # around the 512 rows MKL's plan is made for
+@pytest.mark.parametrize("bias", [False, True])
+def test_mkl_packed_linear_equals_torch_linear(rows, bias):
+    g = torch.Generator().manual_seed(rows)
+    w, x = torch.randn(96, 80, generator=g), torch.randn(rows, 80, generator=g)
+    b = torch.randn(96, generator=g) if bias else None
+    layer = PackedLinear(w, b)
+    assert isinstance(layer.weight, packed_linear.MklPackedWeight) and tuple(layer.weight.shape) == (96, 80)
+    assert layer.weight.like.untyped_storage().nbytes() == 4  # the plain weight is not kept
+    got, want = layer(x), torch.nn.functional.linear(x, w, b)
+    assert got.shape == want.shape == (rows, 96)
+    # other blocking of the same float32 sums: a few ulps of terms of size ~sqrt(80)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # batched input (a leading dim) and a non-contiguous one (a slice of a wider activation)
+    wide = torch.randn(2, rows, 100, generator=g)
+    torch.testing.assert_close(layer(wide[..., :80]), torch.nn.functional.linear(wide[..., :80], w, b),
+                               rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [pytest.param(torch.bfloat16, marks=needs_native_bf16),
+                                   pytest.param(torch.float32, marks=needs_mkl)])
+def test_gemm_bound_times_the_weights_as_the_model_holds_them(dtype):
     layers, head = gemm_bound._weights(ModelConfig(
         arch="LlamaForCausalLM", vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=1, num_heads=4,
         num_kv_heads=2, head_dim=16, rms_norm_eps=1e-5, rope_theta=1e4, max_position=64, tie_word_embeddings=True,
-        qkv_bias=False, qk_norm=False), torch.bfloat16, 1)
-    assert all(w.is_mkldnn for w in layers[0]) and head.is_mkldnn
+        qkv_bias=False, qk_norm=False), dtype, 1)
+    packed = (lambda w: w.is_mkldnn) if dtype == torch.bfloat16 else (lambda w: isinstance(w, packed_linear.MklPackedWeight))
+    assert all(packed(w) for w in layers[0]) and packed(head)
 
 
-@needs_native_bf16
+@pytest.mark.parametrize("dtype", [pytest.param("bfloat16", marks=needs_native_bf16),
+                                   pytest.param("float32", marks=needs_mkl)])
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])  # tied LM head; untied with qkv bias
-def test_packed_model_equals_the_plain_one(tiny_model_dir, monkeypatch, arch):
+def test_packed_model_equals_the_plain_one(tiny_model_dir, monkeypatch, arch, dtype):
     path, prompts = tiny_model_dir(arch), [list(range(300, 340)), list(range(500, 507))]
     results = []
     for pack in (False, True):
         monkeypatch.setenv(envs.CPU_PACK_WEIGHTS.name, str(int(pack)))
-        runner = ModelRunner(ServerArgs(model_path=path, max_total_tokens=400, max_running_requests=2, dtype="bfloat16"))
+        runner = ModelRunner(ServerArgs(model_path=path, max_total_tokens=400, max_running_requests=2, dtype=dtype))
         linears = [m for m in runner.model.modules() if isinstance(m, PackedLinear)]
         assert len(linears) == (4 * runner.config.num_layers + 1 if pack else 0)  # 4 per layer and the LM head
         results.append(BareLoop(runner).generate(prompts, 6, keep_logits=True))
     plain, packed = results
     assert plain.output_ids == packed.output_ids
     for a, b in zip(plain.step_logits, packed.step_logits):
-        assert torch.equal(a, b)
+        if dtype == "bfloat16":  # the same oneDNN kernels
+            assert torch.equal(a, b)
+        else:  # MKL's packed GEMM sums in other blocks: float32 rounding, through every layer
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
