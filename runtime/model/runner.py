@@ -7,6 +7,7 @@ import torch
 import torch.distributed as dist
 
 from tandem.runtime.cache.pools import KVPool, ReqToTokenPool, TokenAllocator
+from tandem.runtime.host_malloc import keep_freed_heap
 from tandem.runtime.model.attention import create_attention_backend
 from tandem.runtime.model.forward_batch import ForwardBatch
 from tandem.runtime.model.gemm_bound import pick_cpu_dtype
@@ -33,6 +34,8 @@ class ModelRunner:
         before the first one."""
         self.args, self.tp = args, tp
         self.device = torch.device(args.resolved_device())
+        if self.device.type == "cpu":
+            keep_freed_heap()  # a no-op where the process entry point already did it
         self.model_path = resolve_model_path(args.model_path)
         self.dtype = self._pick_dtype()
         self.kv_dtype = self._kv_dtype()

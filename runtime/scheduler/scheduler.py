@@ -20,6 +20,7 @@ from tandem.ipc.messages import (AbortReq, ChildError, FinishReason, FlushCacheR
 from tandem.ipc.sockets import IPCAddresses, bind_pull, connect_push, recv_all_nowait, send
 from tandem.runtime.envs import envs
 from tandem.runtime.grammar.backend import GrammarBackend
+from tandem.runtime.host_malloc import keep_freed_heap
 from tandem.runtime.launcher import ParentWatch, node_tp_ranks
 from tandem.runtime.model.forward_batch import ForwardMode
 from tandem.runtime.model.runner import ModelRunner
@@ -348,6 +349,8 @@ def run_scheduler_process(args: ServerArgs, addrs: IPCAddresses, watch: ParentWa
     name = "scheduler" if args.tp_size == 1 else f"scheduler TP{tp_rank}"
     logging.basicConfig(level=args.log_level.upper(), format=f"[%(asctime)s {name}] %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the main process decides when we stop
+    if torch.device(args.resolved_device()).type == "cpu":
+        keep_freed_heap()  # before any thread (zmq's, the forward worker) has an arena of its own
     ctx = zmq.Context()
     try:
         scheduler = Scheduler(args, addrs, watch, tp_rank)
