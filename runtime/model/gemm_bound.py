@@ -1,6 +1,6 @@
 """The machine's limit for a model: the time of its matmuls alone (every linear layer and the LM
 head), measured on this CPU at the batch shapes a run uses, with random weights of the model's
-shapes in the run's dtype, held as the model holds them (oneDNN-packed where it packs them). No
+shapes in the run's dtype, held as the model holds them (packed where it packs them). No
 attention, norms, sampling or scheduling: a system's tok/s over this bound is how much of the
 machine it turns into tokens.
 """

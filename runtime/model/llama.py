@@ -103,7 +103,7 @@ class CausalLM(nn.Module):
         return x
 
     def pack_weights(self) -> int:
-        """Every linear on oneDNN-packed weights (runtime/model/packed_linear.py); a tied LM head
+        """Every linear on packed weights (runtime/model/packed_linear.py); a tied LM head
         gets a packed copy of the embedding, which keeps its plain rows for lookups. Returns how many."""
         count = pack_linears(self)
         if self.lm_head is None:
