@@ -18,6 +18,7 @@
 #include <cstdint>
 #include <limits>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #if defined(__AVX512F__)
@@ -284,6 +285,19 @@ inline void weighted_v(const kv_t* v_head, const int64_t* slots, int64_t n, int6
       _mm512_storeu_ps(out_lanes + i * kD + u * 16, _mm512_mul_ps(acc[i][u], _mm512_set1_ps(inv_sum[i])));
 }
 
+// weighted_v for `heads` (1..kMax) query heads, the count made a compile-time constant: with a
+// runtime bound the compiler kept the sums on the stack, a load and a store around every FMA
+// (the whole op 1.3x slower in cache)
+template <typename kv_t, int kD, int kMax, typename... Args>
+inline void weighted_v_heads(int64_t heads, Args&&... args) {
+  switch (heads) {
+    case 1: return weighted_v<kv_t, kD, 1>(std::forward<Args>(args)...);
+    case 2: return weighted_v<kv_t, kD, std::min(2, kMax)>(std::forward<Args>(args)...);
+    case 3: return weighted_v<kv_t, kD, std::min(3, kMax)>(std::forward<Args>(args)...);
+    default: return weighted_v<kv_t, kD, kMax>(std::forward<Args>(args)...);
+  }
+}
+
 template <typename q_t, typename kv_t, int kD>
 void decode_attention_avx512(const q_t* q, int64_t q_stride, const kv_t* k, const kv_t* v, const int64_t* req_to_token,
                              int64_t row_stride, const int64_t* rows, const int64_t* seq_lens, q_t* out,
@@ -322,24 +336,13 @@ void decode_attention_avx512(const q_t* q, int64_t q_stride, const kv_t* k, cons
       compute_scores<kv_t, kD>(q_lanes.data(), k, slots, n, stride, hkv, group, slot_elems, scale, scores.data(), on_block);
       softmax_rows(scores.data(), hq, n, stride, inv_sum.data());
       // weighted V, up to kHeads query heads of one KV head per pass with their sums in registers
-      for (int64_t h = 0; h < hkv; ++h) {
+      for (int64_t h = 0; h < hkv; ++h)
         for (int64_t g0 = 0; g0 < group; g0 += kHeads) {
           const int64_t first = h * group + g0;
-          auto pass = [&](auto heads) {
-            weighted_v<kv_t, kD, decltype(heads)::value>(v + h * kD, slots, n, slot_elems, scores.data() + first * stride,
-                                                         stride, inv_sum.data() + first, acc_lanes.data() + first * kD,
-                                                         [&] { next_prefetch.tick(); });
-          };
-          // the head count a compile-time constant: with a runtime bound the compiler kept the sums
-          // on the stack, a load and a store around every FMA (the whole op 1.3x slower in cache)
-          switch (std::min<int64_t>(kHeads, group - g0)) {
-            case 1: pass(std::integral_constant<int, 1>{}); break;
-            case 2: pass(std::integral_constant<int, std::min(2, kHeads)>{}); break;
-            case 3: pass(std::integral_constant<int, std::min(3, kHeads)>{}); break;
-            default: pass(std::integral_constant<int, kHeads>{}); break;
-          }
+          weighted_v_heads<kv_t, kD, kHeads>(std::min<int64_t>(kHeads, group - g0), v + h * kD, slots, n, slot_elems,
+                                             scores.data() + first * stride, stride, inv_sum.data() + first,
+                                             acc_lanes.data() + first * kD, [&] { next_prefetch.tick(); });
         }
-      }
       for (int64_t head = 0; head < hq; ++head)
         for (int e = 0; e < kD; ++e) store(out + (b * hq + head) * kD + e, acc_lanes[head * kD + R::lane(e)]);
     }
