@@ -1,13 +1,20 @@
 """The C++ paged decode attention op (kernels/csrc) against attention computed per request in
-float64 from the same pool: scattered slots, GQA groups, lengths from 1, every pool dtype."""
+float64 from the same pool: scattered slots, GQA groups, lengths from 1, every pool dtype; and
+the build's file lists against what is in csrc and what a wheel ships."""
 from __future__ import annotations
 
+import fnmatch
 import math
+import tomllib
+from pathlib import Path
 
 import pytest
 import torch
 
+from tandem.kernels import cpu_ops
 from tandem.kernels.cpu_ops import load_cpu_ops
+
+REPO = Path(__file__).resolve().parents[2]
 
 pytestmark = pytest.mark.timeout(300)  # the first call compiles the op (~15 s), cached afterwards
 
@@ -179,3 +186,15 @@ def test_bad_new_kv_is_refused(ops):
         ops.decode_attention(q, k_pool, v_pool, r2t, rows, seq_lens, 0.25, k.double(), v, torch.tensor([1, 2]))
     with pytest.raises(RuntimeError, match="kv_heads"):
         ops.decode_attention(q, k_pool, v_pool, r2t, rows, seq_lens, 0.25, k[:, :1], v, torch.tensor([1, 2]))
+
+
+def test_every_csrc_file_is_built_or_hashed_and_shipped():
+    """A header missing from _HEADERS would not rebuild the op when it changes; a file missing
+    from the package data would be absent from a wheel, and the op would not build there."""
+    csrc = REPO / "kernels" / "csrc"
+    on_disk = {path.name for path in csrc.iterdir() if path.suffix in {".cpp", ".h"}}
+    assert on_disk == set(cpu_ops._SOURCES) | set(cpu_ops._HEADERS)
+    with open(REPO / "pyproject.toml", "rb") as f:
+        globs = tomllib.load(f)["tool"]["setuptools"]["package-data"]["tandem.kernels"]
+    unshipped = [name for name in sorted(on_disk) if not any(fnmatch.fnmatch(f"csrc/{name}", g) for g in globs)]
+    assert unshipped == []
