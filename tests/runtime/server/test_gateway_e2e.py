@@ -127,15 +127,27 @@ def finished_requests(worker) -> float:
 
 def test_cache_aware_gateway_is_data_parallel(deployment):
     """Two prompt families (long distinct prefixes), 32 requests each, all at once: all succeed
-    and both workers serve. Which worker gets which request is the gateway's call: it prefers the
-    worker caching the prefix but balances load past its thresholds (seen 28/38 under CI load),
-    so the split is not asserted."""
+    and both workers serve. A prompt that matches no cached prefix goes to the least-loaded
+    worker, so the two families are introduced while the other is still generating (with both
+    idle the tie went to the first worker for both, and then every request matched it). Past
+    that, which worker gets which request is the gateway's call: it prefers the worker caching
+    the prefix but balances load past its thresholds, so the split is not asserted."""
     gateway, workers = deployment["cache_aware"]
     families = ["Pirate log. " * 40, "Court record, sealed. " * 25]
     before = [finished_requests(w) for w in workers]
-    for family in families:  # one each first: the gateway learns which worker holds which prefix
-        assert requests.post(gateway.url + "/generate", timeout=120, json={
-            "text": family, "sampling_params": {"max_new_tokens": 2, "temperature": 0}}).status_code == 200
+
+    def introduce(family: str) -> int:  # long enough that the two overlap even when one starts late
+        return requests.post(gateway.url + "/generate", timeout=300, json={
+            "text": family, "sampling_params": {"max_new_tokens": 256, "ignore_eos": True, "temperature": 0}}
+        ).status_code
+
+    with ThreadPoolExecutor(2) as pool:
+        first = pool.submit(introduce, families[0])
+        time.sleep(0.2)
+        second = pool.submit(introduce, families[1])
+        assert [first.result(), second.result()] == [200, 200]
+    introduced = [finished_requests(w) - b for w, b in zip(workers, before)]
+    assert introduced == [1, 1], introduced  # one family on each worker
 
     def generate(i: int) -> int:
         return requests.post(gateway.url + "/generate", timeout=300, json={
