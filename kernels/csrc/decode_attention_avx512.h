@@ -46,17 +46,19 @@ struct SpreadPrefetch {
 template <typename kv_t>
 struct Row;
 
-template <>
-struct Row<float> {
+// 16 elements a load (one vector), in element order
+struct InOrder16 {
   static constexpr int kElems = 16;  // elements per load, giving kElems / 16 vectors
   static int lane(int e) { return e; }
+};
+
+template <>
+struct Row<float> : InOrder16 {
   static inline void load(const float* p, __m512* x) { x[0] = _mm512_loadu_ps(p); }
 };
 
 template <>
-struct Row<at::Half> {
-  static constexpr int kElems = 16;
-  static int lane(int e) { return e; }
+struct Row<at::Half> : InOrder16 {
   static inline void load(const at::Half* p, __m512* x) {
     x[0] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   }
@@ -73,24 +75,24 @@ struct Row<at::BFloat16> {
   }
 };
 
+// 16 fp8 codes, each zero-extended into a 16-bit lane
+inline __m256i widen_bytes(const void* p) {
+  return _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
 // fp8 e5m2 is the high byte of a float16: shifted into place, then widened like one
 template <>
-struct Row<at::Float8_e5m2> {
-  static constexpr int kElems = 16;
-  static int lane(int e) { return e; }
+struct Row<at::Float8_e5m2> : InOrder16 {
   static inline void load(const at::Float8_e5m2* p, __m512* x) {
-    const __m256i bytes = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-    x[0] = _mm512_cvtph_ps(_mm256_slli_epi16(bytes, 8));
+    x[0] = _mm512_cvtph_ps(_mm256_slli_epi16(widen_bytes(p), 8));
   }
 };
 
 // fp8 e4m3fn: exponent and mantissa moved into a float16's (see cpu_dtype.h), widened, scaled by 2^8
 template <>
-struct Row<at::Float8_e4m3fn> {
-  static constexpr int kElems = 16;
-  static int lane(int e) { return e; }
+struct Row<at::Float8_e4m3fn> : InOrder16 {
   static inline void load(const at::Float8_e4m3fn* p, __m512* x) {
-    const __m256i bytes = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    const __m256i bytes = widen_bytes(p);
     const __m256i magnitude = _mm256_slli_epi16(_mm256_and_si256(bytes, _mm256_set1_epi16(0x7F)), 7);
     const __m256i sign = _mm256_slli_epi16(_mm256_and_si256(bytes, _mm256_set1_epi16(0x80)), 8);
     x[0] = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_or_si256(magnitude, sign)), _mm512_set1_ps(256.f));
