@@ -49,6 +49,7 @@ struct Row;
 // 16 elements a load (one vector), in element order
 struct InOrder16 {
   static constexpr int kElems = 16;  // elements per load, giving kElems / 16 vectors
+  static constexpr float kUnit = 1.f;  // what a loaded 1.0 stands for
   static int lane(int e) { return e; }
 };
 
@@ -67,6 +68,7 @@ struct Row<at::Half> : InOrder16 {
 template <>
 struct Row<at::BFloat16> {
   static constexpr int kElems = 32;
+  static constexpr float kUnit = 1.f;
   static int lane(int e) { return (e / 32) * 32 + (e % 2) * 16 + (e % 32) / 2; }
   static inline void load(const at::BFloat16* p, __m512* x) {
     const __m512i raw = _mm512_loadu_si512(p);
@@ -88,14 +90,16 @@ struct Row<at::Float8_e5m2> : InOrder16 {
   }
 };
 
-// fp8 e4m3fn: exponent and mantissa moved into a float16's (see cpu_dtype.h), widened, scaled by 2^8
+// fp8 e4m3fn: exponent and mantissa moved into a float16's (see cpu_dtype.h) and widened, which
+// reads 2^8 too small; the scores' scale and the softmax's 1 / sum put the 2^8 back (exactly: a
+// power of two). Sign-extending the byte to 16 bits copies its sign into bit 15; a shift puts the
+// magnitude at bits 7-13 and the mask clears the sign's other copy at bit 14.
 template <>
 struct Row<at::Float8_e4m3fn> : InOrder16 {
+  static constexpr float kUnit = 256.f;
   static inline void load(const at::Float8_e4m3fn* p, __m512* x) {
-    const __m256i bytes = widen_bytes(p);
-    const __m256i magnitude = _mm256_slli_epi16(_mm256_and_si256(bytes, _mm256_set1_epi16(0x7F)), 7);
-    const __m256i sign = _mm256_slli_epi16(_mm256_and_si256(bytes, _mm256_set1_epi16(0x80)), 8);
-    x[0] = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_or_si256(magnitude, sign)), _mm512_set1_ps(256.f));
+    const __m256i words = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    x[0] = _mm512_cvtph_ps(_mm256_and_si256(_mm256_slli_epi16(words, 7), _mm256_set1_epi16(int16_t(0xBF80))));
   }
 };
 
@@ -245,8 +249,10 @@ void decode_attention_avx512(const q_t* q, int64_t q_stride, const kv_t* k, cons
         v_prefetch.tick();
         next_prefetch.tick(16);
       };
-      compute_scores<kv_t, kD>(q_lanes.data(), k, slots, n, stride, hkv, group, slot_elems, scale, scores.data(), on_block);
+      compute_scores<kv_t, kD>(q_lanes.data(), k, slots, n, stride, hkv, group, slot_elems, scale * R::kUnit,
+                               scores.data(), on_block);
       softmax_rows(scores.data(), hq, n, stride, inv_sum.data());
+      for (float& inv : inv_sum) inv *= R::kUnit;
       // weighted V, up to kHeads query heads of one KV head per pass with their sums in registers
       for (int64_t h = 0; h < hkv; ++h)
         for (int64_t g0 = 0; g0 < group; g0 += kHeads) {

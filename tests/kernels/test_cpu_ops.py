@@ -102,6 +102,29 @@ def test_every_fp8_code_widens_to_its_value(ops):
                 assert torch.equal(out[0, 0], expect), (kv_dtype, d, start)
 
 
+def test_every_fp8_code_scores_as_its_value(ops):
+    """Each finite code as a key's first element beside an all-zero key: with q one-hot on that
+    element, the first key's softmax weight is sigmoid(code * scale), down to e4m3's subnormals
+    (the AVX-512 path reads e4m3 keys 2^8 too small and puts the 2^8 back into the scale)."""
+    scale = 0.125
+    for kv_dtype in (torch.float8_e5m2, torch.float8_e4m3fn):
+        codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(kv_dtype)
+        values = codes.double()[codes.float().isfinite()]
+        n = len(values)
+        for d in (64, 32):  # an AVX-512 head dim and a portable one
+            k_pool = torch.zeros(n + 1, 1, d)
+            k_pool[:n, 0, 0] = values.float()
+            v_pool = torch.zeros(n + 1, 1, d)
+            v_pool[:n, 0, 0] = 1.0  # the output's first element is the first key's weight
+            r2t = torch.stack([torch.arange(n), torch.full((n,), n)], dim=1)
+            q = torch.zeros(n, 1, d)
+            q[:, 0, 0] = 1.0
+            out = ops.decode_attention(q, k_pool.to(kv_dtype), v_pool.to(kv_dtype), r2t, torch.arange(n),
+                                       torch.full((n,), 2), scale)
+            expect = torch.sigmoid(values * scale)
+            assert (out[:, 0, 0].double() - expect).abs().max().item() < 1e-6, (kv_dtype, d)
+
+
 def test_a_pool_of_another_dtype_is_refused(ops):
     q, k_pool, v_pool, r2t, rows, seq_lens = make_case(torch.bfloat16, 2, 6, 2, 16, [3, 4], kv_dtype=torch.float16)
     with pytest.raises(RuntimeError, match="must hold q's dtype"):
