@@ -77,16 +77,13 @@ struct Row<at::BFloat16> {
   }
 };
 
-// 16 fp8 codes, each zero-extended into a 16-bit lane
-inline __m256i widen_bytes(const void* p) {
-  return _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-}
-
-// fp8 e5m2 is the high byte of a float16: shifted into place, then widened like one
+// fp8 e5m2 is the high byte of a float16: each byte zero-extended into a 16-bit lane, shifted
+// into place, then widened like a float16
 template <>
 struct Row<at::Float8_e5m2> : InOrder16 {
   static inline void load(const at::Float8_e5m2* p, __m512* x) {
-    x[0] = _mm512_cvtph_ps(_mm256_slli_epi16(widen_bytes(p), 8));
+    const __m256i words = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    x[0] = _mm512_cvtph_ps(_mm256_slli_epi16(words, 8));
   }
 };
 

@@ -83,10 +83,15 @@ def test_fp8_pool_matches_attention_over_the_same_pool(ops, kv_dtype, dtype, tol
     assert (out.double() - ref).abs().max().item() < tol
 
 
+def fp8_codes(kv_dtype: torch.dtype) -> torch.Tensor:
+    """All 256 codes of an fp8 format, in code order."""
+    return torch.arange(256, dtype=torch.int32).to(torch.uint8).view(kv_dtype)
+
+
 def test_every_fp8_code_widens_to_its_value(ops):
     """All 256 codes of each format (e4m3's NaN aside) as a one-token pool: attention returns V itself."""
     for kv_dtype in (torch.float8_e5m2, torch.float8_e4m3fn):
-        codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(kv_dtype)
+        codes = fp8_codes(kv_dtype)
         values = codes.float()
         finite = values.isfinite()
         v_pool = torch.zeros(2, 1, 256, dtype=kv_dtype)
@@ -108,7 +113,7 @@ def test_every_fp8_code_scores_as_its_value(ops):
     (the AVX-512 path reads e4m3 keys 2^8 too small and puts the 2^8 back into the scale)."""
     scale = 0.125
     for kv_dtype in (torch.float8_e5m2, torch.float8_e4m3fn):
-        codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(kv_dtype)
+        codes = fp8_codes(kv_dtype)
         values = codes.double()[codes.float().isfinite()]
         n = len(values)
         for d in (64, 32):  # an AVX-512 head dim and a portable one
