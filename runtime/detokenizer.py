@@ -26,7 +26,9 @@ class Detokenizer:
     def handle(self, out: BatchTokenIDOutput) -> BatchStrOutput:
         states = [self._state(out, i) for i in range(len(out.rids))]
         finished = [reason is not None for reason in out.finished_reasons]
-        texts = decode_batch(self.tokenizer, states, [ids.tolist() for ids in out.new_token_ids], finished)
+        matched = [reason.matched if reason is not None and reason.type == "stop" else None
+                   for reason in out.finished_reasons]
+        texts = decode_batch(self.tokenizer, states, [ids.tolist() for ids in out.new_token_ids], finished, matched)
         for rid, fin in zip(out.rids, finished):
             if fin:
                 self.states.pop(rid, None)

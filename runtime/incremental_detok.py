@@ -14,13 +14,19 @@ multi-byte character is split across tokens, so it stays uncommitted until a lat
 it (or the request finishes). On commit both cursors move forward, so the window stays about one
 step's tokens long whatever the output length.
 
-On top of that, stop strings cut the text at the first match and hold back any tail that could
-still grow into a stop string, so a client never sees text it would have to un-see.
+Stops are the scheduler's decision (it alone knows min_new_tokens, and it ends the request at the
+token that completes a stop): a state only applies it, as SGLang's detokenizer does. At finish a
+matched stop token's text is dropped, and a matched stop string cut off (both kept with
+no_stop_trim); before finish, a tail that could still grow into a stop string is held back, so a
+client never sees text it would have to un-see. A stop string that shows up without ending the
+request (inside min_new_tokens) is ordinary text.
 """
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Union
+
+Matched = Union[int, str, None]  # FinishReason.matched: the stop token id or stop string, if any
 
 REPLACEMENT_CHAR = "\ufffd"
 
@@ -47,51 +53,47 @@ class DecodeState:
         self.surrogate_offset = 0
         self.read_offset = 0
         self.text = ""  # everything emitted so far
-        self.stop_matched: str | None = None
         self.finished = False
         self._decoded = ""  # committed decoded text, before stop handling
-        self._scanned = 0  # prefix of _decoded known to contain no stop string
-        self._max_stop = max((len(s) for s in self.stop_strings), default=0)
 
     # -- public -------------------------------------------------------------------------------
-
-    @property
-    def done(self) -> bool:
-        """True once nothing more can ever be emitted (finished or a stop string was matched)."""
-        return self.finished or self.stop_matched is not None
 
     @property
     def decode_options(self) -> tuple[bool, bool]:
         """The batch_decode kwargs this state needs; decode_batch groups states by it."""
         return (self.skip_special_tokens, self.spaces_between_special_tokens)
 
-    def add(self, new_ids: Sequence[int], finished: bool) -> str:
-        """Append `new_ids`, decode the window with `self.tokenizer`; return the text to emit now."""
+    def add(self, new_ids: Sequence[int], finished: bool, matched: Matched = None) -> str:
+        """Append `new_ids`, decode the window with `self.tokenizer`; return the text to emit now.
+        `matched`: the stop the request finished on (with finished=True)."""
         if self.tokenizer is None:
             raise ValueError("DecodeState.add needs a tokenizer; pass tokenizer= or use decode_batch")
-        return decode_batch(self.tokenizer, [self], [new_ids], [finished])[0]
+        return decode_batch(self.tokenizer, [self], [new_ids], [finished], [matched])[0]
 
     # -- two-phase step used by decode_batch ----------------------------------------------------
 
-    def _extend(self, new_ids: Sequence[int]) -> tuple[list[int], list[int]] | None:
+    def _extend(self, new_ids: Sequence[int], finished: bool, matched: Matched) -> tuple[list[int], list[int]] | None:
         """Record tokens; return (surrogate window, read window) to decode, or None if no decode."""
-        if self.done:
-            return None  # tokens past a stop string or after finish can never show up
-        self.ids.extend(int(t) for t in new_ids)
+        if self.finished:
+            return None  # tokens after finish can never show up
+        ids = [int(t) for t in new_ids]
+        if finished and _is_token(matched) and not self.no_stop_trim and ids and ids[-1] == matched:
+            ids.pop()  # the stop token is the request's last; its text is not part of the output
+        self.ids.extend(ids)
         if self.read_offset == len(self.ids):
             return None  # nothing uncommitted to decode
         return self.ids[self.surrogate_offset : self.read_offset], self.ids[self.surrogate_offset :]
 
-    def _advance(self, surrogate_text: str, read_text: str, finished: bool) -> str:
+    def _advance(self, surrogate_text: str, read_text: str, finished: bool, matched: Matched) -> str:
         """Commit the decoded new text (unless incomplete), apply stop strings; return the delta."""
-        if self.done:
+        if self.finished:
             return ""
         new_text = read_text[len(surrogate_text) :]
         if new_text and (finished or not new_text.endswith(REPLACEMENT_CHAR)):
             self._decoded += new_text
             self.surrogate_offset = self.read_offset
             self.read_offset = len(self.ids)
-        visible = self._visible_text(finished)
+        visible = self._visible_text(finished, matched)
         self.finished = finished
         delta = visible[len(self.text) :]
         self.text = visible
@@ -99,35 +101,25 @@ class DecodeState:
 
     # -- stop strings ---------------------------------------------------------------------------
 
-    def _visible_text(self, finished: bool) -> str:
+    def _visible_text(self, finished: bool, matched: Matched) -> str:
         """The part of the committed text that may be shown now."""
-        if not self.stop_strings:
-            return self._decoded
-        cut = self._find_stop()
-        if cut is not None:
-            return self._decoded[:cut]
-        self._scanned = len(self._decoded)
         if finished:
+            if isinstance(matched, str):
+                return self._decoded[:self._stop_cut(matched)]
+            return self._decoded
+        if not self.stop_strings:
             return self._decoded
         return self._decoded[: len(self._decoded) - self._stop_prefix_len()]
 
-    def _find_stop(self) -> int | None:
-        """Set stop_matched to the stop string that completes first; return where text ends."""
-        # Text before _scanned held no full match, so a new match must end after it.
-        start = max(0, self._scanned - self._max_stop + 1)
-        best: tuple[int, int, str] | None = None  # (end, start, stop)
-        for stop in self.stop_strings:
-            pos = self._decoded.find(stop, start)
-            if pos < 0:
-                continue
-            # Earliest end is what a char-by-char stream would hit first; ties: longest match.
-            cand = (pos + len(stop), pos, stop)
-            if best is None or cand[:2] < best[:2]:
-                best = cand
-        if best is None:
-            return None
-        end, pos, self.stop_matched = best
-        return end if self.no_stop_trim else pos
+    def _stop_cut(self, stop: str) -> int:
+        """Where the text ends for a request the scheduler stopped at `stop`. The match completes
+        in the last tokens, and everything already emitted is free of it (a tail that could grow
+        into a stop string is held back), so it is the first occurrence in the unemitted text. Not
+        found (a rendering the scheduler's decode does not share): nothing is cut."""
+        pos = self._decoded.find(stop, len(self.text))
+        if pos < 0:
+            return len(self._decoded)
+        return pos + len(stop) if self.no_stop_trim else pos
 
     def _stop_prefix_len(self) -> int:
         """Length of the longest tail of the text that is a proper prefix of some stop string."""
@@ -141,25 +133,32 @@ class DecodeState:
         return longest
 
 
+def _is_token(matched: Matched) -> bool:
+    return isinstance(matched, int) and not isinstance(matched, bool)
+
+
 def decode_batch(
     tokenizer: Any,
     states: list[DecodeState],
     new_ids: list[Sequence[int]],
     finished: list[bool],
+    matched: list[Matched] | None = None,
 ) -> list[str]:
-    """Advance every state by its new tokens; return each one's delta text.
+    """Advance every state by its new tokens; return each one's delta text. `matched[i]`: the stop
+    state i's request finished on (FinishReason.matched), None if none or not finished.
 
     All windows of states sharing decode options go through a single tokenizer.batch_decode call
     (surrogate and read windows together), which is what keeps per-step cost low for big batches.
     """
-    if not len(states) == len(new_ids) == len(finished):
-        raise ValueError("decode_batch: states, new_ids and finished must have the same length")
-    windows = [s._extend(ids) for s, ids in zip(states, new_ids)]
+    matched = matched if matched is not None else [None] * len(states)
+    if not len(states) == len(new_ids) == len(finished) == len(matched):
+        raise ValueError("decode_batch: states, new_ids, finished and matched must have the same length")
+    windows = [s._extend(ids, fin, m) for s, ids, fin, m in zip(states, new_ids, finished, matched)]
     texts = _decode_windows(tokenizer, states, windows)
     out: list[str] = []
-    for state, pair, fin in zip(states, texts, finished):
+    for state, pair, fin, m in zip(states, texts, finished, matched):
         surrogate_text, read_text = pair if pair is not None else ("", "")
-        out.append(state._advance(surrogate_text, read_text, fin))
+        out.append(state._advance(surrogate_text, read_text, fin, m))
     return out
 
 

@@ -108,7 +108,7 @@ def test_invalid_byte_mid_stream_is_released_by_next_token(tok: Any) -> None:
 def test_add_after_finish_emits_nothing(tok: Any) -> None:
     state = DecodeState(tokenizer=tok)
     state.add(tok.encode("done"), finished=True)
-    assert state.done and state.add(tok.encode(" more"), finished=True) == ""
+    assert state.finished and state.add(tok.encode(" more"), finished=True) == ""
     assert state.text == "done"
 
 
@@ -122,50 +122,92 @@ def test_special_tokens(tok: Any, skip: bool) -> None:
     assert ("<|im_end|>" in state.text) is not skip
 
 
-# (d) stop strings spanning several tokens and several add() calls.
+# (d) stops: the scheduler decides (it ends a request at the token completing a stop and passes
+# FinishReason.matched); the state trims what it matched, as SGLang's detokenizer does.
 STOP_TEXT = "The answer is 42. STOP here and then more text follows."
+
+
+def ids_through(tok: Any, text: str, stop: str) -> list[int]:
+    """The tokens of `text` up to the one that completes `stop`: where the scheduler ends it."""
+    ids = tok.encode(text)
+    for n in range(1, len(ids) + 1):
+        if stop in tok.decode(ids[:n]):
+            return ids[:n]
+    raise AssertionError(f"{stop!r} is not in {text!r}")
+
+
+def stream_to_stop(state: DecodeState, ids: Sequence[int], matched: int | str,
+                   chunks: Sequence[int] | None = None) -> list[str]:
+    """Like stream(), with the last chunk finishing on `matched`."""
+    sizes = list(chunks) if chunks is not None else [1] * len(ids)
+    deltas, pos = [], 0
+    for n, size in enumerate(sizes):
+        last = n == len(sizes) - 1
+        deltas.append(state.add(ids[pos : pos + size], finished=last, matched=matched if last else None))
+        pos += size
+    return deltas
 
 
 @pytest.mark.parametrize("chunked", [False, True])
 def test_stop_string_trimmed(tok: Any, chunked: bool) -> None:
-    ids = tok.encode(STOP_TEXT)
     stop = "STOP here"
+    ids = ids_through(tok, STOP_TEXT, stop)
     state = DecodeState(tokenizer=tok, stop_strings=[stop])
     chunks = random_chunks(len(ids), random.Random(1)) if chunked else None
-    deltas = stream(state, ids, chunks)
+    deltas = stream_to_stop(state, ids, stop, chunks)
     assert state.text == "".join(deltas) == "The answer is 42. "
-    assert state.stop_matched == stop
     assert "S" not in "".join(deltas)  # not even the stop string's first letter leaked
 
 
 def test_stop_string_kept_with_no_stop_trim(tok: Any) -> None:
-    ids = tok.encode(STOP_TEXT)
+    ids = ids_through(tok, STOP_TEXT, "STOP here")
     state = DecodeState(tokenizer=tok, stop_strings=["STOP here"], no_stop_trim=True)
-    deltas = stream(state, ids)
+    deltas = stream_to_stop(state, ids, "STOP here")
     assert state.text == "".join(deltas) == "The answer is 42. STOP here"
 
 
-def test_stop_string_freezes_before_finish(tok: Any) -> None:
+def test_stop_string_the_scheduler_did_not_stop_at_is_text(tok: Any) -> None:
+    # inside min_new_tokens the scheduler goes on past a stop string: its text is output like any
     ids = tok.encode(STOP_TEXT)
     state = DecodeState(tokenizer=tok, stop_strings=["STOP here"])
-    seen = [state.add([i], finished=False) for i in ids]
-    assert state.done and state.stop_matched == "STOP here"
-    assert "".join(seen) == "The answer is 42. "
-    # Everything after the match, whether in later calls or at finish, is dropped.
-    assert state.add(tok.encode(" extra"), finished=True) == ""
+    deltas = [state.add([i], finished=False) for i in ids[:-1]]
+    deltas.append(state.add(ids[-1:], finished=True))  # ends by length
+    assert state.text == "".join(deltas) == STOP_TEXT
 
 
-def test_stop_string_in_single_add_with_trailing_text(tok: Any) -> None:
-    state = DecodeState(tokenizer=tok, stop_strings=["\n\n", "42"])
-    assert state.add(tok.encode("x = 42\n\nnext"), finished=False) == "x = "
-    assert state.stop_matched == "42"
+def test_stop_string_cut_where_it_completes_after_an_ignored_one(tok: Any) -> None:
+    # "x" inside min_new_tokens is text; the request stops at the second "x"
+    ids = ids_through(tok, "a x b x c", " b x")
+    state = DecodeState(tokenizer=tok, stop_strings=["x"])
+    deltas = [state.add([i], finished=False) for i in ids[:-1]]
+    deltas.append(state.add(ids[-1:], finished=True, matched="x"))
+    assert state.text == "".join(deltas) == "a x b "
 
 
-def test_first_completed_stop_wins(tok: Any) -> None:
-    # "bc" completes before "abcd" could, so a char-by-char stream would stop at "bc".
-    state = DecodeState(tokenizer=tok, stop_strings=["abcd", "bc"])
-    state.add(tok.encode("xabcd"), finished=True)
-    assert (state.text, state.stop_matched) == ("xa", "bc")
+def test_the_matched_stop_string_is_the_one_cut(tok: Any) -> None:
+    # the scheduler reports which stop ended the request; the text ends where that one starts
+    for matched, want in (("abcd", "x"), ("bc", "xa")):
+        state = DecodeState(tokenizer=tok, stop_strings=["abcd", "bc"])
+        state.add(tok.encode("xabcd"), finished=True, matched=matched)
+        assert state.text == want
+
+
+def test_stop_token_text_is_trimmed(tok: Any) -> None:
+    ids = tok.encode("Hello world.")
+    period = ids[-1]
+    assert tok.decode([period]) == "."
+    state = DecodeState(tokenizer=tok)
+    assert "".join(stream_to_stop(state, ids, period)) == "Hello world"
+    kept = DecodeState(tokenizer=tok, no_stop_trim=True)
+    assert "".join(stream_to_stop(kept, ids, period)) == "Hello world."
+
+
+def test_eos_text_is_trimmed_even_when_specials_are_kept(tok: Any) -> None:
+    ids = tok.encode("Hi there") + [IM_END]
+    state = DecodeState(tokenizer=tok, skip_special_tokens=False)
+    assert state.add(ids, finished=True, matched=IM_END) == "Hi there"
+    length = DecodeState(tokenizer=tok, skip_special_tokens=False)  # a length finish keeps it
+    assert length.add(ids, finished=True) == "Hi there<|im_end|>"
 
 
 # (e) partial stop-string prefixes are held back, then released.
@@ -181,7 +223,6 @@ def test_partial_stop_prefix_held_then_released(tok: Any) -> None:
         helds.append(full[len(state.text) :])
         assert helds[-1] == "" or stop.startswith(helds[-1])  # only a possible stop start
     assert "STOP" in helds and "ST" in helds  # " ST" then "OP" arrive as separate tokens
-    assert state.stop_matched is None
     assert state.text == "We STOP later, fine."
 
 
@@ -189,7 +230,7 @@ def test_partial_stop_prefix_released_on_finish(tok: Any) -> None:
     state = DecodeState(tokenizer=tok, stop_strings=["<END>"])
     assert state.add(tok.encode("value <EN"), finished=False) == "value "
     assert state.add([], finished=True) == "<EN"
-    assert state.text == "value <EN" and state.stop_matched is None
+    assert state.text == "value <EN"
 
 
 # (f) batch helper equals per-state decoding, with one batch_decode per option group.
@@ -205,10 +246,11 @@ def make_states(tok: Any | None) -> list[DecodeState]:
 def test_batch_matches_per_state(tok: Any) -> None:
     streams = [
         tok.encode(TEXTS[1]),
-        tok.encode(STOP_TEXT),
+        ids_through(tok, STOP_TEXT, "STOP here"),
         tok.encode("chat") + [IM_END] + tok.encode(TEXTS[2]),
-        tok.encode(TEXTS[0]),
+        ids_through(tok, TEXTS[0], "lazy"),
     ]
+    finish_on = [None, "STOP here", None, "lazy"]
     rng = random.Random(7)
     plans = [random_chunks(len(ids), rng) for ids in streams]
     steps = max(len(p) for p in plans)
@@ -220,26 +262,29 @@ def test_batch_matches_per_state(tok: Any) -> None:
     solo_out: list[list[str]] = [[] for _ in streams]
     batch_out: list[list[str]] = [[] for _ in streams]
     for step in range(steps):
-        chunks, fins = [], []
+        chunks, fins, matched = [], [], []
         for r, plan in enumerate(plans):
             size = plan[step] if step < len(plan) else 0
             chunks.append(streams[r][pos[r] : pos[r] + size])
             fins.append(step >= len(plan) - 1)
+            matched.append(finish_on[r] if fins[-1] else None)
             pos[r] += size
         before = counting.calls
-        deltas = decode_batch(counting, batched, chunks, fins)
+        deltas = decode_batch(counting, batched, chunks, fins, matched)
         assert counting.calls - before <= 2  # two option groups: skip True / skip False
         for r in range(len(streams)):
-            solo_out[r].append(solo[r].add(chunks[r], fins[r]))
+            solo_out[r].append(solo[r].add(chunks[r], fins[r], matched[r]))
             batch_out[r].append(deltas[r])
     assert batch_out == solo_out
     assert [s.text for s in batched] == [s.text for s in solo]
-    assert batched[1].stop_matched == "STOP here" and batched[3].text.endswith("lazy")
+    assert batched[1].text == "The answer is 42. " and batched[3].text.endswith("lazy")
 
 
 def test_batch_validates_lengths(tok: Any) -> None:
     with pytest.raises(ValueError):
         decode_batch(tok, [DecodeState()], [], [False])
+    with pytest.raises(ValueError):
+        decode_batch(tok, [DecodeState()], [[1]], [True], [])
     with pytest.raises(ValueError):
         DecodeState().add([1], finished=False)
 
