@@ -124,11 +124,12 @@ class Planner:
             self.chunked = None
 
     def expired(self, now: float) -> list[Req]:
-        """Waiting requests older than --request-timeout."""
+        """Waiting requests older than --request-timeout that were never admitted (a retracted
+        one has been served and waits for memory, not for service: it is not timed out)."""
         timeout = self.cfg.request_timeout
         if not timeout:
             return []
-        return [r for r in self.waiting if now - r.created_monotonic > timeout]
+        return [r for r in self.waiting if r.retract_count == 0 and now - r.created_monotonic > timeout]
 
     # -- planning --------------------------------------------------------------------------------------
     def next_batch(self) -> Plan:
@@ -174,10 +175,8 @@ class Planner:
         if self.cfg.speculative_num_drafts:
             return self._plan_verify(reqs)
         while self.kv.available_tokens() < len(reqs):
-            victim = self.policy.retract_order(reqs)[0]
-            if len(reqs) == 1:
-                return Plan(None, [(victim, _OOM)])
-            self._retract(victim, reqs)
+            if (gave_up := self._make_room(reqs)) is not None:
+                return gave_up
         slots = self.kv.alloc_slots(len(reqs))
         assert slots is not None
         spans = []
@@ -203,10 +202,8 @@ class Planner:
             need = {id(r): self._reserve_upto(r, drafts[id(r)]) - r.kv_alloc_len for r in reqs}
             if self.kv.available_tokens() >= sum(max(n, 0) for n in need.values()):
                 break
-            victim = self.policy.retract_order(reqs)[0]
-            if len(reqs) == 1:
-                return Plan(None, [(victim, _OOM)])
-            self._retract(victim, reqs)
+            if (gave_up := self._make_room(reqs)) is not None:
+                return gave_up
         spans = []
         for r in reqs:
             self.kv.reserve(r, self._reserve_upto(r, drafts[id(r)]))
@@ -273,11 +270,32 @@ class Planner:
         """Most tokens the request can have once every planned step ran."""
         return len(req.output_ids) + req.outputs_in_flight
 
+    def _make_room(self, reqs: list[Req]) -> Plan | None:
+        """KV memory is short for a decode step over `reqs`: retract the first of them in retract
+        order. With one left, KV that others hold comes back first: the chunked prompt is
+        retracted (most of its prefill stays in the tree), and requests whose last token is in
+        flight free theirs once it is processed (the step waits); only a request alone in KV
+        memory is given up on. None: room was made, try again."""
+        if len(reqs) > 1:
+            self._retract(self.policy.retract_order(reqs)[0], reqs)
+        elif self.chunked is not None:
+            chunked, self.chunked = self.chunked.req, None
+            self._requeue(chunked)
+        elif len(self.running) > len(reqs):
+            return Plan(None)
+        else:
+            return Plan(None, [(reqs[0], _OOM)])
+        return None
+
     def _retract(self, req: Req, reqs: list[Req]) -> None:
-        self.kv.release(req)
         self.running.remove(req)
         if req in reqs:
             reqs.remove(req)
+        self._requeue(req)
+
+    def _requeue(self, req: Req) -> None:
+        """Give a request's KV back (its computed prefix to the tree) and queue it again."""
+        self.kv.release(req)
         req.retract_count += 1
         self.num_retractions += 1
         self.waiting.append(req)

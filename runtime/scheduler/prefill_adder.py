@@ -4,10 +4,11 @@ The budget is the new tokens one prefill step may compute: `--chunked-prefill-si
 SGLang, a cap on the whole step, not on each prompt), and never more than
 `--max-prefill-tokens`. A prompt longer than what is left of the budget is split, and the
 request whose prompt is split becomes the ChunkedReq that continues first in the next prefill
-step. The reserve is KV memory held back for the
-decode of running and admitted requests (a share of their remaining max_new_tokens), so that
-admitting one more prompt does not force a retraction right away; it only counts when some
-other request competes for the memory.
+step. A request is admitted only when its whole remaining prompt fits, not just the chunk this
+step computes, so a split prompt's later chunks do not take the memory running requests decode
+into. The reserve is KV memory held back for the decode of running and admitted requests (a
+share of their remaining max_new_tokens), so that admitting one more prompt does not force a
+retraction right away; it only counts when some other request competes for the memory.
 """
 from __future__ import annotations
 
@@ -62,10 +63,10 @@ class PrefillAdder:
         prefix_slots, node = self.kv.match_prefix(req)
         if not self.kv.start(req, prefix_slots, node):
             return False
-        n = min(req.seq_len - req.kv_alloc_len, self.budget)
+        prompt_left = req.seq_len - req.kv_alloc_len
         self.reserve += decode_reserve([req])
         held_back = self.reserve if (self.competing or self.spans) else 0
-        if self.kv.available_tokens() < n + held_back or not self._extend(req, n):
+        if self.kv.available_tokens() < prompt_left + held_back or not self._extend(req, min(prompt_left, self.budget)):
             self.kv.release(req)
             return False
         if req.retract_count == 0:

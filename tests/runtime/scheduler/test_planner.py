@@ -2,6 +2,8 @@
 retraction, aborts, priority preemption and out-of-memory, on CPU tensors with a fake model."""
 from __future__ import annotations
 
+import time
+
 import torch
 from scheduler_core import fake_token, make_core
 
@@ -181,6 +183,67 @@ def test_a_lone_request_that_cannot_grow_is_returned_as_out_of_memory():
     core.finish(r, reason)
     core.kv.allocator.free(hog)
     core.assert_no_leaks()
+
+
+def test_a_prompt_is_admitted_only_when_all_of_it_fits_not_just_its_first_chunk():
+    # a decodes towards 70 tokens; b's 60-token prompt would fit a 16-token chunk at a time, and
+    # its later chunks would take the memory a decodes into (a was then aborted, out of memory)
+    core = make_core(max_total_tokens=100, chunked_prefill_size=16)
+    a = core.add("a", 10, max_new_tokens=60)
+    while len(a.output_ids) < 40:
+        core.process(core.plan())
+    b = core.add("b", 60, max_new_tokens=1)
+    batch = core.plan()
+    assert batch.mode == ForwardMode.DECODE and core.planner.waiting == [b]
+    core.process(batch)
+    core.run()
+    assert [(r.rid, r.finished_reason.type) for r in core.finished] == [("a", "length"), ("b", "length")]
+    assert a.output_ids == [fake_token(p) for p in range(10, 70)]
+    core.assert_no_leaks()
+
+
+def test_the_last_request_waits_for_in_flight_finishers_instead_of_running_out():
+    # 30 slots: a's last token is in flight when b needs its next slot; a's KV comes back a step
+    # later, so b waits for it (it was aborted out of memory, while it fits on its own)
+    core = make_core(max_total_tokens=30, radix=False)
+    a = core.add("a", 10, max_new_tokens=6)
+    b = core.add("b", 10, max_new_tokens=12)
+    core.run(overlap=True)
+    assert [(r.rid, r.finished_reason.type) for r in core.finished] == [("a", "length"), ("b", "length")]
+    assert b.output_ids == [fake_token(p) for p in range(10, 22)] and core.planner.num_retractions == 0
+    core.assert_no_leaks()
+
+
+def test_a_chunked_prompt_gives_its_memory_back_before_a_decoding_request_runs_out():
+    core = make_core(max_total_tokens=40, chunked_prefill_size=4, radix=False)
+    r = core.add("r", 3, max_new_tokens=20)
+    core.process(core.plan())
+    c = core.add("c", 12, max_new_tokens=4)
+    first_chunk = core.plan()
+    assert _spans(first_chunk) == [("c", 0, 4, False)]
+    core.process(first_chunk)
+    hog = core.kv.allocator.alloc(core.kv.available_tokens())  # memory held by something else
+    batch = core.plan()  # c cannot continue and r cannot grow: c is requeued, r decodes
+    assert batch.mode == ForwardMode.DECODE and [s.req for s in batch.spans] == [r]
+    assert core.planner.chunked is None and core.planner.waiting == [c] and c.retract_count == 1
+    core.process(batch)
+    core.kv.allocator.free(hog)
+    core.run()
+    assert r.output_ids == [fake_token(p) for p in range(3, 23)]
+    assert c.output_ids == [fake_token(p) for p in range(12, 16)]
+    core.assert_no_leaks()
+
+
+def test_request_timeout_ends_only_requests_never_admitted():
+    core = make_core(request_timeout=5.0, force_retract_every=1)
+    core.add("a", 5, max_new_tokens=20)
+    b = core.add("b", 5, max_new_tokens=20)
+    core.process(core.plan())
+    core.process(core.plan())  # the forced retraction requeues b, which has output already
+    assert core.planner.waiting == [b] and b.output_ids
+    queued = core.add("queued", 5)
+    later = time.monotonic() + 60
+    assert core.planner.expired(later) == [queued]
 
 
 def test_n_siblings_share_the_in_flight_prefix_and_never_write_a_freed_slot():
