@@ -138,9 +138,9 @@ def normalize_generate_request(
         _check_thinking_budget(f, sp, require_reasoning, limits.strict_thinking)
     return_logprob = _per_item(body, "return_logprob", n, is_batch, False, _bool)
     start_lens = _per_item(body, "logprob_start_len", n, is_batch, -1, _start_len)
-    top_check = _top_num(min(vocab_size, limits.max_top_logprobs_num))
-    top_nums = _per_item(body, "top_logprobs_num", n, is_batch, 0, top_check)
-    token_lists = _token_ids_logprob(body.get("token_ids_logprob"), n, is_batch, vocab_size)
+    columns = min(vocab_size, limits.max_top_logprobs_num)  # logprobs per position, each a row of the output
+    top_nums = _per_item(body, "top_logprobs_num", n, is_batch, 0, _top_num(columns))
+    token_lists = _token_ids_logprob(body.get("token_ids_logprob"), n, is_batch, vocab_size, columns)
     extra_keys = _per_item(body, "extra_key", n, is_batch, None, _extra_key)
     hidden = _per_item(body, "return_hidden_states", n, is_batch, False, _bool)
     items = []
@@ -417,24 +417,26 @@ def _extra_key(field: str, v: Any) -> str | None:
 
 
 def _token_ids_logprob(
-    v: Any, n: int, is_batch: bool, vocab_size: int
+    v: Any, n: int, is_batch: bool, vocab_size: int, cap: int
 ) -> list[list[int] | None]:
     if v is None or v == []:
         return [None] * n
     if not isinstance(v, list):
         got = _type_name(v)
         raise ValidationError("token_ids_logprob", f"must be a list of token ids, got {got}")
-    if is_batch and isinstance(v[0], list):
+    if is_batch and any(row is None or isinstance(row, list) for row in v):  # one list (or null) per item
         _check_len("token_ids_logprob", v, n)
-        return [_id_list(f"token_ids_logprob[{i}]", row, vocab_size) for i, row in enumerate(v)]
-    return [_id_list("token_ids_logprob", v, vocab_size)] * n
+        return [_id_list(f"token_ids_logprob[{i}]", row, vocab_size, cap) for i, row in enumerate(v)]
+    return [_id_list("token_ids_logprob", v, vocab_size, cap)] * n
 
 
-def _id_list(field: str, v: Any, vocab_size: int) -> list[int] | None:
+def _id_list(field: str, v: Any, vocab_size: int, cap: int) -> list[int] | None:
     if v is None or v == []:
         return None
     if not isinstance(v, list):
         raise ValidationError(field, f"must be a list of token ids, got {_type_name(v)}")
+    if len(v) > cap:  # each id is a logprob at every position: the same budget as top_logprobs_num
+        raise ValidationError(field, f"at most {cap} token ids (--max-top-logprobs-num), got {len(v)}")
     for j, t in enumerate(v):
         if not is_int(t) or not 0 <= t < vocab_size:
             msg = f"must be a token id in [0, {vocab_size}), got {short(t)}"

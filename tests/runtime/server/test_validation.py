@@ -350,3 +350,19 @@ def test_top_logprobs_num_is_capped_by_the_server() -> None:
     assert norm({"text": "a", "top_logprobs_num": 5}, max_top_logprobs_num=5).items[0].logprob.top_logprobs_num == 5
     with pytest.raises(ValidationError, match=r"^top_logprobs_num must be in \[0, 5\] \(--max-top-logprobs-num\)"):
         norm({"text": "a", "top_logprobs_num": 6}, max_top_logprobs_num=5)
+
+
+def test_token_ids_logprob_shares_the_per_position_cap() -> None:
+    # each id is a logprob at every position of every choice: unbounded, one request could ask for
+    # millions of columns (gigabytes of logprobs)
+    ok = norm({"text": "a", "token_ids_logprob": [1, 2, 3]}, max_top_logprobs_num=3)
+    assert ok.items[0].logprob.token_ids_logprob == (1, 2, 3)
+    with pytest.raises(ValidationError, match=r"^token_ids_logprob at most 3 token ids \(--max-top-logprobs-num\), got 4"):
+        norm({"text": "a", "token_ids_logprob": [1, 2, 3, 3]}, max_top_logprobs_num=3)
+    with pytest.raises(ValidationError, match=r"^token_ids_logprob\[1\] at most 3"):
+        norm({"text": ["a", "b"], "token_ids_logprob": [[1], [0] * 4]}, max_top_logprobs_num=3)
+
+
+def test_batch_token_ids_logprob_may_start_with_null() -> None:
+    a, b = norm({"text": ["a", "b"], "token_ids_logprob": [None, [1, 2]]}).items
+    assert (a.logprob.token_ids_logprob, b.logprob.token_ids_logprob) == (None, (1, 2))
