@@ -26,6 +26,8 @@ class FinishChecker:
             n_out = base + i + 1
             if n_out > sp.max_new_tokens:
                 return i, FinishReason(type="length", length=sp.max_new_tokens)
+            if n_out == sp.max_new_tokens:  # before stops, as in SGLang: the last allowed token ends by length
+                return i + 1, FinishReason(type="length", length=sp.max_new_tokens)
             if n_out > sp.min_new_tokens:  # the sampler bans stop tokens before that
                 if tok in sp.stop_token_ids or (not sp.ignore_eos and tok in self.eos_ids):
                     return i + 1, FinishReason(type="stop", matched=tok)
@@ -37,8 +39,6 @@ class FinishChecker:
                                            message=f"the grammar rejected sampled token {tok}")
                 if req.grammar.is_terminated():  # the grammar is complete: the request ends
                     return i + 1, FinishReason(type="stop", matched=tok)
-            if n_out == sp.max_new_tokens:
-                return i + 1, FinishReason(type="length", length=sp.max_new_tokens)
         return len(new_tokens), None
 
     def _stop_string(self, req: Req, new_tokens: list[int]) -> str | None:

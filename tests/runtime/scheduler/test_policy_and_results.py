@@ -51,6 +51,16 @@ def test_finish_checks_length_stop_token_and_trimming():
     assert not apply_new_tokens(r, [2], None, None, checker)  # eos before min_new_tokens does not stop
 
 
+def test_the_last_allowed_token_ends_by_length_even_when_it_is_a_stop():
+    # SGLang checks the length first: EOS, a stop token or a stop string at max_new_tokens is a length finish
+    checker = FinishChecker([2], lambda ids: "".join(chr(97 + i % 26) for i in ids))
+    for sp in ({}, {"stop_token_ids": [7]}, {"stop": ["bh"], "ignore_eos": True}):
+        for last in (2, 7):
+            r = _req(5, max_new_tokens=2, **sp)
+            assert apply_new_tokens(r, [1, last], None, None, checker) and r.output_ids == [1, last]
+            assert (r.finished_reason.type, r.finished_reason.length) == ("length", 2), (sp, last)
+
+
 def _lp(token: int) -> LogprobArrays:
     return LogprobArrays(token_logprobs=np.array([-0.5], np.float32), token_ids=np.array([token], np.int32),
                          top_vals=np.zeros((1, 0), np.float32), top_idx=np.zeros((1, 0), np.int32),
