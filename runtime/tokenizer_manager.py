@@ -96,7 +96,8 @@ class TokenizerManager:
         self.context_len = self.model_info["context_len"]
         args = self.args
         self.limits = RequestLimits(
-            vocab_size=self.vocab_size, context_len=self.context_len, max_batch_items=args.max_batch_items,
+            vocab_size=self.vocab_size, context_len=self.context_len,
+            max_total_tokens=self.model_info["max_total_num_tokens"] or None, max_batch_items=args.max_batch_items,
             max_top_logprobs_num=args.max_top_logprobs_num,
             max_text_chars=self.context_len * max_chars_per_token(self.tokenizer) * TEXT_CHARS_SLACK,
             guided_decoding=args.grammar_backend != "none", strict_thinking=args.enable_strict_thinking)

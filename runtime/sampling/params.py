@@ -136,6 +136,9 @@ def is_number(v: Any) -> bool:
 
 
 _INT_FIELDS = ("max_new_tokens", "min_new_tokens", "top_k", "n", "stream_interval", "max_thinking_tokens")
+# `"max_new_tokens": null`, as in SGLang, is no limit of the client's: the request may fill the
+# context (validation clamps it to the room the prompt leaves); absent, it is the default (128)
+FILL_CONTEXT = 1 << 30
 _FLOAT_FIELDS = (
     "temperature",
     "top_p",
@@ -158,7 +161,8 @@ _REGEX_SPECIAL = frozenset("\\^$.|?*+()[]{}")
 
 
 class _Checker:
-    """Reads one sampling_params dict field by field; JSON null means "use the default"."""
+    """Reads one sampling_params dict field by field; JSON null means "use the default" (but for
+    max_new_tokens: see FILL_CONTEXT)."""
 
     def __init__(self, d: dict, prefix: str, vocab_size: int, guided_decoding: bool) -> None:
         self.d = d
@@ -186,6 +190,8 @@ class _Checker:
         return self.d.get(name) is not None
 
     def _scalars(self) -> None:
+        if "max_new_tokens" in self.d and self.d["max_new_tokens"] is None:
+            self.out["max_new_tokens"] = FILL_CONTEXT
         for name in _INT_FIELDS:
             if self._present(name):
                 v = self.d[name]

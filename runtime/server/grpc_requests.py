@@ -126,9 +126,10 @@ def _scheduler_sampling(sp: Any, renames: dict[str, str]) -> dict[str, Any]:
             out[name] = getattr(sp, name)
     if sp.top_k:  # 0 is proto's unset; SGLang's "no top-k" is -1
         out["top_k"] = sp.top_k
-    for name in ("max_new_tokens", "stream_interval"):
-        if sp.HasField(name):
-            out[name] = getattr(sp, name)
+    # unset max_new_tokens is null, which fills the context, as SGLang's servicer passes None
+    out["max_new_tokens"] = sp.max_new_tokens if sp.HasField("max_new_tokens") else None
+    if sp.HasField("stream_interval"):
+        out["stream_interval"] = sp.stream_interval
     for name in ("skip_special_tokens", "spaces_between_special_tokens", "ignore_eos", "no_stop_trim"):
         out[name] = getattr(sp, name)
     if sp.stop:

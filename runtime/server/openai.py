@@ -214,9 +214,8 @@ def _sampling(body: dict, req: OpenAIRequest, default_max_tokens: int | None) ->
         if body.get(name) is not None:
             sp["max_new_tokens"], req.max_tokens_name = body[name], name
             break
-    else:
-        if default_max_tokens is not None:
-            sp["max_new_tokens"] = default_max_tokens
+    else:  # chat: None, as many as fit (SGLang's chat sends null); completions: OpenAI's 16
+        sp["max_new_tokens"] = default_max_tokens
     fmt = body.get("response_format")
     if fmt is not None:
         _response_format(fmt, sp)

@@ -112,6 +112,7 @@ class RequestLimits:
 
     vocab_size: int
     context_len: int
+    max_total_tokens: int | None = None  # KV slots: a max_new_tokens that is not the client's stops there too
     max_batch_items: int = 4096  # prompts x n per call
     max_top_logprobs_num: int = 20
     # longer text cannot fit the context whatever it tokenizes to: refused before tokenizing
@@ -147,7 +148,7 @@ def normalize_generate_request(
     for i, (field, prompt) in enumerate(prompts):
         ids, text = _prompt_ids(field, prompt, tokenize, limits)
         sp_field, sp = params[i]
-        _fit_context(field, len(ids), sp_field, sp, _explicit_max_new(body, i), limits.context_len)
+        _fit_context(field, len(ids), sp_field, sp, _explicit_max_new(body, i), limits)
         start_field, start = start_lens[i]
         if (return_logprob[i][1] or hidden[i][1]) and start > len(ids):
             msg = f"must be <= the prompt length ({len(ids)} tokens), got {start}"
@@ -296,19 +297,23 @@ def _explicit_max_new(body: dict, i: int) -> bool:
 
 
 def _fit_context(
-    field: str, prompt_len: int, sp_field: str, sp: SamplingParams, explicit: bool, ctx: int
+    field: str, prompt_len: int, sp_field: str, sp: SamplingParams, explicit: bool, limits: RequestLimits
 ) -> None:
     """prompt + max_new_tokens must fit the context. Like SGLang, only an explicit
-    max_new_tokens is an error; the default (128) is clamped to the room that is left."""
+    max_new_tokens is an error; the default (128) and null (fill the context) are clamped to the
+    room that is left, in the context and in the KV pool."""
+    ctx = limits.context_len
     if prompt_len > ctx:
         msg = f"has {prompt_len} tokens, more than the context length ({ctx})"
         raise ValidationError(field, msg)
-    if not explicit and prompt_len + sp.max_new_tokens > ctx:
-        sp.max_new_tokens = ctx - prompt_len
+    room = min(ctx, limits.max_total_tokens or ctx)
+    if not explicit and prompt_len + sp.max_new_tokens > room:
+        sp.max_new_tokens = max(room - prompt_len, 0)
         if sp.min_new_tokens > sp.max_new_tokens:
+            pool = f", {limits.max_total_tokens} KV slots" if room < ctx else ""
             msg = (
                 f"is {sp.min_new_tokens}, but only {sp.max_new_tokens} tokens fit after the "
-                f"{prompt_len}-token prompt (context length {ctx})"
+                f"{prompt_len}-token prompt (context length {ctx}{pool})"
             )
             raise ValidationError(f"{sp_field}.min_new_tokens", msg)
     max_new = sp.max_new_tokens

@@ -9,7 +9,7 @@ import pickle
 import msgspec
 import pytest
 
-from tandem.runtime.sampling.params import SamplingParams, ValidationError
+from tandem.runtime.sampling.params import FILL_CONTEXT, SamplingParams, ValidationError
 
 VOCAB = 1000
 
@@ -51,7 +51,13 @@ def test_is_greedy(d: dict, greedy: bool) -> None:
 
 
 def test_null_means_default() -> None:
-    assert parse({"temperature": None, "stop": None, "max_new_tokens": None}) == SamplingParams()
+    assert parse({"temperature": None, "stop": None, "min_new_tokens": None}) == SamplingParams()
+
+
+def test_null_max_new_tokens_fills_the_context_as_in_sglang() -> None:
+    # SGLang: absent is 128, null is no limit of the client's (validation clamps it to the room left)
+    assert parse({"max_new_tokens": None}).max_new_tokens == FILL_CONTEXT
+    assert parse({}).max_new_tokens == 128
 
 
 def test_seed_alias() -> None:

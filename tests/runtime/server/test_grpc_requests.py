@@ -68,6 +68,8 @@ def test_scheduler_request_leaves_out_proto_zeros_that_mean_unset():
     logprobs = scheduler_service_request(spb.GenerateRequest(return_logprob=True, top_logprobs_num=2,
                                                              logprob_start_len=-1, require_reasoning=True)).native
     assert (logprobs["top_logprobs_num"], logprobs["logprob_start_len"], logprobs["require_reasoning"]) == (2, -1, True)
+    # unset max_new_tokens fills the context (null), as SGLang's servicer passes None
+    assert logprobs["sampling_params"]["max_new_tokens"] is None
 
 
 @pytest.mark.parametrize("req, field", [

@@ -37,7 +37,8 @@ def test_chat_fields_map_onto_generate():
                  "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": {"type": "array"}}}})
     assert req.native["text"] == "1 messages {'enable_thinking': False}"
     assert req.native["top_logprobs_num"] == 3 and req.stream and req.include_usage and req.native["stream"]
-    assert req.native["sampling_params"] == {"json_schema": '{"type":"array"}'}  # chat: the native max_new_tokens
+    # chat without max_tokens: null, as many tokens as fit (SGLang's chat); completions default to 16
+    assert req.native["sampling_params"] == {"json_schema": '{"type":"array"}', "max_new_tokens": None}
 
 
 def test_text_content_parts_are_joined_for_the_template():

@@ -149,6 +149,16 @@ def test_default_max_new_tokens_is_clamped_but_explicit_is_not() -> None:
         norm({"text": "abcd", "sampling_params": {"min_new_tokens": 61}})
 
 
+def test_null_max_new_tokens_takes_the_room_left_in_the_context_and_the_kv_pool() -> None:
+    body = {"text": "abcd", "sampling_params": {"max_new_tokens": None}}
+    assert norm(body).items[0].sampling_params.max_new_tokens == CTX - 4
+    assert norm(body, max_total_tokens=40).items[0].sampling_params.max_new_tokens == 40 - 4
+    assert norm({"text": "abcd"}, max_total_tokens=40).items[0].sampling_params.max_new_tokens == 40 - 4
+    with pytest.raises(ValidationError, match=r"^sampling_params.min_new_tokens is 37, but only 36 tokens fit after "
+                                              r"the 4-token prompt \(context length 64, 40 KV slots\)"):
+        norm({"text": "abcd", "sampling_params": {"max_new_tokens": None, "min_new_tokens": 37}}, max_total_tokens=40)
+
+
 def test_context_boundary_is_inclusive() -> None:
     norm({"input_ids": [1] * 60, "sampling_params": {"max_new_tokens": 4}})
     norm({"input_ids": [1] * CTX, "sampling_params": {"max_new_tokens": 0}})
