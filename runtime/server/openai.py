@@ -4,7 +4,8 @@ A request becomes a native body (so every field is validated exactly as `/genera
 it; a native field name in an error is mapped back to the OpenAI one), runs through the
 tokenizer manager, and the native results become OpenAI's response, chunk or error shapes.
 Unknown fields are ignored, as OpenAI-compatible servers do; known fields this server cannot
-honour (tools, audio, ...) are a 400 rather than a silently different answer.
+honour (OpenAI's tools, audio, ...; SGLang's extensions lora_path, stop_regex, ...) are a 400
+rather than a silently different answer. SGLang's rid, priority and extra_key pass through.
 """
 from __future__ import annotations
 
@@ -31,7 +32,11 @@ _CONSTRAINTS = ("regex", "ebnf", "json_schema")
 _NATIVE_TO_OPENAI = {"min_new_tokens": "min_tokens", "sampling_seed": "seed"}
 # known OpenAI fields whose meaning this server does not implement: a 400, never ignored
 _UNSUPPORTED = ("tools", "tool_choice", "functions", "function_call", "audio", "modalities", "prediction",
-                "suffix", "parallel_tool_calls", "web_search_options")
+                "suffix", "parallel_tool_calls", "web_search_options", "reasoning_effort",
+                # SGLang's extensions of the OpenAI API that this server does not implement
+                "lora_path", "custom_logit_processor", "custom_params", "stop_regex", "continue_final_message",
+                "return_hidden_states", "return_routed_experts", "session_params")
+_NATIVE_TOP = ("rid", "priority", "extra_key")  # SGLang's extensions that /generate takes as they are
 _SAMPLING_FIELD = re.compile(r"sampling_params(?:\[\d+\])?\.(\w+)(.*)")
 _PROMPT_FIELD = re.compile(r"(?:text|input_ids)(.*)")
 _FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
@@ -193,7 +198,9 @@ def _stream(body: dict) -> bool:
 
 def _native_base(body: dict) -> dict[str, Any]:
     """A streamed answer streams from the scheduler too (else it arrives as one final delta)."""
-    return {"stream": True} if _stream(body) else {}
+    native: dict[str, Any] = {"stream": True} if _stream(body) else {}
+    native.update((name, body[name]) for name in _NATIVE_TOP if body.get(name) is not None)
+    return native
 
 
 def _include_usage(body: dict) -> bool:

@@ -94,6 +94,21 @@ def test_bad_chat_fields(body, field):
     assert err.value.field == field
 
 
+@pytest.mark.parametrize("field", ["lora_path", "custom_logit_processor", "stop_regex", "continue_final_message",
+                                   "return_hidden_states", "reasoning_effort", "session_params"])
+def test_sglang_extensions_this_server_lacks_are_refused_not_ignored(field):
+    for make, prompt in ((_chat, {"messages": [{"role": "user", "content": "x"}]}), (_completion, {"prompt": "a"})):
+        with pytest.raises(ValidationError) as err:
+            make({**prompt, field: "x"})
+        assert err.value.field == field and "not supported" in err.value.message
+
+
+def test_rid_priority_and_extra_key_reach_generate():
+    fields = {"rid": "mine", "priority": 3, "extra_key": "tenant"}
+    assert {k: _chat({"messages": [{"role": "user", "content": "x"}], **fields}).native[k] for k in fields} == fields
+    assert {k: _completion({"prompt": "a", **fields}).native[k] for k in fields} == fields
+
+
 def test_native_field_names_in_errors_become_openai_ones():
     req = _chat({"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 5})
     assert req.rename(ValidationError("sampling_params.max_new_tokens", "too big")).field == "max_completion_tokens"
