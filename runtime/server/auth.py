@@ -3,7 +3,8 @@
 `--api-key`: every route but `/health` needs `Authorization: Bearer <key>` (the admin key is
 accepted too). `--admin-api-key`: the control routes that touch every request (`/flush_cache`,
 `/abort_request` with `abort_all`) need it; without one they take the api key. Keys are
-compared in constant time and never appear in `/server_info`.
+compared in constant time and never appear in `/server_info`. gRPC takes the same keys, as
+`authorization: Bearer <key>` metadata (runtime/server/grpc_server.py).
 """
 from __future__ import annotations
 
@@ -39,8 +40,7 @@ class ApiKeyMiddleware:
 
     async def __call__(self, scope: Scope, receive: Callable, send: Callable) -> None:
         if scope["type"] == "http" and self.api_key and scope["path"] not in OPEN_PATHS:
-            token = bearer_token(scope["headers"])
-            if not (key_matches(token, self.api_key) or key_matches(token, self.admin_api_key)):
+            if not token_may_call(bearer_token(scope["headers"]), self.api_key, self.admin_api_key):
                 await _deny(send, 401, "a valid API key is required: Authorization: Bearer <--api-key>")
                 return
         await self.app(scope, receive, send)
@@ -49,10 +49,18 @@ class ApiKeyMiddleware:
 def is_admin(headers: Any, api_key: str | None, admin_api_key: str | None) -> bool:
     """The caller may use the control routes: the admin key, or (no admin key set) the api key,
     or no keys configured at all."""
-    token = bearer_token(headers.raw if hasattr(headers, "raw") else headers)
+    return token_is_admin(bearer_token(headers.raw if hasattr(headers, "raw") else headers), api_key, admin_api_key)
+
+
+def token_is_admin(token: str | None, api_key: str | None, admin_api_key: str | None) -> bool:
     if admin_api_key:
         return key_matches(token, admin_api_key)
     return not api_key or key_matches(token, api_key)
+
+
+def token_may_call(token: str | None, api_key: str | None, admin_api_key: str | None) -> bool:
+    """Any route but the control ones: the api key or the admin key, or no api key configured."""
+    return not api_key or key_matches(token, api_key) or key_matches(token, admin_api_key)
 
 
 async def _deny(send: Callable, status: int, message: str) -> None:

@@ -12,7 +12,7 @@ import grpc
 import orjson
 
 from tandem.runtime.server.grpc_requests import native_service_request
-from tandem.runtime.server.grpc_server import GrpcError, native_results
+from tandem.runtime.server.grpc_server import GrpcAuth, GrpcError, native_results
 from tandem.runtime.server.info import current_loads, health_generate, model_info, served_model_name, server_info
 from tandem.runtime.server.proto import sglang_pb2 as pb
 from tandem.runtime.tokenizer_manager import TokenizerManager
@@ -29,8 +29,9 @@ def _meta(result: dict) -> dict[str, str]:
 
 
 class NativeService:
-    def __init__(self, tm: TokenizerManager) -> None:
+    def __init__(self, tm: TokenizerManager, auth: GrpcAuth) -> None:
         self.tm = tm
+        self.auth = auth
 
     async def TextGenerate(self, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
         async for result in self._generate(request, text=True):
@@ -81,9 +82,12 @@ class NativeService:
         return pb.GetLoadResponse(json_info=orjson.dumps(await current_loads(self.tm)).decode())
 
     async def Abort(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        if request.abort_all:
+            self.auth.check(context, admin=True)
         return pb.AbortResponse(success=self.tm.abort(request.rid, request.abort_all))
 
     async def FlushCache(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        self.auth.check(context, admin=True)
         reply = await self.tm.flush_cache()
         return pb.FlushCacheResponse(success=reply.success, message=reply.message or "Cache flushed.")
 

@@ -25,7 +25,7 @@ from smg_grpc_proto import sglang_scheduler_pb2 as pb
 from smg_grpc_proto.generated import common_pb2
 
 from tandem.runtime.server.grpc_requests import scheduler_service_request
-from tandem.runtime.server.grpc_server import native_results
+from tandem.runtime.server.grpc_server import GrpcAuth, native_results
 from tandem.runtime.server.info import VERSION, current_loads, health_generate, model_info, served_model_name, server_info
 from tandem.runtime.tokenizer_manager import TokenizerManager
 
@@ -77,8 +77,9 @@ def _struct(values: dict) -> Struct:
 
 
 class SchedulerService:
-    def __init__(self, tm: TokenizerManager) -> None:
+    def __init__(self, tm: TokenizerManager, auth: GrpcAuth) -> None:
         self.tm = tm
+        self.auth = auth
         self.started = time.time()
 
     async def Generate(self, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
@@ -143,6 +144,7 @@ class SchedulerService:
             aggregate=pb.AggregateMetrics(**report["aggregate"]))
 
     async def FlushCache(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        self.auth.check(context, admin=True)
         deadline = time.monotonic() + max(request.timeout_s, 0.0)
         reply = await self.tm.flush_cache()
         while not reply.success and time.monotonic() < deadline:  # wait for the scheduler to go idle

@@ -3,13 +3,16 @@ on one grpc.aio server, on the main process's event loop beside HTTP, over the s
 manager.
 
 Handlers are built from each service's descriptor: a method the servicer implements gets its
-coroutine, every other declared method answers UNIMPLEMENTED with a reason. Requests become
+coroutine, every other declared method answers UNIMPLEMENTED with a reason. With --api-key every
+call needs `authorization: Bearer <key>` metadata (UNAUTHENTICATED without), and the calls that
+touch every request (FlushCache, Abort with abort_all) the admin key, as on HTTP. Requests become
 native `/generate` bodies (grpc_requests.py); a cancelled RPC closes its result stream, which
 aborts exactly that request's choices.
 """
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable
 
 import grpc
@@ -17,6 +20,7 @@ from google.protobuf import message_factory
 
 from tandem.runtime.request_groups import RequestError
 from tandem.runtime.sampling.params import ValidationError
+from tandem.runtime.server.auth import token_is_admin, token_may_call
 from tandem.runtime.server.grpc_requests import GrpcRequest
 from tandem.runtime.tokenizer_manager import TokenizerManager
 
@@ -31,6 +35,31 @@ class GrpcError(Exception):
         super().__init__(message)
         self.code = code
         self.message = message
+
+
+@dataclass(frozen=True)
+class GrpcAuth:
+    """--api-key / --admin-api-key for gRPC calls (runtime/server/auth.py has the rules)."""
+
+    api_key: str | None = None
+    admin_api_key: str | None = None
+
+    def check(self, context: grpc.aio.ServicerContext, admin: bool = False) -> None:
+        token = _bearer(context.invocation_metadata() or ())
+        if admin and not token_is_admin(token, self.api_key, self.admin_api_key):
+            raise GrpcError(grpc.StatusCode.PERMISSION_DENIED, "this call needs the admin API key (--admin-api-key): "
+                                                               "metadata authorization: Bearer <key>")
+        if not token_may_call(token, self.api_key, self.admin_api_key):
+            raise GrpcError(grpc.StatusCode.UNAUTHENTICATED, "a valid API key is required: metadata "
+                                                             "authorization: Bearer <--api-key>")
+
+
+def _bearer(metadata: Any) -> str | None:
+    for key, value in metadata:
+        if key.lower() == "authorization":
+            scheme, _, token = str(value).partition(" ")
+            return token.strip() if scheme.lower() == "bearer" else None
+    return None
 
 
 def status_of(http_status: int) -> grpc.StatusCode:
@@ -56,14 +85,14 @@ async def native_results(tm: TokenizerManager, req: GrpcRequest) -> AsyncIterato
         await stream.aclose()  # a cancelled RPC lands here: the request's choices are aborted
 
 
-def service_handler(descriptor: Any, servicer: Any) -> grpc.GenericRpcHandler:
+def service_handler(descriptor: Any, servicer: Any, auth: GrpcAuth) -> grpc.GenericRpcHandler:
     handlers = {}
     for method in descriptor.methods:
         request_cls = message_factory.GetMessageClass(method.input_type)
         response_cls = message_factory.GetMessageClass(method.output_type)
         impl = getattr(servicer, method.name, None) or _unimplemented(descriptor.full_name, method.name)
         make = grpc.unary_stream_rpc_method_handler if method.server_streaming else grpc.unary_unary_rpc_method_handler
-        wrapped = _streaming(impl) if method.server_streaming else _unary(impl)
+        wrapped = _streaming(impl, auth) if method.server_streaming else _unary(impl, auth)
         handlers[method.name] = make(wrapped, request_deserializer=request_cls.FromString,
                                      response_serializer=response_cls.SerializeToString)
     return grpc.method_handlers_generic_handler(descriptor.full_name, handlers)
@@ -75,9 +104,10 @@ def _unimplemented(service: str, name: str) -> Callable:
     return impl
 
 
-def _unary(impl: Callable) -> Callable:
+def _unary(impl: Callable, auth: GrpcAuth) -> Callable:
     async def handler(request: Any, context: grpc.aio.ServicerContext) -> Any:
         try:
+            auth.check(context)
             return await impl(request, context)
         except ValidationError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
@@ -86,9 +116,10 @@ def _unary(impl: Callable) -> Callable:
     return handler
 
 
-def _streaming(impl: Callable) -> Callable:
+def _streaming(impl: Callable, auth: GrpcAuth) -> Callable:
     async def handler(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
         try:
+            auth.check(context)
             async for response in impl(request, context):
                 yield response
         except ValidationError as exc:
@@ -98,7 +129,7 @@ def _streaming(impl: Callable) -> Callable:
     return handler
 
 
-async def start_grpc_server(tm: TokenizerManager, host: str, port: int) -> grpc.aio.Server:
+async def start_grpc_server(tm: TokenizerManager, host: str, port: int, auth: GrpcAuth) -> grpc.aio.Server:
     from smg_grpc_proto import sglang_scheduler_pb2
 
     from tandem.runtime.server.grpc_native import NativeService
@@ -108,8 +139,9 @@ async def start_grpc_server(tm: TokenizerManager, host: str, port: int) -> grpc.
     server = grpc.aio.server(options=[("grpc.max_send_message_length", 256 << 20),
                                       ("grpc.max_receive_message_length", 256 << 20)])
     server.add_generic_rpc_handlers([
-        service_handler(sglang_pb2.DESCRIPTOR.services_by_name["SglangService"], NativeService(tm)),
-        service_handler(sglang_scheduler_pb2.DESCRIPTOR.services_by_name["SglangScheduler"], SchedulerService(tm)),
+        service_handler(sglang_pb2.DESCRIPTOR.services_by_name["SglangService"], NativeService(tm, auth), auth),
+        service_handler(sglang_scheduler_pb2.DESCRIPTOR.services_by_name["SglangScheduler"],
+                        SchedulerService(tm, auth), auth),
     ])
     if server.add_insecure_port(f"{host}:{port}") == 0:
         raise RuntimeError(f"cannot listen for gRPC on {host}:{port}")

@@ -46,9 +46,10 @@ def create_app(args: ServerArgs, on_child_death: Callable[[str], None] | None = 
         app.state.tm = tm
         grpc_server = None
         if args.grpc_port is not None:
-            from tandem.runtime.server.grpc_server import start_grpc_server  # lazy: grpc only when asked for
+            from tandem.runtime.server.grpc_server import GrpcAuth, start_grpc_server  # lazy: grpc only when asked for
 
-            grpc_server = await start_grpc_server(tm, args.host, args.grpc_port)
+            grpc_server = await start_grpc_server(tm, args.host, args.grpc_port,
+                                                  GrpcAuth(args.api_key, args.admin_api_key))
         logger.info("tandem is ready on http://%s:%d (OpenAI API: http://%s:%d/v1)", args.host, args.port,
                     args.host, args.port)
         try:
