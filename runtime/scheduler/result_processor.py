@@ -42,12 +42,17 @@ class FinishChecker:
         return len(new_tokens), None
 
     def _stop_string(self, req: Req, new_tokens: list[int]) -> str | None:
+        """The stop string the last token completes. One already in the window before it (written
+        inside min_new_tokens, where stops do not count) does not end the request now."""
         longest = max(len(s) for s in req.sampling_params.stop)
         tail_ids = (req.output_ids + new_tokens)[-(longest + _STOP_TAIL_TOKENS):]
         tail = self.decode(tail_ids)
+        before: str | None = None
         for stop in req.sampling_params.stop:
             if stop in tail:
-                return stop
+                before = self.decode(tail_ids[:-1]) if before is None else before
+                if tail.count(stop) > before.count(stop):
+                    return stop
         return None
 
 

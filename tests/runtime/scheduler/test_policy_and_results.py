@@ -51,6 +51,15 @@ def test_finish_checks_length_stop_token_and_trimming():
     assert not apply_new_tokens(r, [2], None, None, checker)  # eos before min_new_tokens does not stop
 
 
+def test_a_stop_string_written_inside_min_new_tokens_does_not_end_the_request_at_the_gate():
+    checker = FinishChecker([2], lambda ids: "".join(chr(97 + i % 26) for i in ids))
+    r = _req(6, max_new_tokens=10, min_new_tokens=3, ignore_eos=True, stop=["cd"])
+    assert not apply_new_tokens(r, [2, 3], None, None, checker)  # "cd" inside min_new_tokens: text
+    assert not apply_new_tokens(r, [9], None, None, checker)  # past the gate, "cd" still in the window
+    assert apply_new_tokens(r, [2, 3, 5], None, None, checker)  # a new "cd" ends it
+    assert r.output_ids == [2, 3, 9, 2, 3] and r.finished_reason.matched == "cd"
+
+
 def test_the_last_allowed_token_ends_by_length_even_when_it_is_a_stop():
     # SGLang checks the length first: EOS, a stop token or a stop string at max_new_tokens is a length finish
     checker = FinishChecker([2], lambda ids: "".join(chr(97 + i % 26) for i in ids))
