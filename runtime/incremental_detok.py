@@ -84,8 +84,10 @@ class DecodeState:
             return None  # nothing uncommitted to decode
         return self.ids[self.surrogate_offset : self.read_offset], self.ids[self.surrogate_offset :]
 
-    def _advance(self, surrogate_text: str, read_text: str, finished: bool, matched: Matched) -> str:
-        """Commit the decoded new text (unless incomplete), apply stop strings; return the delta."""
+    def _advance(self, surrogate_text: str, read_text: str, finished: bool, matched: Matched,
+                 stop_from: int = 0) -> str:
+        """Commit the decoded new text (unless incomplete), apply stop strings; return the delta.
+        `stop_from`: with a matched stop string, the length of the text before the last token."""
         if self.finished:
             return ""
         new_text = read_text[len(surrogate_text) :]
@@ -93,7 +95,7 @@ class DecodeState:
             self._decoded += new_text
             self.surrogate_offset = self.read_offset
             self.read_offset = len(self.ids)
-        visible = self._visible_text(finished, matched)
+        visible = self._visible_text(finished, matched, stop_from)
         self.finished = finished
         delta = visible[len(self.text) :]
         self.text = visible
@@ -101,25 +103,25 @@ class DecodeState:
 
     # -- stop strings ---------------------------------------------------------------------------
 
-    def _visible_text(self, finished: bool, matched: Matched) -> str:
+    def _visible_text(self, finished: bool, matched: Matched, stop_from: int) -> str:
         """The part of the committed text that may be shown now."""
         if finished:
             if isinstance(matched, str):
-                return self._decoded[:self._stop_cut(matched)]
+                return self._decoded[:self._stop_cut(matched, stop_from)]
             return self._decoded
         if not self.stop_strings:
             return self._decoded
         return self._decoded[: len(self._decoded) - self._stop_prefix_len()]
 
-    def _stop_cut(self, stop: str) -> int:
-        """Where the text ends for a request the scheduler stopped at `stop`. The match completes
-        in the last tokens, and everything already emitted is free of it (a tail that could grow
-        into a stop string is held back), so it is the first occurrence in the unemitted text. Not
-        found (a rendering the scheduler's decode does not share): nothing is cut."""
-        pos = self._decoded.find(stop, len(self.text))
+    def _stop_cut(self, stop: str, stop_from: int) -> int:
+        """Where the text ends for a request the scheduler stopped at `stop`: at the occurrence
+        the last token completes, the first one ending past `stop_from` (earlier ones were written
+        inside min_new_tokens and are text). Not found (a rendering the scheduler's decode does
+        not share): nothing is cut. Never before what was already emitted."""
+        pos = self._decoded.find(stop, max(0, stop_from - len(stop) + 1))
         if pos < 0:
             return len(self._decoded)
-        return pos + len(stop) if self.no_stop_trim else pos
+        return max(pos + len(stop) if self.no_stop_trim else pos, len(self.text))
 
     def _stop_prefix_len(self) -> int:
         """Length of the longest tail of the text that is a proper prefix of some stop string."""
@@ -154,11 +156,15 @@ def decode_batch(
     if not len(states) == len(new_ids) == len(finished) == len(matched):
         raise ValueError("decode_batch: states, new_ids, finished and matched must have the same length")
     windows = [s._extend(ids, fin, m) for s, ids, fin, m in zip(states, new_ids, finished, matched)]
-    texts = _decode_windows(tokenizer, states, windows)
+    # a request ending on a stop string: the text of all its tokens but the last, where the cut
+    # must find the occurrence that last token completes (once per such request)
+    befores = [s.ids[:-1] if fin and isinstance(m, str) and not s.finished and s.ids else None
+               for s, fin, m in zip(states, finished, matched)]
+    texts, before_texts = _decode_windows(tokenizer, states, windows, befores)
     out: list[str] = []
-    for state, pair, fin, m in zip(states, texts, finished, matched):
+    for state, pair, fin, m, before in zip(states, texts, finished, matched, before_texts):
         surrogate_text, read_text = pair if pair is not None else ("", "")
-        out.append(state._advance(surrogate_text, read_text, fin, m))
+        out.append(state._advance(surrogate_text, read_text, fin, m, len(before or "")))
     return out
 
 
@@ -166,18 +172,21 @@ def _decode_windows(
     tokenizer: Any,
     states: list[DecodeState],
     windows: list[tuple[list[int], list[int]] | None],
-) -> list[tuple[str, str] | None]:
-    """Decode (surrogate, read) windows, one batch_decode call per distinct option group."""
-    groups: dict[tuple[bool, bool], list[int]] = {}
-    for i, (state, pair) in enumerate(zip(states, windows)):
-        if pair is not None:
-            groups.setdefault(state.decode_options, []).append(i)
-    texts: list[tuple[str, str] | None] = [None] * len(states)
-    for (skip, spaces), rows in groups.items():
-        seqs = [windows[i][0] for i in rows] + [windows[i][1] for i in rows]  # type: ignore[index]
-        decoded = tokenizer.batch_decode(
-            seqs, skip_special_tokens=skip, spaces_between_special_tokens=spaces
-        )
-        for j, i in enumerate(rows):
-            texts[i] = (decoded[j], decoded[len(rows) + j])
-    return texts
+    befores: list[list[int] | None],
+) -> tuple[list[tuple[str, str] | None], list[str | None]]:
+    """Decode (surrogate, read) windows and the `befores`, one batch_decode call per distinct
+    option group."""
+    groups: dict[tuple[bool, bool], list[tuple[int, int]]] = {}  # options -> (state, 0 surrogate / 1 read / 2 before)
+    seqs: dict[tuple[bool, bool], list[list[int]]] = {}
+    for i, (state, pair, before) in enumerate(zip(states, windows, befores)):
+        parts = ([(0, pair[0]), (1, pair[1])] if pair is not None else []) + ([(2, before)] if before is not None else [])
+        for kind, seq in parts:
+            groups.setdefault(state.decode_options, []).append((i, kind))
+            seqs.setdefault(state.decode_options, []).append(seq)
+    decoded: dict[tuple[int, int], str] = {}
+    for (skip, spaces), slots in groups.items():
+        texts = tokenizer.batch_decode(seqs[(skip, spaces)], skip_special_tokens=skip,
+                                       spaces_between_special_tokens=spaces)
+        decoded.update(zip(slots, texts))
+    pairs = [(decoded[(i, 0)], decoded[(i, 1)]) if windows[i] is not None else None for i in range(len(states))]
+    return pairs, [decoded.get((i, 2)) for i in range(len(states))]

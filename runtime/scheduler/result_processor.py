@@ -47,11 +47,11 @@ class FinishChecker:
         longest = max(len(s) for s in req.sampling_params.stop)
         tail_ids = (req.output_ids + new_tokens)[-(longest + _STOP_TAIL_TOKENS):]
         tail = self.decode(tail_ids)
-        before: str | None = None
+        before: int | None = None  # length of the window's text without the last token
         for stop in req.sampling_params.stop:
             if stop in tail:
-                before = self.decode(tail_ids[:-1]) if before is None else before
-                if tail.count(stop) > before.count(stop):
+                before = len(self.decode(tail_ids[:-1])) if before is None else before
+                if tail.find(stop, max(0, before - len(stop) + 1)) >= 0:  # an occurrence ending past it
                     return stop
         return None
 

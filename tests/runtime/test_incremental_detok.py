@@ -184,6 +184,18 @@ def test_stop_string_cut_where_it_completes_after_an_ignored_one(tok: Any) -> No
     assert state.text == "".join(deltas) == "a x b "
 
 
+@pytest.mark.parametrize("first", [0, 1, 3])
+def test_an_ignored_stop_string_in_the_final_message_is_text(tok: Any, first: int) -> None:
+    # non-streamed output (or stream_interval > 1) arrives in one or few messages: the cut is at
+    # the occurrence the last token completes, not at one written inside min_new_tokens
+    ids = ids_through(tok, "a x b x c", " b x")
+    state = DecodeState(tokenizer=tok, stop_strings=["x"])
+    text = state.add(ids[:first], finished=False) + state.add(ids[first:], finished=True, matched="x")
+    assert text == state.text == "a x b "
+    kept = DecodeState(tokenizer=tok, stop_strings=["x"], no_stop_trim=True)
+    assert kept.add(ids, finished=True, matched="x") == "a x b x"
+
+
 def test_the_matched_stop_string_is_the_one_cut(tok: Any) -> None:
     # the scheduler reports which stop ended the request; the text ends where that one starts
     for matched, want in (("abcd", "x"), ("bc", "xa")):

@@ -53,11 +53,15 @@ def test_finish_checks_length_stop_token_and_trimming():
 
 def test_a_stop_string_written_inside_min_new_tokens_does_not_end_the_request_at_the_gate():
     checker = FinishChecker([2], lambda ids: "".join(chr(97 + i % 26) for i in ids))
-    r = _req(6, max_new_tokens=10, min_new_tokens=3, ignore_eos=True, stop=["cd"])
+    r = _req(6, max_new_tokens=10, min_new_tokens=2, ignore_eos=True, stop=["cd"])
     assert not apply_new_tokens(r, [2, 3], None, None, checker)  # "cd" inside min_new_tokens: text
-    assert not apply_new_tokens(r, [9], None, None, checker)  # past the gate, "cd" still in the window
+    assert not apply_new_tokens(r, [9], None, None, checker)  # checked now, "cd" still in the window
     assert apply_new_tokens(r, [2, 3, 5], None, None, checker)  # a new "cd" ends it
     assert r.output_ids == [2, 3, 9, 2, 3] and r.finished_reason.matched == "cd"
+    # overlapping occurrences: "aa" inside the minimum, then one more "a" completes a new "aa"
+    r = _req(7, max_new_tokens=10, min_new_tokens=2, ignore_eos=True, stop=["aa"])
+    assert not apply_new_tokens(r, [0, 0], None, None, checker)
+    assert apply_new_tokens(r, [0, 5], None, None, checker) and r.output_ids == [0, 0, 0]
 
 
 def test_the_last_allowed_token_ends_by_length_even_when_it_is_a_stop():
