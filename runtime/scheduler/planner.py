@@ -271,16 +271,17 @@ class Planner:
         return len(req.output_ids) + req.outputs_in_flight
 
     def _make_room(self, reqs: list[Req]) -> Plan | None:
-        """KV memory is short for a decode step over `reqs`: retract the first of them in retract
-        order. With one left, KV that others hold comes back first: the chunked prompt is
-        retracted (most of its prefill stays in the tree), and requests whose last token is in
-        flight free theirs once it is processed (the step waits); only a request alone in KV
-        memory is given up on. None: room was made, try again."""
-        if len(reqs) > 1:
-            self._retract(self.policy.retract_order(reqs)[0], reqs)
-        elif self.chunked is not None:
+        """KV memory is short for a decode step over `reqs`. The chunked prompt goes back to the
+        queue first (it has produced nothing; most of its prefill stays in the tree, and it is
+        admitted again only once its whole prompt fits), then the first of `reqs` in retract
+        order. With one left, requests whose last token is in flight free their KV once it is
+        processed (the step waits); only a request alone in KV memory is given up on. None: room
+        was made, try again."""
+        if self.chunked is not None:
             chunked, self.chunked = self.chunked.req, None
             self._requeue(chunked)
+        elif len(reqs) > 1:
+            self._retract(self.policy.retract_order(reqs)[0], reqs)
         elif len(self.running) > len(reqs):
             return Plan(None)
         else:
