@@ -4,8 +4,9 @@ manager.
 
 Handlers are built from each service's descriptor: a method the servicer implements gets its
 coroutine, every other declared method answers UNIMPLEMENTED with a reason. With --api-key every
-call needs `authorization: Bearer <key>` metadata (UNAUTHENTICATED without), and the calls that
-touch every request (FlushCache, Abort with abort_all) the admin key, as on HTTP. Requests become
+call but HealthCheck (open, as HTTP's /health) needs `authorization: Bearer <key>` metadata
+(UNAUTHENTICATED without), and the calls that touch every request (FlushCache, Abort with
+abort_all) the admin key, as on HTTP. Requests become
 native `/generate` bodies (grpc_requests.py); a cancelled RPC closes its result stream, which
 aborts exactly that request's choices.
 """
@@ -25,6 +26,7 @@ from tandem.runtime.server.grpc_requests import GrpcRequest
 from tandem.runtime.tokenizer_manager import TokenizerManager
 
 logger = logging.getLogger("tandem.grpc")
+_OPEN_METHODS = frozenset({"HealthCheck"})  # probes need no key, as HTTP's /health
 _STATUS = {400: grpc.StatusCode.INVALID_ARGUMENT, 408: grpc.StatusCode.DEADLINE_EXCEEDED,
            413: grpc.StatusCode.RESOURCE_EXHAUSTED, 429: grpc.StatusCode.RESOURCE_EXHAUSTED,
            499: grpc.StatusCode.CANCELLED, 503: grpc.StatusCode.UNAVAILABLE}
@@ -92,7 +94,8 @@ def service_handler(descriptor: Any, servicer: Any, auth: GrpcAuth) -> grpc.Gene
         response_cls = message_factory.GetMessageClass(method.output_type)
         impl = getattr(servicer, method.name, None) or _unimplemented(descriptor.full_name, method.name)
         make = grpc.unary_stream_rpc_method_handler if method.server_streaming else grpc.unary_unary_rpc_method_handler
-        wrapped = _streaming(impl, auth) if method.server_streaming else _unary(impl, auth)
+        needs_key = auth if method.name not in _OPEN_METHODS else GrpcAuth()
+        wrapped = _streaming(impl, needs_key) if method.server_streaming else _unary(impl, needs_key)
         handlers[method.name] = make(wrapped, request_deserializer=request_cls.FromString,
                                      response_serializer=response_cls.SerializeToString)
     return grpc.method_handlers_generic_handler(descriptor.full_name, handlers)

@@ -174,7 +174,7 @@ def _check_object(body: Any) -> None:
     if not isinstance(body, dict):
         raise ValidationError("body", "must be a JSON object")
     for name in _UNSUPPORTED:
-        if body.get(name) not in (None, [], {}):
+        if body.get(name) not in (None, [], {}, False, ""):  # what clients send for "not used" passes
             raise ValidationError(name, "is not supported by this server")
 
 

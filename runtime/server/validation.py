@@ -306,7 +306,9 @@ def _fit_context(
     if prompt_len > ctx:
         msg = f"has {prompt_len} tokens, more than the context length ({ctx})"
         raise ValidationError(field, msg)
-    room = min(ctx, limits.max_total_tokens or ctx)
+    kv = limits.max_total_tokens
+    # a prompt that fills the KV pool is the scheduler's 400, not a clamp to an empty answer
+    room = min(ctx, kv) if kv and prompt_len < kv else ctx
     if not explicit and prompt_len + sp.max_new_tokens > room:
         sp.max_new_tokens = max(room - prompt_len, 0)
         if sp.min_new_tokens > sp.max_new_tokens:

@@ -8,8 +8,11 @@ from typing import Any
 import grpc
 import pytest
 
+from smg_grpc_proto.generated import common_pb2
+
 from tandem.runtime.server.grpc_native import NativeService
-from tandem.runtime.server.grpc_server import GrpcAuth, _unary
+from tandem.runtime.server.grpc_scheduler import SchedulerService
+from tandem.runtime.server.grpc_server import GrpcAuth, _streaming, _unary, service_handler
 from tandem.runtime.server.proto import sglang_pb2 as pb
 
 
@@ -78,3 +81,59 @@ def test_flush_cache_needs_the_admin_key():
         except Aborted:
             out = None
         assert ctx.code == code and (out is None) == (code is not None)
+
+
+def test_the_gateway_service_flush_cache_needs_the_admin_key_too():
+    class FlushTM(FakeTM):
+        async def flush_cache(self) -> Any:
+            return common_pb2.FlushCacheResponse(success=True)
+
+    auth = GrpcAuth("k", "admin")
+    ctx = FakeContext("k")
+    with pytest.raises(Aborted):
+        asyncio.run(_unary(SchedulerService(FlushTM(), auth).FlushCache, auth)(common_pb2.FlushCacheRequest(), ctx))
+    assert ctx.code == grpc.StatusCode.PERMISSION_DENIED
+
+
+def test_streaming_calls_check_the_key_before_running():
+    ran = []
+
+    async def generate(request: Any, context: Any):
+        ran.append(request)
+        yield "token"
+
+    async def drain(token: str | None) -> tuple[list, grpc.StatusCode | None]:
+        ctx = FakeContext(token)
+        out = []
+        try:
+            async for item in _streaming(generate, GrpcAuth("k"))("req", ctx):
+                out.append(item)
+        except Aborted:
+            pass
+        return out, ctx.code
+
+    assert asyncio.run(drain(None)) == ([], grpc.StatusCode.UNAUTHENTICATED) and ran == []
+    assert asyncio.run(drain("k")) == (["token"], None) and ran == ["req"]
+
+
+def test_health_check_is_open_as_http_health_is():
+    class Servicer:
+        async def HealthCheck(self, request: Any, context: Any) -> Any:
+            return pb.HealthCheckResponse(healthy=True)
+
+        async def GetLoad(self, request: Any, context: Any) -> Any:
+            raise AssertionError("must not run without the key")
+
+    auth = GrpcAuth("k")
+    handler = service_handler(pb.DESCRIPTOR.services_by_name["SglangService"], Servicer(), auth)
+
+    def method(name: str) -> Any:
+        class Details:
+            method = f"/sglang.runtime.v1.SglangService/{name}"
+        return handler.service(Details()).unary_unary
+
+    open_ctx, closed_ctx = FakeContext(None), FakeContext(None)
+    assert asyncio.run(method("HealthCheck")(pb.HealthCheckRequest(), open_ctx)).healthy and open_ctx.code is None
+    with pytest.raises(Aborted):
+        asyncio.run(method("GetLoad")(None, closed_ctx))
+    assert closed_ctx.code == grpc.StatusCode.UNAUTHENTICATED

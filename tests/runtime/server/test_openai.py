@@ -103,6 +103,11 @@ def test_sglang_extensions_this_server_lacks_are_refused_not_ignored(field):
         assert err.value.field == field and "not supported" in err.value.message
 
 
+def test_sglang_extensions_sent_as_their_off_values_pass():
+    off = {"return_hidden_states": False, "continue_final_message": False, "lora_path": "", "tools": []}
+    assert _chat({"messages": [{"role": "user", "content": "x"}], **off}).native["text"]
+
+
 def test_rid_priority_and_extra_key_reach_generate():
     fields = {"rid": "mine", "priority": 3, "extra_key": "tenant"}
     assert {k: _chat({"messages": [{"role": "user", "content": "x"}], **fields}).native[k] for k in fields} == fields

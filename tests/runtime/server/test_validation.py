@@ -154,6 +154,8 @@ def test_null_max_new_tokens_takes_the_room_left_in_the_context_and_the_kv_pool(
     assert norm(body).items[0].sampling_params.max_new_tokens == CTX - 4
     assert norm(body, max_total_tokens=40).items[0].sampling_params.max_new_tokens == 40 - 4
     assert norm({"text": "abcd"}, max_total_tokens=40).items[0].sampling_params.max_new_tokens == 40 - 4
+    # a prompt that fills the pool is not clamped to an empty answer: the scheduler refuses it
+    assert norm({"text": "a" * 40}, max_total_tokens=40).items[0].sampling_params.max_new_tokens == CTX - 40
     with pytest.raises(ValidationError, match=r"^sampling_params.min_new_tokens is 37, but only 36 tokens fit after "
                                               r"the 4-token prompt \(context length 64, 40 KV slots\)"):
         norm({"text": "abcd", "sampling_params": {"max_new_tokens": None, "min_new_tokens": 37}}, max_total_tokens=40)
