@@ -72,30 +72,33 @@ class DecodeState:
 
     # -- two-phase step used by decode_batch ----------------------------------------------------
 
-    def _extend(self, new_ids: Sequence[int], finished: bool, matched: Matched) -> tuple[list[int], list[int]] | None:
-        """Record tokens; return (surrogate window, read window) to decode, or None if no decode."""
+    def _extend(self, new_ids: Sequence[int], finished: bool, matched: Matched) -> list[list[int]]:
+        """Record tokens; return the windows to decode: none, or the surrogate and read windows,
+        and for a request ending on a stop string also all its tokens but the last (the cut must
+        find the occurrence that last token completes)."""
         if self.finished:
-            return None  # tokens after finish can never show up
+            return []  # tokens after finish can never show up
         ids = [int(t) for t in new_ids]
-        if finished and _is_token(matched) and not self.no_stop_trim and ids and ids[-1] == matched:
+        if finished and isinstance(matched, int) and not self.no_stop_trim and ids and ids[-1] == matched:
             ids.pop()  # the stop token is the request's last; its text is not part of the output
         self.ids.extend(ids)
-        if self.read_offset == len(self.ids):
-            return None  # nothing uncommitted to decode
-        return self.ids[self.surrogate_offset : self.read_offset], self.ids[self.surrogate_offset :]
+        windows = [self.ids[self.surrogate_offset : self.read_offset], self.ids[self.surrogate_offset :]]
+        if finished and isinstance(matched, str) and self.ids:
+            return [*windows, self.ids[:-1]]
+        return windows if self.read_offset < len(self.ids) else []
 
-    def _advance(self, surrogate_text: str, read_text: str, finished: bool, matched: Matched,
-                 stop_from: int = 0) -> str:
+    def _advance(self, texts: list[str], finished: bool, matched: Matched) -> str:
         """Commit the decoded new text (unless incomplete), apply stop strings; return the delta.
-        `stop_from`: with a matched stop string, the length of the text before the last token."""
+        `texts`: _extend's windows decoded."""
         if self.finished:
             return ""
+        surrogate_text, read_text = texts[:2] if texts else ("", "")
         new_text = read_text[len(surrogate_text) :]
         if new_text and (finished or not new_text.endswith(REPLACEMENT_CHAR)):
             self._decoded += new_text
             self.surrogate_offset = self.read_offset
             self.read_offset = len(self.ids)
-        visible = self._visible_text(finished, matched, stop_from)
+        visible = self._visible_text(finished, matched, len(texts[2]) if len(texts) > 2 else 0)
         self.finished = finished
         delta = visible[len(self.text) :]
         self.text = visible
@@ -115,10 +118,9 @@ class DecodeState:
 
     def _stop_cut(self, stop: str, stop_from: int) -> int:
         """Where the text ends for a request the scheduler stopped at `stop`: at the occurrence
-        the last token completes, the first one ending past `stop_from` (earlier ones were written
-        inside min_new_tokens and are text). Not found (a rendering the scheduler's decode does
-        not share): nothing is cut. Never before what was already emitted."""
-        pos = self._decoded.find(stop, max(0, stop_from - len(stop) + 1))
+        its last token completed (completed_at). Not found (a rendering the scheduler's decode
+        does not share): nothing is cut. Never before what was already emitted."""
+        pos = completed_at(self._decoded, stop, stop_from)
         if pos < 0:
             return len(self._decoded)
         return max(pos + len(stop) if self.no_stop_trim else pos, len(self.text))
@@ -135,8 +137,11 @@ class DecodeState:
         return longest
 
 
-def _is_token(matched: Matched) -> bool:
-    return isinstance(matched, int) and not isinstance(matched, bool)
+def completed_at(text: str, stop: str, before: int) -> int:
+    """Where the first occurrence of `stop` in `text` that ends past `before` (the length of the
+    text before the last token) starts, or -1: the occurrence the last token completed. Earlier
+    ones were written inside min_new_tokens. The scheduler and the detokenizer both apply it."""
+    return text.find(stop, max(0, before - len(stop) + 1))
 
 
 def decode_batch(
@@ -156,37 +161,20 @@ def decode_batch(
     if not len(states) == len(new_ids) == len(finished) == len(matched):
         raise ValueError("decode_batch: states, new_ids, finished and matched must have the same length")
     windows = [s._extend(ids, fin, m) for s, ids, fin, m in zip(states, new_ids, finished, matched)]
-    # a request ending on a stop string: the text of all its tokens but the last, where the cut
-    # must find the occurrence that last token completes (once per such request)
-    befores = [s.ids[:-1] if fin and isinstance(m, str) and not s.finished and s.ids else None
-               for s, fin, m in zip(states, finished, matched)]
-    texts, before_texts = _decode_windows(tokenizer, states, windows, befores)
-    out: list[str] = []
-    for state, pair, fin, m, before in zip(states, texts, finished, matched, before_texts):
-        surrogate_text, read_text = pair if pair is not None else ("", "")
-        out.append(state._advance(surrogate_text, read_text, fin, m, len(before or "")))
-    return out
+    texts = _decode_windows(tokenizer, states, windows)
+    return [state._advance(t, fin, m) for state, t, fin, m in zip(states, texts, finished, matched)]
 
 
-def _decode_windows(
-    tokenizer: Any,
-    states: list[DecodeState],
-    windows: list[tuple[list[int], list[int]] | None],
-    befores: list[list[int] | None],
-) -> tuple[list[tuple[str, str] | None], list[str | None]]:
-    """Decode (surrogate, read) windows and the `befores`, one batch_decode call per distinct
-    option group."""
-    groups: dict[tuple[bool, bool], list[tuple[int, int]]] = {}  # options -> (state, 0 surrogate / 1 read / 2 before)
-    seqs: dict[tuple[bool, bool], list[list[int]]] = {}
-    for i, (state, pair, before) in enumerate(zip(states, windows, befores)):
-        parts = ([(0, pair[0]), (1, pair[1])] if pair is not None else []) + ([(2, before)] if before is not None else [])
-        for kind, seq in parts:
-            groups.setdefault(state.decode_options, []).append((i, kind))
-            seqs.setdefault(state.decode_options, []).append(seq)
-    decoded: dict[tuple[int, int], str] = {}
-    for (skip, spaces), slots in groups.items():
-        texts = tokenizer.batch_decode(seqs[(skip, spaces)], skip_special_tokens=skip,
-                                       spaces_between_special_tokens=spaces)
-        decoded.update(zip(slots, texts))
-    pairs = [(decoded[(i, 0)], decoded[(i, 1)]) if windows[i] is not None else None for i in range(len(states))]
-    return pairs, [decoded.get((i, 2)) for i in range(len(states))]
+def _decode_windows(tokenizer: Any, states: list[DecodeState], windows: list[list[list[int]]]) -> list[list[str]]:
+    """Each state's windows decoded, one batch_decode call per distinct option group."""
+    groups: dict[tuple[bool, bool], list[int]] = {}
+    for i, (state, own) in enumerate(zip(states, windows)):
+        if own:
+            groups.setdefault(state.decode_options, []).append(i)
+    texts: list[list[str]] = [[] for _ in states]
+    for (skip, spaces), rows in groups.items():
+        decoded = iter(tokenizer.batch_decode([seq for i in rows for seq in windows[i]], skip_special_tokens=skip,
+                                              spaces_between_special_tokens=spaces))
+        for i in rows:
+            texts[i] = [next(decoded) for _ in windows[i]]
+    return texts

@@ -66,7 +66,8 @@ class PrefillAdder:
         prompt_left = req.seq_len - req.kv_alloc_len
         self.reserve += decode_reserve([req])
         held_back = self.reserve if (self.competing or self.spans) else 0
-        if self.kv.available_tokens() < prompt_left + held_back or not self._extend(req, min(prompt_left, self.budget)):
+        fits = self.kv.available_tokens() >= prompt_left + held_back
+        if not fits or not self._extend(req, min(prompt_left, self.budget)):
             self.kv.release(req)
             return False
         if req.retract_count == 0:

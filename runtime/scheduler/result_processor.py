@@ -7,6 +7,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from tandem.ipc.messages import FinishReason, LogprobArrays
+from tandem.runtime.incremental_detok import completed_at
 from tandem.runtime.scheduler.request import Req
 
 _STOP_TAIL_TOKENS = 2  # extra tokens decoded around a stop string so one split across tokens is seen
@@ -51,7 +52,7 @@ class FinishChecker:
         for stop in req.sampling_params.stop:
             if stop in tail:
                 before = len(self.decode(tail_ids[:-1])) if before is None else before
-                if tail.find(stop, max(0, before - len(stop) + 1)) >= 0:  # an occurrence ending past it
+                if completed_at(tail, stop, before) >= 0:
                     return stop
         return None
 

@@ -23,9 +23,14 @@ ASGIApp = Callable[[Scope, Callable, Callable], Awaitable[None]]
 def bearer_token(headers: list[tuple[bytes, bytes]] | Any) -> str | None:
     for name, value in headers:
         if name.lower() == b"authorization":
-            scheme, _, token = value.decode("latin-1").partition(" ")
-            return token.strip() if scheme.lower() == "bearer" else None
+            return parse_bearer(value.decode("latin-1"))
     return None
+
+
+def parse_bearer(value: str) -> str | None:
+    """The token of an `Authorization: Bearer <token>` value (HTTP header or gRPC metadata)."""
+    scheme, _, token = value.partition(" ")
+    return token.strip() if scheme.lower() == "bearer" else None
 
 
 def key_matches(token: str | None, key: str | None) -> bool:

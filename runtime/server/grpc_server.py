@@ -21,7 +21,7 @@ from google.protobuf import message_factory
 
 from tandem.runtime.request_groups import RequestError
 from tandem.runtime.sampling.params import ValidationError
-from tandem.runtime.server.auth import token_is_admin, token_may_call
+from tandem.runtime.server.auth import parse_bearer, token_is_admin, token_may_call
 from tandem.runtime.server.grpc_requests import GrpcRequest
 from tandem.runtime.tokenizer_manager import TokenizerManager
 
@@ -57,11 +57,7 @@ class GrpcAuth:
 
 
 def _bearer(metadata: Any) -> str | None:
-    for key, value in metadata:
-        if key.lower() == "authorization":
-            scheme, _, token = str(value).partition(" ")
-            return token.strip() if scheme.lower() == "bearer" else None
-    return None
+    return next((parse_bearer(str(value)) for key, value in metadata if key.lower() == "authorization"), None)
 
 
 def status_of(http_status: int) -> grpc.StatusCode:
