@@ -219,7 +219,10 @@ def _sampling(body: dict, req: OpenAIRequest, default_max_tokens: int | None) ->
             sp[native or name] = body[name]
     for name in ("max_completion_tokens", "max_tokens"):  # the newer name wins when both are given
         if body.get(name) is not None:
-            sp["max_new_tokens"], req.max_tokens_name = body[name], name
+            value = body[name]
+            if type(value) is int and value <= 0:  # OpenAI and SGLang's protocol refuse it; native 0 stays valid
+                raise ValidationError(name, f"must be positive, got {value}")
+            sp["max_new_tokens"], req.max_tokens_name = value, name
             break
     else:  # chat: None, as many as fit (SGLang's chat sends null); completions: OpenAI's 16
         sp["max_new_tokens"] = default_max_tokens

@@ -150,9 +150,12 @@ def normalize_generate_request(
         sp_field, sp = params[i]
         _fit_context(field, len(ids), sp_field, sp, _explicit_max_new(body, i), limits)
         start_field, start = start_lens[i]
-        if (return_logprob[i][1] or hidden[i][1]) and start > len(ids):
-            msg = f"must be <= the prompt length ({len(ids)} tokens), got {start}"
-            raise ValidationError(start_field, msg)
+        # SGLang refuses a logprob start at the prompt's end (no prompt token left to score);
+        # hidden states alone may start there (no prompt rows)
+        scored = return_logprob[i][1]
+        if (scored or hidden[i][1]) and start > len(ids) - scored:
+            bound = "<" if scored else "<="
+            raise ValidationError(start_field, f"must be {bound} the prompt length ({len(ids)} tokens), got {start}")
         token_ids = token_lists[i]
         items.append(
             GenerateItem(

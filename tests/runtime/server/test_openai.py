@@ -70,6 +70,8 @@ def test_require_reasoning_defaults_on_for_constrained_chat_on_a_reasoning_serve
     ({"prompt": "a", "logprobs": 21}, "logprobs"),
     ({"prompt": "a", "tools": [{"type": "function"}]}, "tools"),
     ({"prompt": "a", "echo": "yes"}, "echo"),
+    ({"prompt": "a", "max_tokens": 0}, "max_tokens"),
+    ({"prompt": "a", "max_completion_tokens": -1}, "max_completion_tokens"),
     ({"prompt": "a", "response_format": {"type": "json_schema", "json_schema": {"schema": 3}}},
      "response_format.json_schema"),
 ])
@@ -87,6 +89,7 @@ def test_bad_completion_fields(body, field):
     ({"messages": [{"content": "x"}]}, "messages[0].role"),
     ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
     ({"messages": [{"role": "user", "content": "x"}], "stream_options": 1}, "stream_options"),
+    ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}, "max_tokens"),
 ])
 def test_bad_chat_fields(body, field):
     with pytest.raises(ValidationError) as err:

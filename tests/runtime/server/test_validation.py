@@ -56,13 +56,13 @@ def test_single_text_defaults() -> None:
 def test_single_input_ids_and_options() -> None:
     body = {
         "input_ids": [1, 2, 3], "rid": "r1", "stream": True, "return_logprob": True,
-        "logprob_start_len": 3, "top_logprobs_num": 5, "token_ids_logprob": [7, 8],
+        "logprob_start_len": 2, "top_logprobs_num": 5, "token_ids_logprob": [7, 8],
         "return_text_in_logprobs": True, "priority": -5, "extra_key": "tenant", "return_hidden_states": True,
         "sampling_params": {"max_new_tokens": 8, "temperature": 0, "seed": 3},
     }  # fmt: skip
     it = norm(body).items[0]
     assert (it.rid, it.input_ids, it.text, it.stream) == ("r1", [1, 2, 3], None, True)
-    assert it.logprob == LogprobParams(return_logprob=True, logprob_start_len=3, top_logprobs_num=5,
+    assert it.logprob == LogprobParams(return_logprob=True, logprob_start_len=2, top_logprobs_num=5,
                                        token_ids_logprob=(7, 8))
     assert it.return_text_in_logprobs and it.return_hidden_states
     assert (it.priority, it.extra_key) == (-5, "tenant")
@@ -234,10 +234,12 @@ BAD = [
     ({"text": ["a", "b"], "return_logprob": [True]}, "return_logprob", "1 entries"),
     ({"text": ["a", "b"], "return_logprob": [True, 0]}, "return_logprob[1]", "boolean"),
     ({"text": "a", "return_text_in_logprobs": 0}, "return_text_in_logprobs", "boolean"),
-    ({"text": "abc", "return_logprob": True, "logprob_start_len": 4}, "logprob_start_len",
+    ({"text": "abc", "return_logprob": True, "logprob_start_len": 3}, "logprob_start_len",
+     "< the prompt length (3 tokens), got 3"),
+    ({"text": ["abc", "a"], "return_logprob": True, "logprob_start_len": [0, 1]},
+     "logprob_start_len[1]", "prompt length (1 tokens), got 1"),
+    ({"text": "abc", "return_hidden_states": True, "logprob_start_len": 4}, "logprob_start_len",
      "<= the prompt length (3 tokens), got 4"),
-    ({"text": ["abc", "a"], "return_logprob": True, "logprob_start_len": [0, 2]},
-     "logprob_start_len[1]", "prompt length (1 tokens), got 2"),
     ({"text": "a", "logprob_start_len": -2}, "logprob_start_len", ">= -1"),
     ({"text": "a", "logprob_start_len": 1.0}, "logprob_start_len", "integer, got float"),
     ({"text": "a", "top_logprobs_num": -1}, "top_logprobs_num", "[0, 100] (--max-top-logprobs-num), got -1"),
