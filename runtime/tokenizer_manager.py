@@ -27,6 +27,7 @@ from tandem.ipc.messages import (AbortReq, BatchStrOutput, ChildError, FinishRea
 from tandem.ipc.sockets import IPCAddresses, async_recv, bind_pull, connect_push, send
 from tandem.runtime.envs import envs
 from tandem.runtime.launcher import READY_TIMEOUT_S, dead_child, spawn_children, stop_children
+from tandem.runtime.model_files import chat_sampling_defaults, resolve_model_path
 from tandem.runtime.request_groups import Call, ChoiceState, ClientDisconnected, RequestError, RequestGroup
 from tandem.runtime.sampling.logprob_format import LogprobFormatOptions, LogprobFormatter
 from tandem.runtime.sampling.params import INT64_MAX, INT64_MIN
@@ -53,6 +54,7 @@ class TokenizerManager:
         self.on_child_death = on_child_death
         self.tokenizer = load_tokenizer(args.tokenizer_path or args.model_path)
         self.chat_template = Path(args.chat_template).read_text() if args.chat_template else None
+        self.chat_sampling_defaults = _chat_sampling_defaults(args)
         self.addrs = IPCAddresses.fresh()
         self.ctx = zmq.asyncio.Context()
         self.from_detok = bind_pull(self.ctx, self.addrs.detokenizer_to_tokenizer)
@@ -373,3 +375,12 @@ def _choice_params(sp, choice: int):
     if seed is not None:
         seed = (seed + choice - INT64_MIN) % (INT64_MAX - INT64_MIN + 1) + INT64_MIN
     return msgspec.structs.replace(sp, n=1, sampling_seed=seed)
+
+
+def _chat_sampling_defaults(args: ServerArgs) -> dict[str, float | int]:
+    if args.sampling_defaults != "model":
+        return {}
+    defaults = chat_sampling_defaults(resolve_model_path(args.model_path))
+    logger.info("OpenAI chat sampling defaults (source %s): %s", "generation_config.json" if defaults else "the API",
+                defaults or "temperature 1.0, top_p 1.0, top_k -1, min_p 0.0, repetition_penalty 1.0")
+    return defaults

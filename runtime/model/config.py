@@ -1,9 +1,12 @@
 """Model configuration read from a Hugging Face folder or a GGUF file."""
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
+
+from tandem.runtime.model_files import generation_config
 
 SUPPORTED_ARCHS = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM")
 
@@ -61,4 +64,9 @@ class ModelConfig:
         config_file = path / "config.json"
         if not config_file.is_file():
             raise FileNotFoundError(f"model folder {path} has no config.json")
-        return ModelConfig.from_hf_dict(json.loads(config_file.read_text()))
+        config = ModelConfig.from_hf_dict(json.loads(config_file.read_text()))
+        # as SGLang: the end tokens are config.json's and generation_config.json's together
+        extra = generation_config(str(path)).get("eos_token_id")
+        extra_ids = extra if isinstance(extra, list) else ([extra] if isinstance(extra, int) else [])
+        eos_ids = config.eos_token_ids + tuple(i for i in dict.fromkeys(extra_ids) if i not in config.eos_token_ids)
+        return dataclasses.replace(config, eos_token_ids=eos_ids)

@@ -138,7 +138,8 @@ def create_app(args: ServerArgs, on_child_death: Callable[[str], None] | None = 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         tm = holder["tm"]
-        req = openai.chat_request(await read_json(request), served_name(), tm.render_chat, args.reasoning_parser)
+        req = openai.chat_request(await read_json(request), served_name(), tm.render_chat, args.reasoning_parser,
+                                  tm.chat_sampling_defaults)
         return await openai_call(request, req)
 
     @app.get("/health")

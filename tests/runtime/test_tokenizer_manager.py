@@ -38,3 +38,13 @@ def test_a_fresh_tokenizer_manager_process_has_no_torch(tiny_model_dir, tmp_path
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result == {"tokens": 3, "heavy": []}
+
+
+def test_chat_sampling_defaults_follow_the_flag(tmp_path):
+    from tandem.runtime.server_args import ServerArgs
+    from tandem.runtime.tokenizer_manager import _chat_sampling_defaults
+
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "generation_config.json").write_text(json.dumps({"top_k": 1, "temperature": 0.7}))
+    assert _chat_sampling_defaults(ServerArgs(model_path=str(tmp_path))) == {"top_k": 1, "temperature": 0.7}
+    assert _chat_sampling_defaults(ServerArgs(model_path=str(tmp_path), sampling_defaults="openai")) == {}

@@ -41,6 +41,15 @@ def test_chat_fields_map_onto_generate():
     assert req.native["sampling_params"] == {"json_schema": '{"type":"array"}', "max_new_tokens": None}
 
 
+def test_chat_takes_the_models_sampling_defaults_for_fields_it_leaves_out():
+    messages = [{"role": "user", "content": "x"}]
+    defaults = {"temperature": 0.6, "top_k": 20, "top_p": 0.9}
+    req = oa.chat_request({"messages": messages, "top_p": 0.5, "temperature": 0}, "served",
+                          lambda m, k: "t", sampling_defaults=defaults)
+    assert req.native["sampling_params"] == {"temperature": 0, "top_p": 0.5, "top_k": 20, "max_new_tokens": None}
+    assert _chat({"messages": messages}).native["sampling_params"] == {"max_new_tokens": None}
+
+
 def test_text_content_parts_are_joined_for_the_template():
     seen = []
     oa.chat_request({"messages": [{"role": "user", "content": [{"type": "text", "text": "a"},
