@@ -98,7 +98,7 @@ class DecodeState:
             self._decoded += new_text
             self.surrogate_offset = self.read_offset
             self.read_offset = len(self.ids)
-        visible = self._visible_text(finished, matched, len(texts[2]) if len(texts) > 2 else 0)
+        visible = self._visible_text(finished, matched, texts[2] if len(texts) > 2 else "")
         self.finished = finished
         delta = visible[len(self.text) :]
         self.text = visible
@@ -106,21 +106,21 @@ class DecodeState:
 
     # -- stop strings ---------------------------------------------------------------------------
 
-    def _visible_text(self, finished: bool, matched: Matched, stop_from: int) -> str:
+    def _visible_text(self, finished: bool, matched: Matched, before_last: str) -> str:
         """The part of the committed text that may be shown now."""
         if finished:
             if isinstance(matched, str):
-                return self._decoded[:self._stop_cut(matched, stop_from)]
+                return self._decoded[:self._stop_cut(matched, before_last)]
             return self._decoded
         if not self.stop_strings:
             return self._decoded
         return self._decoded[: len(self._decoded) - self._stop_prefix_len()]
 
-    def _stop_cut(self, stop: str, stop_from: int) -> int:
+    def _stop_cut(self, stop: str, before_last: str) -> int:
         """Where the text ends for a request the scheduler stopped at `stop`: at the occurrence
         its last token completed (completed_at). Not found (a rendering the scheduler's decode
         does not share): nothing is cut. Never before what was already emitted."""
-        pos = completed_at(self._decoded, stop, stop_from)
+        pos = completed_at(self._decoded, stop, before_last)
         if pos < 0:
             return len(self._decoded)
         return max(pos + len(stop) if self.no_stop_trim else pos, len(self.text))
@@ -137,10 +137,13 @@ class DecodeState:
         return longest
 
 
-def completed_at(text: str, stop: str, before: int) -> int:
-    """Where the first occurrence of `stop` in `text` that ends past `before` (the length of the
-    text before the last token) starts, or -1: the occurrence the last token completed. Earlier
-    ones were written inside min_new_tokens. The scheduler and the detokenizer both apply it."""
+def completed_at(text: str, stop: str, before_text: str) -> int:
+    """Where the first occurrence of `stop` in `text` that ends past `before_text` (the text
+    without the last token) starts, or -1: the occurrence the last token completed. Earlier
+    ones were written inside min_new_tokens. The scheduler and the detokenizer both apply it.
+    U+FFFD at the end of `before_text` are the bytes of a character the last token completes
+    (an emoji or CJK character spans several byte-level tokens): they do not count as before."""
+    before = len(before_text.rstrip(REPLACEMENT_CHAR))
     return text.find(stop, max(0, before - len(stop) + 1))
 
 

@@ -45,13 +45,15 @@ class FinishChecker:
     def _stop_string(self, req: Req, new_tokens: list[int]) -> str | None:
         """The stop string the last token completes. One already in the window before it (written
         inside min_new_tokens, where stops do not count) does not end the request now."""
-        longest = max(len(s) for s in req.sampling_params.stop)
+        # every token carries at least one byte of text: the stop's UTF-8 length in tokens covers it
+        # (an emoji is one character but up to four byte-level tokens)
+        longest = max(len(s.encode()) for s in req.sampling_params.stop)
         tail_ids = (req.output_ids + new_tokens)[-(longest + _STOP_TAIL_TOKENS):]
         tail = self.decode(tail_ids)
-        before: int | None = None  # length of the window's text without the last token
+        before: str | None = None  # the window's text without the last token
         for stop in req.sampling_params.stop:
             if stop in tail:
-                before = len(self.decode(tail_ids[:-1])) if before is None else before
+                before = self.decode(tail_ids[:-1]) if before is None else before
                 if completed_at(tail, stop, before) >= 0:
                     return stop
         return None

@@ -196,6 +196,16 @@ def test_an_ignored_stop_string_in_the_final_message_is_text(tok: Any, first: in
     assert kept.add(ids, finished=True, matched="x") == "a x b x"
 
 
+@pytest.mark.parametrize("text, stop", [("party 🎉 time", "🎉"), ("ok 日本語 then", "日本語"), ("a 𝄞 b", "𝄞")])
+def test_a_stop_string_ending_in_a_character_split_over_tokens_is_cut(tok: Any, text: str, stop: str) -> None:
+    ids = ids_through(tok, text, stop)
+    assert tok.decode(ids[:-1]).endswith(REPLACEMENT_CHAR)  # the last token completes the character
+    state = DecodeState(tokenizer=tok, stop_strings=[stop])
+    assert "".join(stream_to_stop(state, ids, stop)) == state.text == text[:text.index(stop)]
+    whole = DecodeState(tokenizer=tok, stop_strings=[stop])
+    assert whole.add(ids, finished=True, matched=stop) == text[:text.index(stop)]
+
+
 def test_the_matched_stop_string_is_the_one_cut(tok: Any) -> None:
     # the scheduler reports which stop ended the request; the text ends where that one starts
     for matched, want in (("abcd", "x"), ("bc", "xa")):

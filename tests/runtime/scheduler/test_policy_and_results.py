@@ -141,3 +141,18 @@ def test_a_complete_grammar_stops_the_request_and_trims_the_run():
     r.grammar = _Matcher()
     assert apply_new_tokens(r, [9], None, None, checker)  # a token the grammar refuses is a server bug: 500
     assert r.output_ids == [] and r.finished_reason.status_code == 500
+
+
+def test_a_stop_string_ending_in_a_character_split_over_tokens_ends_the_request(smol_tokenizer):
+    """An emoji or CJK character spans several byte-level tokens: the text before the last one ends
+    in U+FFFD, which must not count as already written, and the window must hold all its tokens."""
+    checker = FinishChecker([], smol_tokenizer.decode)
+    for text, stop in [("party 🎉 time goes on", "🎉"), ("ok 日本語 then more", "日本語"), ("a 𝄞 b", "𝄞")]:
+        ids = smol_tokenizer.encode(text)
+        for step in (1, len(ids)):  # one token a step, and the whole run at once (a speculative verify)
+            r = _req(8, max_new_tokens=64, ignore_eos=True, stop=[stop])
+            for start in range(0, len(ids), step):
+                if apply_new_tokens(r, ids[start:start + step], None, None, checker):
+                    break
+            assert r.finished_reason is not None and r.finished_reason.matched == stop, (text, step)
+            assert smol_tokenizer.decode(r.output_ids).endswith(stop)
