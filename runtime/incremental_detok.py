@@ -14,12 +14,13 @@ multi-byte character is split across tokens, so it stays uncommitted until a lat
 it (or the request finishes). On commit both cursors move forward, so the window stays about one
 step's tokens long whatever the output length.
 
-Stops are the scheduler's decision (it alone knows min_new_tokens, and it ends the request at the
-token that completes a stop): a state only applies it, as SGLang's detokenizer does. At finish a
-matched stop token's text is dropped, and a matched stop string cut off (both kept with
+Stops are the scheduler's decision (it ends the request at the token that completes a stop): a
+state only applies it, as SGLang's detokenizer does. At finish a matched stop token's text is
+dropped, and a matched stop string cut off where the last token completed it (both kept with
 no_stop_trim); before finish, a tail that could still grow into a stop string is held back, so a
-client never sees text it would have to un-see. A stop string that shows up without ending the
-request (inside min_new_tokens) is ordinary text.
+client never sees text it would have to un-see. A stop string in the text that did not end the
+request (the last allowed token ends by length; special tokens this state skips but the
+scheduler's decode keeps) is ordinary text.
 """
 from __future__ import annotations
 
@@ -139,9 +140,8 @@ class DecodeState:
 
 def completed_at(text: str, stop: str, before_text: str) -> int:
     """Where the first occurrence of `stop` in `text` that ends past `before_text` (the text
-    without the last token) starts, or -1: the occurrence the last token completed. Earlier
-    ones were written inside min_new_tokens. The scheduler and the detokenizer both apply it.
-    U+FFFD at the end of `before_text` are the bytes of a character the last token completes
+    without the last token) starts, or -1: the occurrence the last token completed (an earlier
+    one did not end the request, so it is text). U+FFFD at the end of `before_text` are the bytes of a character the last token completes
     (an emoji or CJK character spans several byte-level tokens): they do not count as before."""
     before = len(before_text.rstrip(REPLACEMENT_CHAR))
     return text.find(stop, max(0, before - len(stop) + 1))

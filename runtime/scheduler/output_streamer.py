@@ -30,8 +30,9 @@ class OutputStreamer:
         new = len(req.output_ids) - req.sent_token_len
         if new <= 0:
             return False
-        if req.stream:
-            return new >= (req.sampling_params.stream_interval or self.default_stream_interval)
+        if req.stream:  # the first token at once, then every interval-th (SGLang's 1, 1 + k, 1 + 2k, ...)
+            return req.sent_token_len == 0 or new >= (req.sampling_params.stream_interval
+                                                      or self.default_stream_interval)
         # non-streaming logprob / hidden-state requests still ship in pieces so nothing is rebuilt at the end
         return (req.return_logprob or req.return_hidden_states) and new >= self.force_stream_interval
 

@@ -7,7 +7,6 @@ from typing import Callable, Sequence
 import numpy as np
 
 from tandem.ipc.messages import FinishReason, LogprobArrays
-from tandem.runtime.incremental_detok import completed_at
 from tandem.runtime.scheduler.request import Req
 
 _STOP_TAIL_TOKENS = 2  # extra tokens decoded around a stop string so one split across tokens is seen
@@ -29,11 +28,13 @@ class FinishChecker:
                 return i, FinishReason(type="length", length=sp.max_new_tokens)
             if n_out == sp.max_new_tokens:  # before stops, as in SGLang: the last allowed token ends by length
                 return i + 1, FinishReason(type="length", length=sp.max_new_tokens)
-            if n_out > sp.min_new_tokens:  # the sampler bans stop tokens before that
-                if tok in sp.stop_token_ids or (not sp.ignore_eos and tok in self.eos_ids):
-                    return i + 1, FinishReason(type="stop", matched=tok)
-                if sp.stop and (hit := self._stop_string(req, new_tokens[:i + 1])) is not None:
-                    return i + 1, FinishReason(type="stop", matched=hit)
+            # as SGLang: ignore_eos switches off stop token ids too (the sampler bans them inside
+            # min_new_tokens); stop strings count from the first token
+            stoppable = n_out > sp.min_new_tokens and not sp.ignore_eos
+            if stoppable and (tok in sp.stop_token_ids or tok in self.eos_ids):
+                return i + 1, FinishReason(type="stop", matched=tok)
+            if sp.stop and (hit := self._stop_string(req, new_tokens[:i + 1])) is not None:
+                return i + 1, FinishReason(type="stop", matched=hit)
             if req.grammar is not None:
                 if not req.grammar.accept_token(tok):  # the mask allowed it, so this is a bug
                     return i, FinishReason(type="abort", status_code=500, err_type="InternalServerError",
@@ -43,20 +44,13 @@ class FinishChecker:
         return len(new_tokens), None
 
     def _stop_string(self, req: Req, new_tokens: list[int]) -> str | None:
-        """The stop string the last token completes. One already in the window before it (written
-        inside min_new_tokens, where stops do not count) does not end the request now."""
+        """The stop string in the output's tail, as SGLang: the first one ends the request, so one
+        found here is the one the last token completed."""
         # every token carries at least one byte of text: the stop's UTF-8 length in tokens covers it
         # (an emoji is one character but up to four byte-level tokens)
         longest = max(len(s.encode()) for s in req.sampling_params.stop)
-        tail_ids = (req.output_ids + new_tokens)[-(longest + _STOP_TAIL_TOKENS):]
-        tail = self.decode(tail_ids)
-        before: str | None = None  # the window's text without the last token
-        for stop in req.sampling_params.stop:
-            if stop in tail:
-                before = self.decode(tail_ids[:-1]) if before is None else before
-                if completed_at(tail, stop, before) >= 0:
-                    return stop
-        return None
+        tail = self.decode((req.output_ids + new_tokens)[-(longest + _STOP_TAIL_TOKENS):])
+        return next((stop for stop in req.sampling_params.stop if stop in tail), None)
 
 
 def apply_new_tokens(req: Req, new_tokens: list[int], logprobs: list[LogprobArrays] | None,

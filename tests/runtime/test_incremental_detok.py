@@ -167,7 +167,7 @@ def test_stop_string_kept_with_no_stop_trim(tok: Any) -> None:
 
 
 def test_stop_string_the_scheduler_did_not_stop_at_is_text(tok: Any) -> None:
-    # inside min_new_tokens the scheduler goes on past a stop string: its text is output like any
+    # a stop string the scheduler did not end on (the last allowed token ends by length) is text
     ids = tok.encode(STOP_TEXT)
     state = DecodeState(tokenizer=tok, stop_strings=["STOP here"])
     deltas = [state.add([i], finished=False) for i in ids[:-1]]

@@ -51,17 +51,18 @@ def test_finish_checks_length_stop_token_and_trimming():
     assert not apply_new_tokens(r, [2], None, None, checker)  # eos before min_new_tokens does not stop
 
 
-def test_a_stop_string_written_inside_min_new_tokens_does_not_end_the_request_at_the_gate():
+def test_stop_strings_count_inside_min_new_tokens_and_ignore_eos_silences_stop_ids():
+    """SGLang's check_finished: a stop string ends the request whenever it is written (only stop
+    tokens wait for min_new_tokens, banned by the sampler), and ignore_eos turns off stop token ids
+    as well as EOS."""
     checker = FinishChecker([2], lambda ids: "".join(chr(97 + i % 26) for i in ids))
-    r = _req(6, max_new_tokens=10, min_new_tokens=2, ignore_eos=True, stop=["cd"])
-    assert not apply_new_tokens(r, [2, 3], None, None, checker)  # "cd" inside min_new_tokens: text
-    assert not apply_new_tokens(r, [9], None, None, checker)  # checked now, "cd" still in the window
-    assert apply_new_tokens(r, [2, 3, 5], None, None, checker)  # a new "cd" ends it
-    assert r.output_ids == [2, 3, 9, 2, 3] and r.finished_reason.matched == "cd"
-    # overlapping occurrences: "aa" inside the minimum, then one more "a" completes a new "aa"
-    r = _req(7, max_new_tokens=10, min_new_tokens=2, ignore_eos=True, stop=["aa"])
-    assert not apply_new_tokens(r, [0, 0], None, None, checker)
-    assert apply_new_tokens(r, [0, 5], None, None, checker) and r.output_ids == [0, 0, 0]
+    r = _req(6, max_new_tokens=10, min_new_tokens=5, ignore_eos=True, stop=["cd"])
+    assert apply_new_tokens(r, [2, 3, 9], None, None, checker)
+    assert r.output_ids == [2, 3] and r.finished_reason.matched == "cd"
+    r = _req(7, max_new_tokens=10, ignore_eos=True, stop_token_ids=[7])
+    assert not apply_new_tokens(r, [5, 7, 2, 9], None, None, checker) and r.output_ids == [5, 7, 2, 9]
+    r = _req(8, max_new_tokens=10, stop_token_ids=[7])
+    assert apply_new_tokens(r, [5, 7, 9], None, None, checker) and r.finished_reason.matched == 7
 
 
 def test_the_last_allowed_token_ends_by_length_even_when_it_is_a_stop():
@@ -99,6 +100,20 @@ def test_streamer_cursors_stay_aligned_across_retraction_and_prefill_only():
     out = streamer.build()
     assert out.new_token_ids[0].tolist() == [] and out.output_logprobs[0].token_logprobs.tolist() == [-0.5]
     assert (prefill_only.sent_token_len, prefill_only.sent_logprob_len) == (0, 1)
+
+
+def test_stream_interval_sends_the_first_token_at_once_then_every_interval():
+    """SGLang's stream_output: with stream_interval k the chunks end at tokens 1, 1 + k, 1 + 2k."""
+    checker = FinishChecker([2], lambda ids: "")
+    streamer = OutputStreamer(default_stream_interval=1)
+    r = _req(1, stream=True, max_new_tokens=20, stream_interval=3)
+    sent_at = []
+    for n, tok in enumerate(range(5, 12), start=1):
+        apply_new_tokens(r, [tok], None, None, checker)
+        streamer.add(r)
+        if streamer.build() is not None:
+            sent_at.append(n)
+    assert sent_at == [1, 4, 7]
 
 
 def test_per_request_constants_travel_only_with_the_first_output():
