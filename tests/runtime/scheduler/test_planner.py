@@ -261,3 +261,12 @@ def test_n_siblings_share_the_in_flight_prefix_and_never_write_a_freed_slot():
     core.run()
     assert all(s.output_ids == [fake_token(p) for p in range(8, 11)] for s in sibs)
     core.assert_no_leaks()
+
+
+def test_a_request_without_priority_is_the_least_urgent():
+    """SGLang's _set_or_validate_priority: no priority is the least urgent value, so it waits behind
+    an explicit -1 (it was 0, ahead of every negative priority)."""
+    core = make_core(max_running_requests=1, enable_priority_scheduling=True)
+    core.add("none_0", 4, max_new_tokens=2, priority=None)
+    explicit = core.add("neg_0", 4, max_new_tokens=2, priority=-1)
+    assert [r.rid for r in core.plan().reqs] == [explicit.rid]
