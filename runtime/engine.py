@@ -68,19 +68,19 @@ class Engine:
                  input_ids: list[int] | list[list[int]] | None = None, stream: bool = False, **kwargs: Any):
         """Like POST /generate: a dict (a list for batch input or n > 1), or an iterator of
         cumulative chunks when stream=True."""
-        body = self._body(prompt, sampling_params, input_ids, stream, kwargs)
+        tm, body = self._live(), self._body(prompt, sampling_params, input_ids, stream, kwargs)
         if stream:
-            return self._sync_stream(body)
-        return self._run(self.tm.generate(body))  # type: ignore[union-attr]
+            return self._sync_stream(tm, body)
+        return self._run(tm.generate(body))
 
-    def _sync_stream(self, body: dict[str, Any]) -> Iterator[dict]:
+    def _sync_stream(self, tm: TokenizerManager, body: dict[str, Any]) -> Iterator[dict]:
         import queue
 
         chunks: queue.Queue = queue.Queue()
 
         async def pump() -> None:
             try:
-                async for chunk in await self.tm.generate_stream(body):  # type: ignore[union-attr]
+                async for chunk in await tm.generate_stream(body):
                     chunks.put(chunk)
             except BaseException as exc:  # re-raised in the caller's thread
                 chunks.put(exc)
@@ -99,18 +99,18 @@ class Engine:
     # -- async API -------------------------------------------------------------------------------------
     async def async_generate(self, prompt: str | list[str] | None = None, sampling_params: dict | list[dict] | None = None,
                              input_ids: list[int] | list[list[int]] | None = None, stream: bool = False, **kwargs: Any):
-        body = self._body(prompt, sampling_params, input_ids, stream, kwargs)
+        tm, body = self._live(), self._body(prompt, sampling_params, input_ids, stream, kwargs)
         if stream:
-            return self._async_stream(body)
-        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(self.tm.generate(body), self._loop))  # type: ignore[union-attr]
+            return self._async_stream(tm, body)
+        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(tm.generate(body), self._loop))
 
-    async def _async_stream(self, body: dict[str, Any]) -> AsyncIterator[dict]:
+    async def _async_stream(self, tm: TokenizerManager, body: dict[str, Any]) -> AsyncIterator[dict]:
         caller = asyncio.get_running_loop()
         chunks: asyncio.Queue = asyncio.Queue()
 
         async def pump() -> None:
             try:
-                async for chunk in await self.tm.generate_stream(body):  # type: ignore[union-attr]
+                async for chunk in await tm.generate_stream(body):
                     caller.call_soon_threadsafe(chunks.put_nowait, chunk)
             except BaseException as exc:
                 caller.call_soon_threadsafe(chunks.put_nowait, exc)
@@ -128,22 +128,34 @@ class Engine:
 
     def abort(self, rid: str = "", abort_all: bool = False) -> None:
         """Abort the request with exactly this rid (every choice of it), or every request."""
-        self._loop.call_soon_threadsafe(self.tm.abort, rid, abort_all)  # type: ignore[union-attr]
+        self._loop.call_soon_threadsafe(self._live().abort, rid, abort_all)
 
     def flush_cache(self) -> bool:
-        return self._run(self.tm.flush_cache()).success  # type: ignore[union-attr]
+        return self._run(self._live().flush_cache()).success
 
     def server_info(self) -> dict[str, Any]:
-        return self._run(self.tm.server_info())  # type: ignore[union-attr]
+        return self._run(self._live().server_info())
 
     # -- lifecycle -------------------------------------------------------------------------------------------
+    def _live(self) -> TokenizerManager:
+        """The tokenizer manager, checked in the caller's thread: after shutdown nothing may be
+        scheduled on the stopped loop, where it would wait forever."""
+        if self.tm is None:
+            raise RuntimeError("the Engine has been shut down")
+        return self.tm
+
     def shutdown(self) -> None:
-        if self.tm is not None:
-            tm, self.tm = self.tm, None
-            self._loop.call_soon_threadsafe(tm.close)
+        """Every call in flight (other threads, streams, async callers) ends with an error first;
+        then the processes stop and the loop thread ends."""
+        tm, self.tm = self.tm, None
+        if tm is not None and self._loop.is_running():
+            closing = asyncio.run_coroutine_threadsafe(_close(tm), self._loop)
+            if threading.current_thread() is not self._thread:  # never wait on the loop from the loop
+                closing.result(timeout=60)
         if self._loop.is_running():
             self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join(timeout=10)
+            if threading.current_thread() is not self._thread:
+                self._thread.join(timeout=10)
 
     def __enter__(self) -> "Engine":
         return self
@@ -156,3 +168,9 @@ class Engine:
             self.shutdown()
         except Exception:
             pass
+
+
+async def _close(tm: TokenizerManager) -> None:
+    tm.fail_all("the Engine was shut down")  # each waiter wakes with this error
+    await asyncio.sleep(0)  # let them run before the sockets and processes go
+    tm.close()
