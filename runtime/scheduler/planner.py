@@ -91,10 +91,20 @@ class Planner:
                                 message=f"request needs {req.max_total_len()} KV slots; the server has "
                                         f"{self.cfg.max_total_tokens}")
         cap = self.cfg.max_queued_requests
-        if cap is not None and len(self.waiting) >= cap:
+        if cap is not None and len(self.waiting) >= cap and self.queue_victim(req) is None:
             return FinishReason(type="abort", status_code=503, err_type="ServiceUnavailable",
                                 message=f"the waiting queue is full ({cap} requests)")
         return None
+
+    def queue_victim(self, req: Req) -> Req | None:
+        """The waiting request `req` displaces from a full queue: under --enable-priority-scheduling
+        the least urgent one (lowest priority, newest) when `req` is strictly more urgent, as
+        SGLang's _abort_on_queued_limit. None when the queue has room or `req` outranks nobody."""
+        cap = self.cfg.max_queued_requests
+        if cap is None or len(self.waiting) < cap or not self.cfg.enable_priority_scheduling or not self.waiting:
+            return None
+        victim = min(self.waiting, key=lambda r: (r.priority, -r.arrival_seq))
+        return victim if req.priority > victim.priority else None
 
     def take(self, group_prefixes: list[str], abort_all: bool) -> list[Req]:
         """Remove and return every choice of the given groups (internal group prefixes), or

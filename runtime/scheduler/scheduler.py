@@ -239,6 +239,9 @@ class Scheduler:
             req.finished_reason = error
             self.streamer.add(req)
             return
+        if (victim := self.planner.queue_victim(req)) is not None:
+            self._finish(victim, FinishReason(type="abort", status_code=503, err_type="ServiceUnavailable",
+                                              message="the waiting queue is full and a more urgent request came"))
         if req.sampling_params.constraint is not None:
             self.grammar_queue.add(req)  # type: ignore[union-attr]
         else:

@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
 import torch
 from scheduler_core import fake_token, make_core
 
+from tandem.ipc.messages import TokenizedGenerateReq
 from tandem.runtime.model.forward_batch import ForwardMode
+from tandem.runtime.sampling.params import SamplingParams
+from tandem.runtime.scheduler.request import Req
 
 
 def _spans(batch) -> list[tuple[str, int, int, bool]]:
@@ -270,3 +274,27 @@ def test_a_request_without_priority_is_the_least_urgent():
     core.add("none_0", 4, max_new_tokens=2, priority=None)
     explicit = core.add("neg_0", 4, max_new_tokens=2, priority=-1)
     assert [r.rid for r in core.plan().reqs] == [explicit.rid]
+
+
+def test_a_full_queue_gives_way_to_a_more_urgent_arrival_only():
+    """SGLang's _abort_on_queued_limit: with priority scheduling, an arrival strictly more urgent
+    than the least urgent waiting request (lowest priority, newest) takes its place; otherwise, and
+    always without priority scheduling, the arrival gets the 503."""
+    core = make_core(max_running_requests=1, max_queued_requests=2, enable_priority_scheduling=True)
+    low_old, low_new = core.add("low_old_0", 4, priority=1), core.add("low_new_0", 4, priority=1)
+
+    def arrival(rid: str, priority: int | None) -> Req:
+        msg = TokenizedGenerateReq(rid=rid, input_ids=np.arange(500, 504, dtype=np.int32), stream=False,
+                                   created_time=0.0, sampling_params=SamplingParams(max_new_tokens=2),
+                                   priority=priority)
+        return Req.from_message(msg, 99, 0)
+
+    for refused in (arrival("equal_0", 1), arrival("none_0", None)):
+        assert core.planner.queue_victim(refused) is None
+        assert core.planner.admission_error(refused).status_code == 503
+    urgent = arrival("urgent_0", 5)
+    assert core.planner.admission_error(urgent) is None and core.planner.queue_victim(urgent) is low_new
+    plain = make_core(max_running_requests=1, max_queued_requests=1)
+    plain.add("a_0", 4)
+    assert plain.planner.queue_victim(urgent) is None and plain.planner.admission_error(urgent).status_code == 503
+    assert low_old in core.planner.waiting

@@ -160,3 +160,32 @@ def test_when_one_choice_fails_its_siblings_are_aborted_and_the_call_fails(tmp_p
         assert_no_leaks(server)
     finally:
         server.stop()
+
+
+def test_a_full_queue_gives_way_to_a_more_urgent_request(tmp_path, tiny_model_dir):
+    """--enable-priority-scheduling: the least urgent waiting request is aborted with a 503 to make
+    room for a more urgent arrival (SGLang's _abort_on_queued_limit); a less urgent one is refused."""
+    from server_utils import start_server
+
+    server = start_server(["--model-path", tiny_model_dir("llama"), "--max-total-tokens", "4000",
+                           "--max-running-requests", "1", "--max-queued-requests", "1",
+                           "--enable-priority-scheduling"], str(tmp_path / "p.log"))
+    try:
+        with ThreadPoolExecutor(3) as pool:
+            blocker = pool.submit(server.generate, {"input_ids": [9] * 4, "rid": "blocker", "priority": 10,
+                                                    "sampling_params": GREEDY_LONG})
+            _wait(server, lambda info: info["num_running_reqs"] == 1)
+            low = pool.submit(server.post, "/generate", {"input_ids": [8] * 4, "priority": 0,
+                                                          "sampling_params": {"max_new_tokens": 2}})
+            _wait(server, lambda info: info["num_queue_reqs"] == 1)
+            lower = server.post("/generate", {"input_ids": [7] * 4, "priority": -3, "sampling_params": {"max_new_tokens": 2}})
+            assert lower.status_code == 503 and "waiting queue is full" in lower.json()["error"]["message"]
+            high = {"input_ids": [6] * 4, "rid": "high", "priority": 5, "sampling_params": {"max_new_tokens": 2}}
+            high_call = pool.submit(server.post, "/generate", high)
+            evicted = low.result(30)
+            assert evicted.status_code == 503 and "more urgent" in evicted.json()["error"]["message"]
+            server.post("/abort_request", {"rid": "blocker"})
+            assert high_call.result(30).status_code == 200 and blocker.result(30)["meta_info"]["finish_reason"]["type"] == "abort"
+        assert_no_leaks(server)
+    finally:
+        server.stop()
