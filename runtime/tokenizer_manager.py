@@ -71,6 +71,7 @@ class TokenizerManager:
         self._validation_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tandem-validate")
         self._tasks: list[asyncio.Task] = []
         self.dead_reason: str | None = None
+        self.last_output_at = 0.0  # time.monotonic() of the last output from the detokenizer
         self.draining = False
         self.metrics = ServerMetrics(args.served_model_name or args.model_path or DEFAULT_MODEL_NAME)
 
@@ -284,6 +285,7 @@ class TokenizerManager:
         while True:
             msg = await async_recv(self.from_detok)
             if isinstance(msg, BatchStrOutput):
+                self.last_output_at = time.monotonic()
                 self._apply(msg)
 
     def _apply(self, msg: BatchStrOutput) -> None:

@@ -12,6 +12,7 @@ from tandem.runtime.server_args import ServerArgs
 from tandem.runtime.tokenizer_manager import DEFAULT_MODEL_NAME, TokenizerManager
 
 VERSION = "0.1.0"
+HEALTH_POLL_S = 0.25
 
 
 def served_model_name(args: ServerArgs) -> str:
@@ -39,7 +40,31 @@ async def current_loads(tm: TokenizerManager, include: set[str] | None = None) -
 
 
 async def health_generate(tm: TokenizerManager, timeout_s: float) -> None:
-    """A one-token generation through every process; raises when it fails or takes too long."""
+    """A one-token generation through every process; raises when the server shows no progress
+    within `timeout_s`. A busy server gets to the probe late, or refuses it (a full queue), so,
+    as SGLang's health check counts any output after it started, progress is also an output
+    reaching this process or a forward step the scheduler completes after the probe started."""
+    started = time.monotonic()
+    deadline = started + timeout_s
+    steps = (await asyncio.wait_for(tm.server_info(), timeout_s))["num_steps"]
     body = {"input_ids": [0], "sampling_params": {"max_new_tokens": 1, "temperature": 0},
             "rid": f"health-{time.monotonic_ns()}"}
-    await asyncio.wait_for(tm.generate(body), timeout_s)
+    probe = asyncio.ensure_future(tm.generate(body))
+    try:
+        while tm.last_output_at <= started:
+            if probe.done() and (probe.exception() is None or tm.dead_reason):
+                probe.result()  # finished: healthy; a dead server's error: raised
+                return
+            left = deadline - time.monotonic()
+            if left <= 0:
+                if probe.done():
+                    probe.result()  # its own error (the queue is full and nothing moves)
+                raise asyncio.TimeoutError
+            if probe.done():
+                await asyncio.sleep(min(left, HEALTH_POLL_S))
+            else:
+                await asyncio.wait({probe}, timeout=min(left, HEALTH_POLL_S))
+            if (await asyncio.wait_for(tm.server_info(), max(deadline - time.monotonic(), 0.001)))["num_steps"] > steps:
+                return
+    finally:
+        probe.cancel()  # a probe still waiting is aborted by its call's cleanup

@@ -37,3 +37,30 @@ def test_a_frozen_scheduler_gets_503s_and_no_reply_is_stale_afterwards(tmp_path,
         assert server.get("/health_generate").status_code == 200
     finally:
         server.stop()
+
+
+def test_health_generate_is_ok_on_a_busy_server(tmp_path, tiny_model_dir):
+    """Every slot busy with long non-streamed requests (no output for seconds) and the waiting
+    queue full, so the probe itself is refused: the server still makes progress, which is health
+    (SGLang's check counts any output after it started)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    server = start_server(["--model-path", tiny_model_dir("llama"), "--max-total-tokens", "6000",
+                           "--max-running-requests", "1", "--max-queued-requests", "1",
+                           "--health-generate-timeout", "5"], str(tmp_path / "busy.log"))
+    try:
+        long = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 2000, "ignore_eos": True}}
+        with ThreadPoolExecutor(2) as pool:
+            calls = [pool.submit(server.post, "/generate", long) for _ in range(2)]
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:
+                info = server.info()
+                if info["num_running_reqs"] == 1 and info["num_queue_reqs"] == 1:
+                    break
+                time.sleep(0.02)
+            resp = server.get("/health_generate")
+            server.post("/abort_request", {"abort_all": True})
+            assert all(call.result(60).status_code == 200 for call in calls)
+        assert resp.status_code == 200, resp.text
+    finally:
+        server.stop()
