@@ -11,6 +11,8 @@ from typing import Any
 from tandem.ipc.messages import FinishReason
 from tandem.runtime.sampling.logprob_format import LogprobFormatter
 
+WEIGHT_VERSION = "default"  # SGLang's meta_info.weight_version before any weight update
+
 
 class RequestError(Exception):
     """A request that ended with an error status (400/500/503) set by the scheduler or a dead child."""
@@ -56,6 +58,7 @@ class ChoiceState:
             "completion_tokens": self.completion_tokens,
             "cached_tokens": self.cached_tokens,
             "e2e_latency": round(time.perf_counter() - self.group.created, 6),
+            "weight_version": WEIGHT_VERSION,  # SGLang's; this server never updates its weights
         }
         verify_ct, drafts, accepted = self.spec_counts
         if verify_ct:  # SGLang's names; the accept length counts the bonus token
@@ -75,6 +78,15 @@ class ChoiceState:
         if fr is not None and fr.type == "abort" and fr.status_code not in (None, 200):
             return RequestError(fr.status_code, fr.message or "request failed")
         return None
+
+
+def stream_error(item: dict[str, Any]) -> RequestError | None:
+    """The error a streamed native chunk ends with: SGLang streams a failed request's last chunk
+    in the usual shape, its finish_reason an abort with an error status."""
+    reason = item["meta_info"]["finish_reason"]
+    if reason is not None and reason["type"] == "abort" and reason["status_code"] not in (None, 200):
+        return RequestError(reason["status_code"], reason["message"] or "request failed")
+    return None
 
 
 @dataclass(eq=False)

@@ -232,10 +232,9 @@ class TokenizerManager:
                 for c in call.choices:
                     if sent[id(c)] != c.version:
                         sent[id(c)] = c.version
-                        if (err := c.error()) is not None:
-                            yield {"error": {"message": err.message, "code": err.status_code}}
+                        yield c.result()  # a failure too, as SGLang: finish_reason abort with its status
+                        if c.error() is not None:
                             return
-                        yield c.result()
                 if all(c.finished and sent[id(c)] == c.version for c in call.choices):
                     return
                 await call.changed.wait()

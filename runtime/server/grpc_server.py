@@ -19,7 +19,7 @@ from typing import Any, AsyncIterator, Callable
 import grpc
 from google.protobuf import message_factory
 
-from tandem.runtime.request_groups import RequestError
+from tandem.runtime.request_groups import RequestError, stream_error
 from tandem.runtime.sampling.params import ValidationError
 from tandem.runtime.server.auth import parse_bearer, token_is_admin, token_may_call
 from tandem.runtime.server.grpc_requests import GrpcRequest
@@ -75,9 +75,8 @@ async def native_results(tm: TokenizerManager, req: GrpcRequest) -> AsyncIterato
         raise GrpcError(status_of(exc.status_code), exc.message) from None
     try:
         async for item in stream:
-            if "error" in item:
-                err = item["error"]
-                raise GrpcError(status_of(err.get("code", 500)), err["message"])
+            if (err := stream_error(item)) is not None:
+                raise GrpcError(status_of(err.status_code), err.message)
             yield item
     finally:
         await stream.aclose()  # a cancelled RPC lands here: the request's choices are aborted

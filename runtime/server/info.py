@@ -6,6 +6,7 @@ import asyncio
 import time
 from typing import Any
 
+from tandem.runtime.request_groups import WEIGHT_VERSION
 from tandem.runtime.server.auth import SECRET_ARGS
 from tandem.runtime.server.loads import loads_report, scheduler_load
 from tandem.runtime.server_args import ServerArgs
@@ -23,12 +24,20 @@ def model_info(tm: TokenizerManager) -> dict[str, Any]:
     args = tm.args
     return {"model_path": args.model_path or "SmolLM2-135M-Instruct (embedded)",
             "tokenizer_path": args.tokenizer_path or args.model_path, "is_generation": True,
-            "served_model_name": served_model_name(args), **tm.model_info}
+            "served_model_name": served_model_name(args), "weight_version": WEIGHT_VERSION, **tm.model_info}
 
 
 async def server_info(tm: TokenizerManager) -> dict[str, Any]:
+    """SGLang's shape: the server arguments, the scheduler's counters, `internal_states` (one per
+    scheduler, which SGLang's bench_serving reads the speculative accept length from) and
+    `dp_size`, which the gateway's --dp-aware registration needs."""
     info = {k: v for k, v in vars(tm.args).items() if k != "extra" and k not in SECRET_ARGS}
     info.update(await tm.server_info())
+    info["served_model_name"] = served_model_name(tm.args)
+    info["dp_size"] = 1  # data parallelism is the gateway's job: one worker, one rank of it
+    info["internal_states"] = [{"last_gen_throughput": info.get("gen_throughput", 0.0),
+                                **({"avg_spec_accept_length": info["avg_spec_accept_length"]}
+                                   if "avg_spec_accept_length" in info else {})}]
     info["version"] = VERSION
     return info
 

@@ -17,6 +17,7 @@ from typing import Any, AsyncIterator, Callable
 
 import orjson
 
+from tandem.runtime.request_groups import stream_error
 from tandem.runtime.sampling.params import ValidationError
 from tandem.runtime.server.reasoning import ReasoningParser, StreamSplitter
 
@@ -327,8 +328,8 @@ async def stream_chunks(req: OpenAIRequest, cumulative: AsyncIterator[dict], n: 
         return {"id": rid, "object": obj, "created": created, "model": req.model, "choices": [choice]}
 
     async for item in cumulative:
-        if "error" in item:
-            yield item
+        if (err := stream_error(item)) is not None:
+            yield error_body(err.status_code, err.message)
             return
         i = item.get("index", 0)
         last[i] = item
@@ -367,4 +368,6 @@ def error_body(status: int, message: str, param: str | None = None) -> dict[str,
     kind = {400: "BadRequestError", 401: "AuthenticationError", 403: "PermissionDeniedError", 404: "NotFoundError",
             408: "RequestTimeoutError", 413: "BadRequestError", 415: "BadRequestError", 429: "RateLimitError",
             503: "ServiceUnavailableError"}.get(status, "InternalServerError")
-    return {"error": {"message": message, "type": kind, "param": param, "code": status}}
+    # OpenAI's nested shape, and SGLang's top-level fields beside it for clients written for SGLang
+    fields = {"message": message, "type": kind, "param": param, "code": status}
+    return {"object": "error", **fields, "error": fields}

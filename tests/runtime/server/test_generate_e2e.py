@@ -34,7 +34,12 @@ def test_capital_of_france_on_smollm2(smol_server):
     meta = out["meta_info"]
     assert meta["finish_reason"] == {"type": "length", "length": 16}
     assert meta["prompt_tokens"] == 5 and meta["completion_tokens"] == 16 == len(out["output_ids"])
-    assert set(meta) >= {"id", "cached_tokens", "e2e_latency"}
+    assert set(meta) >= {"id", "cached_tokens", "e2e_latency"} and meta["weight_version"] == "default"
+    # what SGLang's clients read: bench_serving internal_states[0], the gateway's dp_size and model name
+    info = smol_server.info()
+    assert info["dp_size"] == 1 and info["served_model_name"] == "SmolLM2-135M-Instruct"
+    assert set(info["internal_states"][0]) == {"last_gen_throughput"}
+    assert smol_server.get("/get_model_info").json()["weight_version"] == "default"
 
 
 def test_batch_input_returns_a_list_in_order(tiny_server):

@@ -189,6 +189,24 @@ def test_streamed_echo_scores_the_prompt_in_the_first_chunk_only():
     assert second["text"] == "b" and second["logprobs"]["tokens"] == ["b"] and second["logprobs"]["text_offset"] == [3]
 
 
+def test_a_stream_that_fails_ends_with_an_error_chunk():
+    """The native stream's last chunk of a failed request is SGLang's usual shape with an abort
+    finish_reason carrying the status; the OpenAI stream turns it into an error chunk."""
+    async def cumulative():
+        yield _result("a", 0, completion=1)
+        yield _result("a", 0, completion=1, finish={"type": "abort", "message": "queue full", "status_code": 503,
+                                                     "err_type": "ServiceUnavailable"})
+
+    req = _chat({"messages": [{"role": "user", "content": "x"}], "stream": True})
+
+    async def collect():
+        return [c async for c in oa.stream_chunks(req, cumulative(), 1)]
+
+    *deltas, last = asyncio.run(collect())
+    assert [d["choices"][0]["delta"] for d in deltas] == [{"role": "assistant", "content": "a"}]
+    assert last["error"] == {"message": "queue full", "type": "ServiceUnavailableError", "param": None, "code": 503}
+
+
 def test_stream_chunks_are_deltas_then_usage():
     async def cumulative():
         yield _result("a", 0, completion=1)
@@ -209,6 +227,7 @@ def test_stream_chunks_are_deltas_then_usage():
 
 
 def test_errors_have_openai_shape():
-    assert oa.error_body(400, "max_tokens must be >= 0", "max_tokens") == {"error": {
-        "message": "max_tokens must be >= 0", "type": "BadRequestError", "param": "max_tokens", "code": 400}}
+    fields = {"message": "max_tokens must be >= 0", "type": "BadRequestError", "param": "max_tokens", "code": 400}
+    # OpenAI's nested error, and SGLang's top-level shape ({"object": "error", "message", ...}) beside it
+    assert oa.error_body(400, "max_tokens must be >= 0", "max_tokens") == {"object": "error", **fields, "error": fields}
     assert oa.error_body(503, "draining")["error"]["type"] == "ServiceUnavailableError"

@@ -2,6 +2,7 @@
 leaving client's handler ends, and an abort racing a cache flush never hurts the server."""
 from __future__ import annotations
 
+import json
 import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -153,6 +154,9 @@ def test_when_one_choice_fails_its_siblings_are_aborted_and_the_call_fails(tmp_p
             stream = requests.post(server.url + "/generate", json={**body, "stream": True}, stream=True, timeout=60)
             events = [line for line in stream.iter_lines() if line]
             assert b"waiting queue is full" in events[-2] and events[-1] == b"data: [DONE]"
+            # SGLang's shape: the failed request's last chunk, its finish_reason an abort with the status
+            last = json.loads(events[-2].removeprefix(b"data: "))
+            assert last["meta_info"]["finish_reason"]["status_code"] == 503 and "text" in last
             _wait(server, lambda info: info["num_queue_reqs"] == 0, timeout=3.0)
             assert not blocker.done()
             server.post("/abort_request", {"rid": "blocker"})

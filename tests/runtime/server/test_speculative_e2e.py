@@ -64,6 +64,7 @@ def test_outputs_and_logprobs_equal_plain_decoding(servers):
         assert 0.05 < sampled["spec_accept_rate"] < 0.6, (name, sampled)  # drafts both accepted and rejected
     info = servers("tiny_ngram").info()
     assert info["avg_spec_accept_length"] > 1.0 and 0 < info["spec_accept_rate"] <= 1.0, info
+    assert info["internal_states"][0]["avg_spec_accept_length"] == info["avg_spec_accept_length"]  # bench_serving
     for name in SPEC_SERVERS:
         assert_no_leaks(servers(name))
 
