@@ -88,20 +88,28 @@ class LogprobParams(msgspec.Struct, kw_only=True, frozen=True, gc=False, omit_de
     carried as one value to the scheduler."""
 
     return_logprob: bool = False
-    logprob_start_len: int = -1  # first prompt position reported; -1 = output tokens only
+    logprob_start_len: int = -1  # first prompt position reported; -1: SGLang's default, see input_start
     top_logprobs_num: int = 0
     token_ids_logprob: tuple[int, ...] | None = None
 
-    @property
-    def wants_input(self) -> bool:
-        return self.return_logprob and self.logprob_start_len >= 0
+    def input_start(self, prompt_len: int, max_new_tokens: int) -> int | None:
+        """The first prompt position with an input logprob entry, or None for no input entries.
+
+        SGLang's scheduler rule: -1 becomes the last prompt position (one entry, None: the
+        first input entry is always None), except for prefill-only requests (max_new_tokens 0),
+        where it skips input logprobs entirely."""
+        if not self.return_logprob:
+            return None
+        if self.logprob_start_len >= 0:
+            return self.logprob_start_len
+        return prompt_len - 1 if max_new_tokens > 0 and prompt_len > 0 else None
 
 
 class LogprobArrays(msgspec.Struct, kw_only=True, gc=False, array_like=True):
     """One side (prompt or output) of one request's logprobs for a run of positions.
 
-    Rows in the leading `null_prefix` have no value (the first prompt position has no token
-    before it): their floats are NaN and their top ids -1. `ids_logprobs` holds one column
+    Rows in the leading `null_prefix` have no value (the first reported prompt position, as in
+    SGLang): their floats are NaN and their top ids -1. `ids_logprobs` holds one column
     per id of the request's `token_ids_logprob`, in that order.
     """
 

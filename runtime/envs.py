@@ -42,6 +42,9 @@ class Envs:
     CPU_MALLOC_KEEP = EnvVar("TANDEM_CPU_MALLOC_KEEP", True, "CPU model processes keep freed large blocks in "
                              "glibc's heap instead of unmapping them (0: glibc's defaults, for A/B runs)")
     TEST_FORWARD_HANG = EnvVar("TANDEM_TEST_FORWARD_HANG", 0.0, "seconds every forward step sleeps first (watchdog tests)")
+    RETURN_ORIGINAL_LOGPROB = EnvVar("TANDEM_RETURN_ORIGINAL_LOGPROB", False, "output logprobs before temperature "
+                                     "scaling (still after penalties, logit bias and the grammar mask), as "
+                                     "SGLANG_RETURN_ORIGINAL_LOGPROB")
 
     @classmethod
     def all(cls) -> list[EnvVar]:

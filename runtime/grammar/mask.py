@@ -3,7 +3,8 @@
 The scheduler thread fills it from each request's matcher once the previous step's tokens
 have been accepted, which, under overlap, is while this step's forward runs on the device. The
 forward worker waits for it only just before sampling, applies it (a Triton kernel on GPUs,
-torch on CPU) and samples; logprobs stay those of the raw distribution.
+torch on CPU) and samples; output logprobs are of the masked logits (a masked token reads
+float32's minimum), as SGLang's.
 """
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ class GrammarMask:
             self._ready.set()
 
     def apply(self, logits: torch.Tensor, logit_rows: list[int] | None = None) -> torch.Tensor:
-        """Worker thread: a masked copy of `logits` (the raw ones still give the logprobs).
+        """Worker thread: a masked copy of `logits` (output logprobs are of it too, as SGLang's).
         `logit_rows`: where each constrained row sits in `logits` (default: `sample_indices`)."""
         if not self._ready.wait(_FILL_TIMEOUT_S):
             raise RuntimeError("the grammar mask of this step was never filled")

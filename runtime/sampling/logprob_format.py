@@ -13,7 +13,10 @@ Two output shapes, with SGLang's exact key names:
 
 Null representation (`tandem.ipc.messages.LogprobArrays`, shared with logprobs.py): a block
 has `null_prefix` leading rows without a value; their float entries are NaN and top ids -1.
-Only a leading run of null rows is representable flat; anything else falls back to nested.
+The prompt side always starts with exactly one (SGLang pads the first input entry with None,
+whatever logprob_start_len is), so `input_top_logprobs_null_prefix` is 1 whenever there are
+input entries. Only a leading run of null rows is representable flat; anything else falls back
+to nested.
 """
 from __future__ import annotations
 

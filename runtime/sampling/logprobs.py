@@ -1,15 +1,20 @@
 """Device-side logprobs: logsumexp, top-k and requested-id logprobs, chunked over rows.
 
-Logprobs are of the model's raw distribution (before temperature, penalties, top-p...),
-computed in float32. Work is done `chunk_size` rows at a time, so the float32 working set is
-O(chunk_size x vocab) whatever the number of positions: an 8k-token prompt with a 49k vocab
-never holds an [8k x 49k] log-softmax. `compute_logprobs_from_hidden` also bounds the logits
-themselves by projecting hidden states through the LM head one chunk at a time.
+Which distribution (SGLang's defaults): prompt logprobs are of the model's raw logits; output
+logprobs are of the logits the sampler drew from (after the grammar mask, penalties, logit bias
+and min-new-tokens bans), divided by each row's temperature (1 for greedy rows), before
+top-k/top-p/min-p; the forward worker passes those logits and `temperatures`
+(TANDEM_RETURN_ORIGINAL_LOGPROB: no temperature). Everything is computed in float32, and every
+value is clamped to float32's minimum, so a masked token reads -3.4e38, never -inf (JSON stays
+valid). Work is done `chunk_size` rows at a time, so the float32 working set is O(chunk_size x
+vocab) whatever the number of positions: an 8k-token prompt with a 49k vocab never holds an
+[8k x 49k] log-softmax. `compute_logprobs_from_hidden` also bounds the logits themselves by
+projecting hidden states through the LM head one chunk at a time.
 
 Null representation (shared with tandem.ipc.messages.LogprobArrays): a block of positions has a
 `null_prefix` count of leading positions without a value; their float entries are NaN and
-their top ids -1. For prompt logprobs that is the first prompt position, which has no
-preceding token to predict it.
+their top ids -1. For prompt logprobs that is the first reported position, whatever it is
+(SGLang always pads the first input logprob with None).
 """
 from __future__ import annotations
 
@@ -23,6 +28,8 @@ from tandem.ipc.messages import LogprobArrays
 
 # 512 rows x 49k vocab x 4 B = 100 MB per float32 chunk (plus logsumexp/topk temporaries).
 DEFAULT_CHUNK_SIZE = 512
+# what a token of probability 0 reads (SGLang: log(probs).clamp(min=finfo(float32).min))
+LOGPROB_FLOOR = torch.finfo(torch.float32).min
 
 
 @dataclass
@@ -79,13 +86,15 @@ def compute_logprobs(
     top_logprobs_num: int,
     token_ids_logprob: Sequence[int] | None = None,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
+    temperatures: torch.Tensor | None = None,
 ) -> LogprobChunk:
     """Logprobs for each row of `logits` [N, V] (any float dtype).
 
     token_ids [N]: the token whose logprob row i reports (None -> NaN). top_logprobs_num is clamped to V.
+    temperatures [N]: row i's logits are divided by temperatures[i] first (None: as they are).
     """
     return compute_logprobs_from_hidden(
-        logits, _identity, token_ids, top_logprobs_num, token_ids_logprob, chunk_size
+        logits, _identity, token_ids, top_logprobs_num, token_ids_logprob, chunk_size, temperatures
     )
 
 
@@ -96,6 +105,7 @@ def compute_logprobs_from_hidden(
     top_logprobs_num: int,
     token_ids_logprob: Sequence[int] | None = None,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
+    temperatures: torch.Tensor | None = None,
 ) -> LogprobChunk:
     """Like compute_logprobs, projecting `hidden` [N, H] to logits one chunk at a time, so
     neither the logits nor their log-softmax ever exist for all N rows at once."""
@@ -109,6 +119,8 @@ def compute_logprobs_from_hidden(
     for start in range(0, n, chunk_size):
         stop = min(start + chunk_size, n)
         x = lm_head(hidden[start:stop]).float()
+        if temperatures is not None:
+            x = x / temperatures[start:stop, None].to(x)
         if out is None:
             out = _allocate(n, max(0, min(top_logprobs_num, x.shape[1])), len(token_ids_logprob or ()), dev)
             _check_ids(req_ids, x.shape[1])
@@ -138,17 +150,22 @@ def _check_ids(req_ids: torch.Tensor | None, vocab: int) -> None:
 
 def _fill_rows(out: LogprobChunk, start: int, stop: int, x: torch.Tensor,
                ids: torch.Tensor | None, req_ids: torch.Tensor | None) -> None:
-    """x: float32 logits for rows [start, stop); writes their logprob results into out."""
+    """x: float32 logits for rows [start, stop); writes their logprob results into out. Only the
+    picked values are clamped (-inf logits read LOGPROB_FLOOR), never the whole [n, V] block."""
     lse = torch.logsumexp(x, dim=-1, keepdim=True)
     if ids is not None:
-        out.token_logprobs[start:stop] = (x.gather(1, ids[:, None]) - lse).squeeze(1)
+        out.token_logprobs[start:stop] = _floored(x.gather(1, ids[:, None]) - lse).squeeze(1)
     k = out.top_vals.shape[1]
     if k:
         vals, idx = torch.topk(x, k, dim=-1)
-        out.top_vals[start:stop] = vals - lse
+        out.top_vals[start:stop] = _floored(vals - lse)
         out.top_idx[start:stop] = idx.to(torch.int32)
     if req_ids is not None:
-        out.ids_logprobs[start:stop] = x.index_select(1, req_ids) - lse
+        out.ids_logprobs[start:stop] = _floored(x.index_select(1, req_ids) - lse)
+
+
+def _floored(logprobs: torch.Tensor) -> torch.Tensor:
+    return logprobs.clamp(min=LOGPROB_FLOOR)
 
 
 def batch_output_logprobs(
@@ -157,14 +174,16 @@ def batch_output_logprobs(
     top_logprobs_nums: Sequence[int],
     token_ids_logprobs: Sequence[Sequence[int] | None],
     chunk_size: int = DEFAULT_CHUNK_SIZE,
+    temperatures: torch.Tensor | None = None,
 ) -> list[LogprobArrays]:
-    """Output logprobs for one decode step: row r is request r's raw logits and sampled token.
+    """Output logprobs for one decode step: row r is the logits request r sampled from (see the
+    module docstring), its sampled token and its temperature (None: not scaled).
 
     One pass with the largest k and the union of requested ids, one host transfer, then each
     row is cut down to its own k and ids. Returns a one-position block per row.
     """
     union = sorted({t for ids in token_ids_logprobs if ids for t in ids})
-    chunk = compute_logprobs(logits, token_ids, max(top_logprobs_nums, default=0), union, chunk_size)
+    chunk = compute_logprobs(logits, token_ids, max(top_logprobs_nums, default=0), union, chunk_size, temperatures)
     tok, vals, idx, ids_lp = chunk.to_numpy()
     sampled = token_ids.cpu().numpy().astype(np.int32)
     col = {t: c for c, t in enumerate(union)}
@@ -180,11 +199,13 @@ class InputLogprobAccumulator:
     """Collects a request's prompt logprobs across chunked-prefill passes.
 
     Positions: prompt position i >= 1 gets its values from logits row i-1 (that row predicts
-    token i). Covered positions are [start, P) with start = logprob_start_len (-1: none, i.e.
-    output logprobs only). Position 0 has no predecessor, so when start == 0 the first covered
-    position is null (null_prefix = 1). Logits row P-1 predicts the first output token and is
-    not an input logprob. The needed logits rows are `rows_needed`; a prefix-cache hit must
-    not skip any of them.
+    token i). Reported positions are [start, P), one entry each, with start = the effective
+    logprob_start_len (LogprobParams.input_start; negative: none). As in SGLang, the first
+    reported position is always null (null_prefix = 1), whatever start is: position 0 has no
+    predecessor, and for start > 0 SGLang pads rather than report row start-1. So the needed
+    logits rows are [start, P-1) (`rows_needed`), and start = P-1 (SGLang's default when a request
+    gives -1) needs none. Logits row P-1 predicts the first output token and is not an input
+    logprob. A prefix-cache hit must not skip any needed row.
     """
 
     def __init__(self, prompt_ids: Sequence[int] | np.ndarray, logprob_start_len: int,
@@ -196,7 +217,7 @@ class InputLogprobAccumulator:
         self.top_logprobs_num = top_logprobs_num
         self.token_ids_logprob = list(token_ids_logprob) if token_ids_logprob else None
         self.chunk_size = chunk_size
-        self.rows_needed = range(max(self.start - 1, 0), max(p - 1, 0))
+        self.rows_needed = range(self.start, max(p - 1, self.start))
         self._next_row = self.rows_needed.start
         self._chunks: list[LogprobChunk] = []
 
@@ -244,7 +265,7 @@ class InputLogprobAccumulator:
             raise ValueError(f"prompt logprobs incomplete: next row {self._next_row} of "
                              f"{self.rows_needed.stop}")
         k, n_ids = self.top_logprobs_num, len(self.token_ids_logprob or ())
-        null = 1 if self.start == 0 and len(self.prompt) > 0 else 0
+        null = 1 if self.start < len(self.prompt) else 0
         if self._chunks:
             tok, vals, idx, ids_lp = LogprobChunk.cat(self._chunks).to_numpy()
             k = vals.shape[1]

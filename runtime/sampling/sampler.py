@@ -11,13 +11,17 @@ from dataclasses import dataclass
 import torch
 
 from tandem.kernels.cpu_ops import load_cpu_ops
+from tandem.runtime.sampling.params import GREEDY_TEMPERATURE
 
 _MASK32 = 0xFFFFFFFF
 
 
 @dataclass
 class SamplingBatchInfo:
-    temperatures: torch.Tensor  # [B] float32; greedy rows hold 1.0 and are flagged in is_greedy
+    # [B] float32: each request's temperature, 1.0 where it is below 1e-6 (SGLang: temperature 0 is
+    # temperature 1 + top-k 1). Greedy rows are flagged in is_greedy and take the argmax whatever
+    # their temperature; output logprobs divide by it (forward_worker.py)
+    temperatures: torch.Tensor
     top_ps: torch.Tensor  # [B] float32
     top_ks: torch.Tensor  # [B] int64, vocab size where unset
     min_ps: torch.Tensor  # [B] float32
@@ -30,10 +34,11 @@ class SamplingBatchInfo:
     @staticmethod
     def build(temperatures: list[float], top_ps: list[float], top_ks: list[int], min_ps: list[float],
               seeds: list[int], vocab_size: int, device: torch.device | str = "cpu") -> "SamplingBatchInfo":
-        greedy = [t < 1e-6 or k == 1 for t, k in zip(temperatures, top_ks)]
+        greedy = [t < GREEDY_TEMPERATURE or k == 1 for t, k in zip(temperatures, top_ks)]
         ks = [vocab_size if (k is None or k < 0 or k > vocab_size) else k for k in top_ks]
+        temps = [1.0 if t < GREEDY_TEMPERATURE else t for t in temperatures]
         return SamplingBatchInfo(
-            temperatures=torch.tensor([1.0 if g else t for g, t in zip(greedy, temperatures)], dtype=torch.float32, device=device),
+            temperatures=torch.tensor(temps, dtype=torch.float32, device=device),
             top_ps=torch.tensor(top_ps, dtype=torch.float32, device=device),
             top_ks=torch.tensor(ks, dtype=torch.int64, device=device),
             min_ps=torch.tensor(min_ps, dtype=torch.float32, device=device),

@@ -5,6 +5,10 @@ releases the GIL inside ops, so planning, result processing and the forward trul
 (on CUDA the thread also keeps kernel launches off the scheduler's critical path). Jobs run
 strictly in submission order, which is what makes deferred frees and in-flight cache
 insertion safe: a slot freed after step N is only reused by a step that runs after it.
+
+Output logprobs are read off the very logits a token was sampled from (`SampledRows`: after the
+grammar mask, penalties, logit bias and bans), scaled by the row's temperature as SGLang's, in
+plain decoding and in a verify alike; a step where no request asks for them computes nothing.
 """
 from __future__ import annotations
 
@@ -102,6 +106,15 @@ class ForwardJob:
 
 
 @dataclass
+class SampledRows:
+    """What one pass sampled: the ids, and the distribution they were drawn from (for logprobs)."""
+
+    ids: torch.Tensor  # [N] int64, forced tokens included
+    logits: torch.Tensor  # [N, V]: after the grammar mask, penalties, logit bias and bans; before temperature
+    info: SamplingBatchInfo  # the settings of each of the N rows
+
+
+@dataclass
 class GenerationBatchResult:
     # per sampling request, in job.sample_indices order: the tokens it got (one without speculation)
     next_token_ids: list[list[int]]
@@ -141,6 +154,7 @@ class ForwardWorker:
         self.penalty_counts = penalty_counts
         self.stats = stats
         self._test_hang_s = envs.TEST_FORWARD_HANG.get()
+        self._original_logprob = envs.RETURN_ORIGINAL_LOGPROB.get()
         self._jobs: queue.Queue[tuple[ForwardJob, Future]] = queue.Queue()
         self._ready: Future = Future()
         self._thread = threading.Thread(target=self._loop, name="tandem-forward", daemon=True)
@@ -197,11 +211,13 @@ class ForwardWorker:
         logits = r.model.logits(sampled_hidden)  # the model's dtype: widened only where needed
         sample_rows = rows[job.sample_indices]
         positions = torch.tensor(job.sample_positions, dtype=torch.int64, device=device)
-        next_ids = self._sample(logits, job, positions, sample_rows)
+        sampled = self._sample(logits, job, positions, sample_rows)
+        next_ids = sampled.ids
         self.penalty_counts.add(sample_rows, next_ids)
         runs = [[t] for t in next_ids.tolist()]
         self._relay(sample_rows, next_ids, job, runs, [p - 1 for p in job.sample_positions])
-        out_lp = self._output_logprobs(logits, next_ids, job, list(range(len(runs))), [1] * len(runs))
+        one_each = list(range(len(runs)))
+        out_lp = self._output_logprobs(sampled, one_each, job, one_each, [1] * len(runs))
         out_hidden = self._output_hidden(sampled_hidden, job, [1] * len(runs))
         return GenerationBatchResult(runs, out_lp, out_hidden, input_chunks, prompt_hidden)
 
@@ -227,15 +243,16 @@ class ForwardWorker:
                                    out_cache_loc, list(range(layout.num_tokens)), device)
         hidden = r.model.hidden_states(batch, r.attn_backend)
         logits = r.model.logits(hidden)
-        sampled = self._sample(logits, job, positions + 1, rows[row_of], (layout, row_of))
+        verified = self._sample(logits, job, positions + 1, rows[row_of], (layout, row_of))
+        sampled = verified.ids
         runs = accept_runs(sampled.tolist(), drafts.tolist(), layout)
-        kept = torch.tensor(layout.kept_indices(runs), dtype=torch.int64, device=device)
+        kept_rows = layout.kept_indices(runs)
+        kept = torch.tensor(kept_rows, dtype=torch.int64, device=device)
         self.penalty_counts.add(rows[row_of[kept]], sampled[kept])
         last = torch.tensor([layout.offsets[i] + len(run) - 1 for i, run in enumerate(runs)], device=device)
         self._relay(rows, sampled[last], job, runs, layout.seq_lens)
         counts = [len(run) for run in runs]
-        out_lp = self._output_logprobs(logits[kept], sampled[kept], job,
-                                       [i for i, run in enumerate(runs) for _ in run], counts)
+        out_lp = self._output_logprobs(verified, kept_rows, job, [i for i, run in enumerate(runs) for _ in run], counts)
         return GenerationBatchResult(runs, out_lp, self._output_hidden(hidden[kept], job, counts), [], [], num_drafts)
 
     def _relay(self, rows: torch.Tensor, bonus: torch.Tensor, job: ForwardJob, runs: list[list[int]],
@@ -259,10 +276,11 @@ class ForwardWorker:
             draft_tokens=torch.from_numpy(drafts).to(device), draft_lens=torch.from_numpy(lens).to(device)))
 
     def _sample(self, logits: torch.Tensor, job: ForwardJob, positions: torch.Tensor, pool_rows: torch.Tensor,
-                verify: tuple[VerifyLayout, torch.Tensor] | None = None) -> torch.Tensor:
+                verify: tuple[VerifyLayout, torch.Tensor] | None = None) -> SampledRows:
         """Sample every row of `logits` (`pool_rows`: each one's request row). A verify's logits rows
         are the tokens of the requests' runs (`verify`: the layout and its row_of on the device),
-        and the per-request settings are spread over them."""
+        and the per-request settings are spread over them. The logits it returns are those the
+        sampler saw (no copy is made when nothing changes them)."""
         layout, per_row = verify if verify is not None else (None, None)
         if job.grammar_mask is not None or job.penalties is not None:
             logits = logits.float()
@@ -283,18 +301,23 @@ class ForwardWorker:
             rows = [i if layout is None else layout.offsets[i] for i, t in enumerate(job.forced_ids) if t >= 0]
             sampled[rows] = torch.tensor([t for t in job.forced_ids if t >= 0], dtype=sampled.dtype,
                                          device=sampled.device)
-        return sampled
+        return SampledRows(sampled, logits, info)  # type: ignore[arg-type]
 
-    def _output_logprobs(self, logits: torch.Tensor, tokens: torch.Tensor, job: ForwardJob, owner: list[int],
+    def _output_logprobs(self, sampled: SampledRows, kept_rows: list[int], job: ForwardJob, owner: list[int],
                          counts: list[int]) -> list[list[LogprobArrays] | None]:
-        """Logprobs of the raw distribution for each kept token; `owner[t]` is token t's request
+        """Logprobs of each kept token under the distribution it was sampled from (SGLang's:
+        log_softmax(processed logits / temperature); TANDEM_RETURN_ORIGINAL_LOGPROB leaves out the
+        temperature). `kept_rows[t]` is kept token t's row in `sampled`, `owner[t]` its request
         (tokens grouped by request, in order) and `counts[i]` how many request i kept."""
         nums = job.top_logprobs_nums
-        if not nums or all(k < 0 for k in nums):
+        if not nums or all(k < 0 for k in nums):  # first: a step without logprobs pays nothing
             return []
         picks = [t for t, i in enumerate(owner) if nums[i] >= 0]
-        arrays = iter(batch_output_logprobs(logits[picks].float(), tokens[picks], [nums[owner[t]] for t in picks],
-                                            [job.token_ids_logprob[owner[t]] for t in picks]))  # type: ignore[index]
+        rows = torch.tensor([kept_rows[t] for t in picks], dtype=torch.int64, device=sampled.ids.device)
+        temperatures = None if self._original_logprob else sampled.info.temperatures[rows]
+        arrays = iter(batch_output_logprobs(sampled.logits[rows], sampled.ids[rows], [nums[owner[t]] for t in picks],
+                                            [job.token_ids_logprob[owner[t]] for t in picks],  # type: ignore[index]
+                                            temperatures=temperatures))
         return [[next(arrays) for _ in range(n)] if k >= 0 else None for k, n in zip(nums, counts)]
 
     @staticmethod

@@ -91,8 +91,9 @@ class Req:
             req.logit_bias = (np.fromiter(sp.logit_bias.keys(), np.int64, len(sp.logit_bias)),
                               np.fromiter(sp.logit_bias.values(), np.float32, len(sp.logit_bias)))
         lp = msg.logprob
-        if lp.wants_input:
-            req.input_logprobs = InputLogprobAccumulator(req.origin_input_ids, lp.logprob_start_len,
+        input_start = lp.input_start(len(req.origin_input_ids), sp.max_new_tokens)
+        if input_start is not None:
+            req.input_logprobs = InputLogprobAccumulator(req.origin_input_ids, input_start,
                                                          lp.top_logprobs_num, lp.token_ids_logprob)
         start = lp.logprob_start_len
         req.prompt_hidden_next = req.prompt_hidden_stop if start < 0 else min(start, req.prompt_hidden_stop)

@@ -74,11 +74,20 @@ def test_defaults() -> None:
     a = m.AbortReq()
     assert (a.group_prefixes, a.abort_all) == ([], False)
     r = _req()
-    assert r.logprob == m.LogprobParams() and not r.logprob.wants_input and not r.return_hidden_states
+    assert r.logprob == m.LogprobParams() and r.logprob.input_start(5, 16) is None and not r.return_hidden_states
     assert (r.logprob.return_logprob, r.logprob.logprob_start_len, r.logprob.top_logprobs_num) == (False, -1, 0)
     assert r.logprob.token_ids_logprob is None and r.priority is None and r.extra_key is None
     ready = m.ReadyMsg(role="detokenizer", pid=1)
     assert ready.max_total_tokens == ready.context_len == ready.vocab_size == 0
+
+
+def test_input_start_follows_sglangs_scheduler() -> None:
+    lp = m.LogprobParams(return_logprob=True)
+    assert lp.input_start(5, 16) == 4  # -1: the last prompt token, reported as one None entry
+    assert lp.input_start(5, 0) is None  # prefill-only: SGLang skips input logprobs entirely
+    assert m.LogprobParams(return_logprob=True, logprob_start_len=0).input_start(5, 0) == 0
+    assert m.LogprobParams(return_logprob=True, logprob_start_len=3).input_start(5, 16) == 3
+    assert m.LogprobParams(logprob_start_len=3).input_start(5, 16) is None  # no return_logprob: none
 
 
 def test_empty_optional_columns_are_not_on_the_wire() -> None:

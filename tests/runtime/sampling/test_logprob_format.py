@@ -115,6 +115,31 @@ def test_all_null_rows_give_empty_shape() -> None:
     assert meta["input_top_logprobs_shape"] == [0, 2]
 
 
+@pytest.mark.parametrize("start", [0, 3, 5])
+@pytest.mark.parametrize("flat,b64", [(False, False), (True, False), (True, True)])
+def test_prompt_entries_from_any_start_lead_with_one_none(start: int, flat: bool, b64: bool) -> None:
+    # SGLang pads the first input entry with None whatever logprob_start_len is (5 = P-1: the
+    # default -1 of a generating request); flat formats count it in the null prefix
+    import torch
+
+    from tandem.runtime.sampling.logprobs import InputLogprobAccumulator
+
+    prompt = np.arange(10, 16)
+    acc = InputLogprobAccumulator(prompt, start, 2, [4])
+    acc.add_logits(torch.randn(6, 32, generator=torch.Generator().manual_seed(start)), 0)
+    opts = LogprobFormatOptions(top_logprobs_num=2, token_ids_logprob=(4,), flat_input_top=flat, flat_b64=b64)
+    meta = orjson.loads(orjson.dumps(_meta(opts, acc.finalize())))
+    tok = meta["input_token_logprobs"]
+    assert [t[1] for t in tok] == prompt[start:].tolist() and tok[0][0] is None
+    assert all(t[0] is not None for t in tok[1:])
+    assert meta["input_token_ids_logprobs"][0] is None
+    if flat:
+        vals, idx, null_prefix = decode_flat_top(meta)
+        assert null_prefix == 1 and vals.shape == idx.shape == (len(tok) - 1, 2)
+    else:
+        assert meta["input_top_logprobs"][0] is None and len(meta["input_top_logprobs"]) == len(tok)
+
+
 def test_flat_output_side_and_json_arrays() -> None:
     opts = LogprobFormatOptions(top_logprobs_num=2, flat_output_top=True, json_arrays=True)
     meta = _meta(opts, _arrays(3, null_prefix=1), _arrays(4, seed=2))

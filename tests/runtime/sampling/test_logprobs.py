@@ -116,16 +116,45 @@ def test_accumulator_position_convention() -> None:
 def test_accumulator_start_len_and_precomputed_chunks() -> None:
     prompt, logits = _prompt_logits(12)
     acc = InputLogprobAccumulator(prompt, 5, 2)
-    assert acc.rows_needed == range(4, 11)
+    # position 5 is reported as None (SGLang pads the first entry), so row 4 is not needed
+    assert acc.rows_needed == range(5, 11)
     nxt = torch.from_numpy(prompt[1:])
     for lo, hi in [(0, 7), (7, 12)]:  # rows outside rows_needed are ignored
         chunk = compute_logprobs(logits[lo:hi], torch.cat([nxt, nxt[:1]])[lo:hi], 2)
         acc.add_chunk(chunk, lo)
     out = acc.finalize()
-    assert out.null_prefix == 0 and len(out) == 7
+    assert out.null_prefix == 1 and len(out) == 7
     np.testing.assert_array_equal(out.token_ids, prompt[5:].astype(np.int32))
-    ref = torch.log_softmax(logits, -1).numpy()[np.arange(4, 11), prompt[5:]]
-    np.testing.assert_allclose(out.token_logprobs, ref, rtol=1e-5)
+    assert np.isnan(out.token_logprobs[0]) and (out.top_idx[0] == -1).all()
+    ref = torch.log_softmax(logits, -1).numpy()[np.arange(5, 11), prompt[6:]]
+    np.testing.assert_allclose(out.token_logprobs[1:], ref, rtol=1e-5)
+
+
+@pytest.mark.parametrize("start", [0, 1, 4, 9])
+def test_accumulator_first_reported_entry_is_none_whatever_the_start(start: int) -> None:
+    # SGLang's add_input_logprob_return_values always pads the first input entry with None:
+    # positions [start, P) get P - start entries, and row start - 1 is never computed
+    prompt, logits = _prompt_logits(10)
+    acc = InputLogprobAccumulator(prompt, start, 3, [2])
+    assert acc.rows_needed == range(start, 9) and acc.next_row == start
+    acc.add_logits(logits, 0)
+    out = acc.finalize()
+    assert len(out) == 10 - start and out.null_prefix == 1
+    assert np.isnan(out.token_logprobs[0]) and np.isnan(out.ids_logprobs[0]).all()
+    np.testing.assert_array_equal(out.token_ids, prompt[start:].astype(np.int32))
+    ref = torch.log_softmax(logits, -1).numpy()
+    np.testing.assert_allclose(out.token_logprobs[1:], ref[np.arange(start, 9), prompt[start + 1:]], rtol=1e-5)
+    np.testing.assert_allclose(out.ids_logprobs[1:, 0], ref[start:9, 2], rtol=1e-5)
+
+
+def test_accumulator_last_prompt_token_alone_needs_no_rows() -> None:
+    # a request's default start (-1) becomes P-1 (LogprobParams.input_start): one None entry
+    prompt, _ = _prompt_logits(6)
+    acc = InputLogprobAccumulator(prompt, 5, 2, [3])
+    assert acc.done and len(acc.rows_needed) == 0
+    out = acc.finalize()
+    assert len(out) == 1 and out.null_prefix == 1 and out.token_ids.tolist() == [prompt[5]]
+    assert out.top_vals.shape == (1, 2) and out.ids_logprobs.shape == (1, 1)
 
 
 def test_accumulator_edges() -> None:
@@ -160,3 +189,22 @@ def test_batch_output_logprobs_per_row_k_and_ids() -> None:
     np.testing.assert_allclose(rows[2].ids_logprobs[0], lp[2, [9, 4]], rtol=1e-5)
     np.testing.assert_allclose([r.token_logprobs[0] for r in rows], lp[[0, 1, 2], [1, 2, 3]], rtol=1e-5)
     assert rows[1].token_ids.tolist() == [2] and rows[1].top_idx[0, 0] == lp[1].argmax()
+
+
+def test_temperatures_scale_rows_and_masked_tokens_read_the_float32_floor() -> None:
+    # output logprobs: log(softmax(logits / t)) clamped to float32's minimum, as SGLang's sampler
+    logits = torch.randn(4, V, generator=torch.Generator().manual_seed(7)) * 2
+    logits[1, [0, 5]] = float("-inf")  # masked (a grammar, a min-new-tokens ban)
+    temps = torch.tensor([0.5, 1.0, 2.0, 0.7])
+    sampled = torch.tensor([3, 5, 8, 1])
+    rows = batch_output_logprobs(logits, sampled, [V, 2, 2, 0], [[0, 5], [5, 0], None, None],
+                                 chunk_size=3, temperatures=temps)
+    floor = torch.finfo(torch.float32).min
+    ref = torch.log(torch.softmax(logits / temps[:, None], -1)).clamp(min=floor).numpy()
+    np.testing.assert_allclose([r.token_logprobs[0] for r in rows], ref[[0, 1, 2, 3], [3, 5, 8, 1]], rtol=1e-5)
+    assert rows[1].token_logprobs[0] == floor and rows[1].ids_logprobs[0].tolist() == [floor, floor]
+    assert rows[0].top_vals.shape == (1, V) and np.isfinite(rows[0].top_vals).all()
+    np.testing.assert_allclose(rows[2].top_vals[0], np.sort(ref[2])[::-1][:2], rtol=1e-5)
+    unscaled = batch_output_logprobs(logits, sampled, [0] * 4, [None] * 4)  # None: as they are
+    plain = torch.log_softmax(logits, -1).clamp(min=floor).numpy()
+    np.testing.assert_allclose([r.token_logprobs[0] for r in unscaled], plain[[0, 1, 2, 3], [3, 5, 8, 1]], rtol=1e-5)

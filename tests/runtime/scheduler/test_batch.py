@@ -17,8 +17,9 @@ def test_prompt_logprob_and_hidden_rows_are_split_over_chunks():
         chunks.append(batch)
         core.rows.on_processed(batch.step_id)  # rows only; the prompt-row cursors move at processing
     lp_tasks = [(t.first_pos, t.n, t.token_offset, t.next_ids) for b in chunks for t in b.job.input_logprob_tasks]
-    # logits row i predicts prompt token i + 1: rows [2, 9) report positions [3, 10)
-    assert lp_tasks == [(2, 2, 2, prompt[3:5]), (4, 4, 0, prompt[5:9]), (8, 1, 0, prompt[9:10])]
+    # logits row i predicts prompt token i + 1: rows [3, 9) report positions [4, 10); position 3,
+    # the first reported, is None as in SGLang, so row 2 is not needed
+    assert lp_tasks == [(3, 1, 3, prompt[4:5]), (4, 4, 0, prompt[5:9]), (8, 1, 0, prompt[9:10])]
     assert all(t.top_logprobs_num == 2 and t.token_ids_logprob == (7,) for b in chunks for t in b.job.input_logprob_tasks)
     hidden = [(t.first_pos, t.n, t.token_offset) for b in chunks for t in b.job.prompt_hidden_tasks]
     # hidden rows of prompt positions [3, 9); position 9's row samples output 0 and is an output row
@@ -38,12 +39,13 @@ def test_the_prefix_cache_never_skips_positions_that_must_be_reported():
                       return_hidden_states=True)
     out_only = core.add("out", prompt, max_new_tokens=1, logprob=LogprobParams(return_logprob=True))
     assert plain.first_uncacheable_position() == 11  # the last token is always computed
-    assert lp.first_uncacheable_position() == 4  # logits row 4 gives position 5's logprob
+    # position 5 is reported as None (SGLang); logits row 5 gives position 6's logprob
+    assert lp.first_uncacheable_position() == 5
     assert hidden.first_uncacheable_position() == 7
     assert out_only.first_uncacheable_position() == 11
     batch = core.plan()
-    assert {s.req.rid: s.prefix_len for s in batch.spans} == {"plain": 11, "lp": 4, "hid": 7, "out": 11}
-    assert plain.cached_tokens == 11 and lp.cached_tokens == 4
+    assert {s.req.rid: s.prefix_len for s in batch.spans} == {"plain": 11, "lp": 5, "hid": 7, "out": 11}
+    assert plain.cached_tokens == 11 and lp.cached_tokens == 5
 
 
 def test_penalties_min_new_tokens_bans_and_logit_bias():

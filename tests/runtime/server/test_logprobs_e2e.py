@@ -47,6 +47,27 @@ def test_input_and_output_logprobs_match_transformers(smol_server, hf_smol, smol
         assert np.allclose([t[0] for t in ids_lp], [row[7042].item(), row[30].item()], atol=LOGPROB_ATOL)
 
 
+def test_sampled_logprobs_are_of_the_biased_temperature_scaled_distribution(smol_server, hf_smol, smol_tokenizer):
+    # SGLang's default: log_softmax((logits + bias) / temperature) at each sampled token; the
+    # default logprob_start_len (-1) reports the last prompt token alone, as a None entry
+    text, bias, temperature = "The capital of France is", {30: 3.0, 7042: -2.0}, 0.5
+    out = smol_server.generate({"text": text, "return_logprob": True, "top_logprobs_num": 2,
+                                "sampling_params": {"max_new_tokens": 6, "temperature": temperature, "seed": 3,
+                                                    "logit_bias": {str(k): v for k, v in bias.items()}}})
+    meta = out["meta_info"]
+    prompt = smol_tokenizer(text)["input_ids"]
+    assert meta["input_token_logprobs"] == [[None, prompt[-1], None]] and meta["input_top_logprobs"] == [None]
+    with torch.no_grad():
+        logits = hf_smol(torch.tensor([prompt + out["output_ids"]])).logits[0].float()
+    logits[:, list(bias)] += torch.tensor(list(bias.values()))
+    ref = torch.log_softmax(logits / temperature, -1)
+    for i, (lp, tok, _) in enumerate(meta["output_token_logprobs"]):
+        row = ref[len(prompt) - 1 + i]
+        assert abs(lp - row[tok].item()) < 2 * LOGPROB_ATOL  # dividing by 0.5 doubles the logits' error
+        assert np.allclose([t[0] for t in meta["output_top_logprobs"][i]], row.topk(2).values.numpy(),
+                           atol=2 * LOGPROB_ATOL)
+
+
 def _scoring_body(**flags) -> dict:
     return {"text": "Scoring a long prompt for distillation " * 8, "return_logprob": True, "logprob_start_len": 0,
             "top_logprobs_num": 2, "sampling_params": {"max_new_tokens": 4, "temperature": 0}, **flags}
