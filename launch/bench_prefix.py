@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tandem.launch.bench_offline import FIRST_ORDINARY_ID, machine_info, model_vocab
+from tandem.runtime.request_groups import stream_error
 
 KV_SLACK_TOKENS = 1024
 
@@ -92,8 +93,8 @@ def run_wave(engine, prompts: list[list[int]], output_len: int) -> list[ReqTimin
     last: dict[int, dict] = {}
     t0 = time.perf_counter()
     for chunk in engine.generate(input_ids=prompts, sampling_params=[params] * len(prompts), stream=True):
-        if "error" in chunk:
-            raise RuntimeError(f"request failed: {chunk['error']}")
+        if (failed := stream_error(chunk)) is not None:
+            raise RuntimeError(f"request failed: {failed.status_code}: {failed.message}")
         i = chunk.get("index", 0)
         if chunk["meta_info"]["completion_tokens"] > 0 and i not in first:
             first[i] = time.perf_counter() - t0

@@ -32,6 +32,7 @@ from tandem.launch.bench_metrics import (
     plot_results,
     record_chunk,
 )
+from tandem.runtime.request_groups import stream_error
 
 # same knobs SGLang's harness uses: long streams must not time out, big chunks must fit
 HTTP_TIMEOUT_S = 6 * 3600
@@ -83,6 +84,8 @@ def apply_chunk(res: RequestResult, data: dict[str, Any], now: float) -> None:
     if "error" in data:
         err = data["error"]
         raise StreamError(err.get("message", str(err)) if isinstance(err, dict) else str(err))
+    if (failed := stream_error(data)) is not None:  # SGLang ends a failed stream with an abort chunk
+        raise StreamError(f"{failed.status_code}: {failed.message}")
     meta = data.get("meta_info") or {}
     total = _chunk_tokens(data, res)
     res.output_len = total

@@ -32,6 +32,7 @@ import orjson
 
 from tandem.launch.managed_server import (alive, ipc_dirs, leak_check, rss_bytes, run_checked,
                                           start_server, stop_server)
+from tandem.runtime.request_groups import stream_error
 
 REQUEST_TIMEOUT_S = 120.0  # a request still unanswered after this long counts as hung
 RSS_SAMPLE_S = 2.0
@@ -132,7 +133,7 @@ def _account(rid: str, status: int, results: list[dict], tally: Tally) -> None:
         tally.add(f"rejected {status}", f"{rid}: HTTP {status}: {results}")
     elif status != 200:
         tally.add(f"rejected {status}")
-    elif any("error" in r for r in results):
+    elif any("error" in r or stream_error(r) is not None for r in results):
         tally.add("stream error", f"{rid}: {results}")
     elif not results or any(r["meta_info"].get("finish_reason") is None for r in results):
         tally.add("lost", f"{rid}: an answer without a finish reason")

@@ -83,9 +83,9 @@ class ChoiceState:
 def stream_error(item: dict[str, Any]) -> RequestError | None:
     """The error a streamed native chunk ends with: SGLang streams a failed request's last chunk
     in the usual shape, its finish_reason an abort with an error status."""
-    reason = item["meta_info"]["finish_reason"]
-    if reason is not None and reason["type"] == "abort" and reason["status_code"] not in (None, 200):
-        return RequestError(reason["status_code"], reason["message"] or "request failed")
+    reason = (item.get("meta_info") or {}).get("finish_reason") or {}
+    if reason.get("type") == "abort" and reason.get("status_code") not in (None, 200):
+        return RequestError(reason["status_code"], reason.get("message") or "request failed")
     return None
 
 

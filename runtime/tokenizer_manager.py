@@ -221,8 +221,9 @@ class TokenizerManager:
     async def generate_stream(self, body: Any) -> AsyncIterator[dict]:
         """Streaming: cumulative results as they grow; ends when every choice has finished.
         Validation runs now, before any byte of the stream is sent (so bad input is still a 400);
-        an error (scheduler-initiated, or a dead child) becomes a final {"error": ...} event and
-        ends the stream, aborting the other choices."""
+        a failed choice (scheduler-initiated, or a dead child) ends the stream with its last chunk,
+        its finish_reason an abort with the status (request_groups.stream_error), as SGLang's, and
+        the other choices are aborted."""
         return self._stream(await self._submit(body))
 
     async def _stream(self, call: Call) -> AsyncIterator[dict]:

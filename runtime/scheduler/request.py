@@ -37,6 +37,8 @@ class Req:
     # logit_bias as (ids int64, values float32), made once: a full-vocabulary bias must not cost
     # a Python loop every step
     logit_bias: tuple[np.ndarray, np.ndarray] | None = None
+    # output tokens the stop-string check decodes, worked out once (result_processor; 0: not yet)
+    stop_window: int = 0
 
     output_ids: list[int] = field(default_factory=list)
     finished_reason: FinishReason | None = None

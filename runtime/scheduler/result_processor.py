@@ -46,10 +46,11 @@ class FinishChecker:
     def _stop_string(self, req: Req, new_tokens: list[int]) -> str | None:
         """The stop string in the output's tail, as SGLang: the first one ends the request, so one
         found here is the one the last token completed."""
-        # every token carries at least one byte of text: the stop's UTF-8 length in tokens covers it
-        # (an emoji is one character but up to four byte-level tokens)
-        longest = max(len(s.encode()) for s in req.sampling_params.stop)
-        tail = self.decode((req.output_ids + new_tokens)[-(longest + _STOP_TAIL_TOKENS):])
+        if not req.stop_window:  # once per request: a stop list may be megabytes
+            # every token carries at least one byte of text: the stop's UTF-8 length in tokens covers
+            # it (an emoji is one character but up to four byte-level tokens)
+            req.stop_window = max(len(s.encode()) for s in req.sampling_params.stop) + _STOP_TAIL_TOKENS
+        tail = self.decode((req.output_ids + new_tokens)[-req.stop_window:])
         return next((stop for stop in req.sampling_params.stop if stop in tail), None)
 
 

@@ -211,6 +211,13 @@ def test_payload_text_prompt_and_stream_error() -> None:
     assert body["sampling_params"]["ignore_eos"] is False
     with pytest.raises(bench_serving.StreamError, match="out of memory"):
         bench_serving.apply_chunk(RequestResult(), {"error": {"message": "out of memory"}}, 0.0)
+    # SGLang's (and tandem's) failed stream: the usual chunk, its finish_reason an abort with a status
+    failed = {"text": "", "output_ids": [], "meta_info": {"finish_reason": {
+        "type": "abort", "message": "the waiting queue is full", "status_code": 503, "err_type": "ServiceUnavailable"}}}
+    with pytest.raises(bench_serving.StreamError, match="503: the waiting queue is full"):
+        bench_serving.apply_chunk(RequestResult(), failed, 0.0)
+    aborted = {"text": "", "output_ids": [], "meta_info": {"finish_reason": {"type": "abort", "status_code": 200}}}
+    bench_serving.apply_chunk(RequestResult(), aborted, 0.0)  # a user's abort is an ordinary end
 
 
 def test_server_args_pass_through_as_one_string() -> None:
