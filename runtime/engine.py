@@ -9,6 +9,7 @@ manager on its own event loop thread, so it works from plain scripts and from as
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import threading
 from typing import Any, AsyncIterator, Iterator
 
@@ -16,6 +17,7 @@ from tandem.runtime.server_args import ServerArgs
 from tandem.runtime.tokenizer_manager import TokenizerManager
 
 _STREAM_END = object()
+SHUT_DOWN = "the Engine has been shut down"
 
 
 class Engine:
@@ -30,6 +32,7 @@ class Engine:
             self._loop = uvloop.new_event_loop()
         except ImportError:  # pragma: no cover - uvloop is a dependency; keep working without it
             self._loop = asyncio.new_event_loop()
+        self._pending: set[concurrent.futures.Future] = set()  # calls handed to the loop, until done
         self._thread = threading.Thread(target=self._loop.run_forever, name="tandem-engine", daemon=True)
         self._thread.start()
         self.tm: TokenizerManager | None = None
@@ -48,8 +51,18 @@ class Engine:
             raise
         return tm
 
+    def _submit(self, coro) -> concurrent.futures.Future:
+        """Hand a coroutine to the loop; shutdown cancels it if it is still pending then."""
+        fut = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        self._pending.add(fut)
+        fut.add_done_callback(self._pending.discard)
+        return fut
+
     def _run(self, coro):
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+        try:
+            return self._submit(coro).result()
+        except concurrent.futures.CancelledError:
+            raise RuntimeError(SHUT_DOWN) from None
 
     @staticmethod
     def _body(prompt: str | list[str] | None, sampling_params: dict | list[dict] | None,
@@ -87,11 +100,12 @@ class Engine:
             finally:
                 chunks.put(_STREAM_END)
 
-        fut = asyncio.run_coroutine_threadsafe(pump(), self._loop)
+        fut = self._submit(pump())
+        fut.add_done_callback(lambda f: f.cancelled() and chunks.put(RuntimeError(SHUT_DOWN)))
         try:
             while (item := chunks.get()) is not _STREAM_END:
                 if isinstance(item, BaseException):
-                    raise item
+                    raise RuntimeError(SHUT_DOWN) if isinstance(item, asyncio.CancelledError) else item
                 yield item
         finally:
             fut.cancel()  # the consumer stopped early: the stream's cleanup aborts the request
@@ -102,7 +116,13 @@ class Engine:
         tm, body = self._live(), self._body(prompt, sampling_params, input_ids, stream, kwargs)
         if stream:
             return self._async_stream(tm, body)
-        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(tm.generate(body), self._loop))
+        fut = self._submit(tm.generate(body))
+        try:
+            return await asyncio.wrap_future(fut)
+        except asyncio.CancelledError:
+            if fut.cancelled() and self.tm is None:  # shutdown cancelled it, not the caller
+                raise RuntimeError(SHUT_DOWN) from None
+            raise
 
     async def _async_stream(self, tm: TokenizerManager, body: dict[str, Any]) -> AsyncIterator[dict]:
         caller = asyncio.get_running_loop()
@@ -117,11 +137,13 @@ class Engine:
             finally:
                 caller.call_soon_threadsafe(chunks.put_nowait, _STREAM_END)
 
-        fut = asyncio.run_coroutine_threadsafe(pump(), self._loop)
+        fut = self._submit(pump())
+        fut.add_done_callback(lambda f: f.cancelled() and caller.call_soon_threadsafe(
+            chunks.put_nowait, RuntimeError(SHUT_DOWN)))
         try:
             while (item := await chunks.get()) is not _STREAM_END:
                 if isinstance(item, BaseException):
-                    raise item
+                    raise RuntimeError(SHUT_DOWN) if isinstance(item, asyncio.CancelledError) else item
                 yield item
         finally:
             fut.cancel()
@@ -141,21 +163,25 @@ class Engine:
         """The tokenizer manager, checked in the caller's thread: after shutdown nothing may be
         scheduled on the stopped loop, where it would wait forever."""
         if self.tm is None:
-            raise RuntimeError("the Engine has been shut down")
+            raise RuntimeError(SHUT_DOWN)
         return self.tm
 
     def shutdown(self) -> None:
         """Every call in flight (other threads, streams, async callers) ends with an error first;
-        then the processes stop and the loop thread ends."""
+        then the processes stop and the loop thread ends. A call handed to the loop too late to
+        run is cancelled, so its caller wakes too."""
         tm, self.tm = self.tm, None
+        on_loop = threading.current_thread() is self._thread  # never wait on the loop from the loop
         if tm is not None and self._loop.is_running():
             closing = asyncio.run_coroutine_threadsafe(_close(tm), self._loop)
-            if threading.current_thread() is not self._thread:  # never wait on the loop from the loop
+            if not on_loop:
                 closing.result(timeout=60)
         if self._loop.is_running():
             self._loop.call_soon_threadsafe(self._loop.stop)
-            if threading.current_thread() is not self._thread:
+            if not on_loop:
                 self._thread.join(timeout=10)
+        for fut in list(self._pending):
+            fut.cancel()
 
     def __enter__(self) -> "Engine":
         return self
@@ -171,6 +197,12 @@ class Engine:
 
 
 async def _close(tm: TokenizerManager) -> None:
-    tm.fail_all("the Engine was shut down")  # each waiter wakes with this error
-    await asyncio.sleep(0)  # let them run before the sockets and processes go
+    tm.fail_all("the Engine was shut down")  # each call waiting for tokens wakes with this error
+    await asyncio.sleep(0)  # and runs before the sockets and processes go
+    # what else is pending (a prompt being validated, a control request awaiting the scheduler)
+    # is cancelled: its caller wakes with the shutdown error instead of waiting forever
+    others = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
+    for task in others:
+        task.cancel()
+    await asyncio.gather(*others, return_exceptions=True)
     tm.close()

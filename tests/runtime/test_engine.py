@@ -80,3 +80,32 @@ def test_shutdown_ends_calls_in_flight_and_refuses_later_ones(tiny_model_dir):
         with pytest.raises(RuntimeError, match="has been shut down"):
             call()
     engine.shutdown()  # a second shutdown is harmless
+
+
+def test_shutdown_wakes_a_call_still_being_validated(tiny_model_dir, monkeypatch):
+    """A call not yet at the scheduler (a long prompt being tokenized in the validation pool) is
+    cancelled by shutdown, and its caller gets the shutdown error instead of waiting forever."""
+    import tandem.runtime.tokenizer_manager as tm_module
+
+    engine = _engine(tiny_model_dir)
+    validate = tm_module.normalize_generate_request
+
+    def slow_validation(*args, **kwargs):
+        time.sleep(2.0)
+        return validate(*args, **kwargs)
+
+    monkeypatch.setattr(tm_module, "normalize_generate_request", slow_validation)
+    outcome: dict = {}
+
+    def call():
+        try:
+            outcome["value"] = engine.generate(input_ids=[1, 2, 3], sampling_params=GREEDY)
+        except Exception as exc:
+            outcome["error"] = exc
+
+    caller = threading.Thread(target=call, daemon=True)
+    caller.start()
+    time.sleep(0.5)
+    engine.shutdown()
+    caller.join(20)
+    assert not caller.is_alive() and "shut down" in str(outcome.get("error")), outcome
