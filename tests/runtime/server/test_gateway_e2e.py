@@ -134,6 +134,14 @@ def test_cache_aware_gateway_is_data_parallel(deployment):
     the prefix but balances load past its thresholds, so the split is not asserted."""
     gateway, workers = deployment["cache_aware"]
     families = ["Pirate log. " * 40, "Court record, sealed. " * 25]
+    # a new prefix goes to the worker the gateway's load view (polled every 10 s) shows emptiest:
+    # a view still holding the previous test's streams (the workers are shared) sent both
+    # families to one worker ([0, 2] in CI), so wait until it shows them idle
+    deadline = time.monotonic() + 60
+    while any(x["num_running_reqs"] or x["num_used_tokens"]
+              for x in requests.get(gateway.url + "/get_loads", timeout=30).json()["loads"]):
+        assert time.monotonic() < deadline, "the gateway's load view never showed the workers idle"
+        time.sleep(0.5)
     before = [finished_requests(w) for w in workers]
 
     def introduce(family: str) -> int:  # long enough that the two overlap even when one starts late
