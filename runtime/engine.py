@@ -197,7 +197,7 @@ class Engine:
 
 
 async def _close(tm: TokenizerManager) -> None:
-    tm.fail_all("the Engine was shut down")  # each call waiting for tokens wakes with this error
+    tm.fail_all(SHUT_DOWN)  # each call waiting for tokens wakes with this error
     await asyncio.sleep(0)  # and runs before the sockets and processes go
     # what else is pending (a prompt being validated, a control request awaiting the scheduler)
     # is cancelled: its caller wakes with the shutdown error instead of waiting forever
