@@ -90,6 +90,12 @@ class Planner:
             return FinishReason(type="abort", status_code=400, err_type="BadRequest",
                                 message=f"request needs {req.max_total_len()} KV slots; the server has "
                                         f"{self.cfg.max_total_tokens}")
+        return None
+
+    def queue_error(self, req: Req) -> FinishReason | None:
+        """The 503 for `req` joining a full waiting queue (--max-queued-requests) that it cannot
+        displace anyone from. Checked whenever a request joins the queue, as SGLang does: on arrival,
+        or once its grammar has compiled."""
         cap = self.cfg.max_queued_requests
         if cap is not None and len(self.waiting) >= cap and self.queue_victim(req) is None:
             return FinishReason(type="abort", status_code=503, err_type="ServiceUnavailable",

@@ -194,7 +194,7 @@ class Scheduler:
         if self.grammar_queue:
             ready, failed = self.grammar_queue.poll()
             for req in ready:
-                self.planner.add(req)
+                self._enqueue(req)
             for req, reason in failed:
                 self._end(req, reason)
         self._expire(expired_rids)
@@ -236,16 +236,21 @@ class Scheduler:
                                  if self.args.grammar_backend == "none" else
                                  "guided decoding is not available with --tp-size > 1")
         if error is not None:
-            req.finished_reason = error
-            self.streamer.add(req)
+            self._end(req, error)
+        elif req.sampling_params.constraint is not None:
+            self.grammar_queue.add(req)  # type: ignore[union-attr]
+        else:
+            self._enqueue(req)
+
+    def _enqueue(self, req: Req) -> None:
+        """Into the waiting queue, within --max-queued-requests."""
+        if (error := self.planner.queue_error(req)) is not None:
+            self._end(req, error)
             return
         if (victim := self.planner.queue_victim(req)) is not None:
             self._finish(victim, FinishReason(type="abort", status_code=503, err_type="ServiceUnavailable",
                                               message="the waiting queue is full and a more urgent request came"))
-        if req.sampling_params.constraint is not None:
-            self.grammar_queue.add(req)  # type: ignore[union-attr]
-        else:
-            self.planner.add(req)
+        self.planner.add(req)
 
     def _flush_cache(self) -> None:
         req_ids, self._flush_pending = self._flush_pending, []

@@ -291,10 +291,10 @@ def test_a_full_queue_gives_way_to_a_more_urgent_arrival_only():
 
     for refused in (arrival("equal_0", 1), arrival("none_0", None)):
         assert core.planner.queue_victim(refused) is None
-        assert core.planner.admission_error(refused).status_code == 503
+        assert core.planner.queue_error(refused).status_code == 503
     urgent = arrival("urgent_0", 5)
-    assert core.planner.admission_error(urgent) is None and core.planner.queue_victim(urgent) is low_new
+    assert core.planner.queue_error(urgent) is None and core.planner.queue_victim(urgent) is low_new
     plain = make_core(max_running_requests=1, max_queued_requests=1)
     plain.add("a_0", 4)
-    assert plain.planner.queue_victim(urgent) is None and plain.planner.admission_error(urgent).status_code == 503
+    assert plain.planner.queue_victim(urgent) is None and plain.planner.queue_error(urgent).status_code == 503
     assert low_old in core.planner.waiting

@@ -158,6 +158,12 @@ def test_when_one_choice_fails_its_siblings_are_aborted_and_the_call_fails(tmp_p
             last = json.loads(events[-2].removeprefix(b"data: "))
             assert last["meta_info"]["finish_reason"]["status_code"] == 503 and "text" in last
             _wait(server, lambda info: info["num_queue_reqs"] == 0, timeout=3.0)
+            # guided choices wait for their grammar outside the queue, and count once they join it
+            # (SGLang checks the limit then): the third of three is refused, not queued past the limit
+            guided = {"input_ids": [7] * 4, "sampling_params": {"max_new_tokens": 4, "n": 3, "regex": "[ab]{4}"}}
+            resp = server.post("/generate", guided, timeout=20)
+            assert resp.status_code == 503 and "waiting queue is full" in resp.json()["error"]["message"]
+            _wait(server, lambda info: info["num_queue_reqs"] == 0, timeout=3.0)
             assert not blocker.done()
             server.post("/abort_request", {"rid": "blocker"})
             assert blocker.result(30)["meta_info"]["finish_reason"]["type"] == "abort"
