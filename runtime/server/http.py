@@ -132,7 +132,7 @@ def create_app(args: ServerArgs, on_child_death: Callable[[str], None] | None = 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         req = openai.completion_request(await read_json(request), served_name(),
-                                        lambda ids: holder["tm"].tokenizer.decode(ids))
+                                        lambda ids: holder["tm"].tokenizer.decode(ids, skip_special_tokens=True))
         return await openai_call(request, req)
 
     @app.post("/v1/chat/completions")
@@ -172,12 +172,20 @@ def create_app(args: ServerArgs, on_child_death: Callable[[str], None] | None = 
     for path in ("/server_info", "/get_server_info"):
         app.add_api_route(path, get_server_info, methods=["GET"])
 
+    def model_card() -> dict[str, Any]:
+        return {"id": served_name(), "object": "model", "created": 0,
+                "owned_by": "sglang",  # the gateway treats the worker as SGLang's
+                "root": served_name(), "max_model_len": holder["tm"].model_info["context_len"]}
+
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        tm = holder["tm"]
-        return {"object": "list", "data": [{"id": served_name(), "object": "model", "created": 0,
-                                            "owned_by": "sglang",  # the gateway treats the worker as SGLang's
-                                            "root": served_name(), "max_model_len": tm.model_info["context_len"]}]}
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model:path}")
+    async def retrieve_model(model: str) -> Response:
+        if model != served_name():
+            return _json(openai.error_body(404, f"the model {model!r} does not exist", "model"), 404)
+        return _json(model_card())
 
     @app.get("/v1/loads")
     async def v1_loads(request: Request) -> dict[str, Any]:

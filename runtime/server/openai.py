@@ -32,11 +32,15 @@ _SAMPLING = {
 _CONSTRAINTS = ("regex", "ebnf", "json_schema")
 _NATIVE_TO_OPENAI = {"min_new_tokens": "min_tokens", "sampling_seed": "seed"}
 # known OpenAI fields whose meaning this server does not implement: a 400, never ignored
-_UNSUPPORTED = ("tools", "tool_choice", "functions", "function_call", "audio", "modalities", "prediction",
-                "suffix", "parallel_tool_calls", "web_search_options", "reasoning_effort",
+# (tools and tool_choice: see _check_tools)
+_UNSUPPORTED = ("functions", "function_call", "audio", "modalities", "prediction", "suffix",
+                "web_search_options", "reasoning_effort", "reasoning",
                 # SGLang's extensions of the OpenAI API that this server does not implement
-                "lora_path", "custom_logit_processor", "custom_params", "stop_regex", "continue_final_message",
-                "return_hidden_states", "return_routed_experts", "session_params")
+                "lora_path", "custom_logit_processor", "custom_params", "stop_regex", "return_hidden_states",
+                "return_routed_experts", "session_params", "session_id", "cache_salt", "return_token_ids",
+                "return_prompt_token_ids", "return_meta_info", "return_cached_tokens_details")
+# the roles SGLang's protocol accepts (after lowercasing)
+_ROLES = ("system", "user", "assistant", "tool", "function", "developer", "latest_reminder")
 _NATIVE_TOP = ("rid", "priority", "extra_key")  # SGLang's extensions that /generate takes as they are
 _SAMPLING_FIELD = re.compile(r"sampling_params(?:\[\d+\])?\.(\w+)(.*)")
 _PROMPT_FIELD = re.compile(r"(?:text|input_ids)(.*)")
@@ -55,6 +59,7 @@ class OpenAIRequest:
     echo_texts: list[str] = field(default_factory=list)  # completions with echo: each prompt's text
     echo_logprobs: bool = False  # echo with logprobs: the legacy logprobs start at the prompt
     include_usage: bool = False
+    continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage on every chunk
     stream: bool = False
     reasoning: ReasoningParser | None = None  # chat: split reasoning_content off the answer
 
@@ -75,8 +80,8 @@ class OpenAIRequest:
 def completion_request(body: Any, served_model: str, decode: Callable[[list[int]], str]) -> OpenAIRequest:
     _check_object(body)
     prompt = body.get("prompt")
-    req = OpenAIRequest("completion", _model(body, served_model), _native_base(body), stream=_stream(body),
-                        include_usage=_include_usage(body))
+    req = OpenAIRequest("completion", _model(body, served_model), _native_base(body), stream=_stream(body))
+    _stream_options(body, req)
     native = req.native
     if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt)):
         native["text"] = prompt
@@ -117,19 +122,20 @@ def chat_request(body: Any, served_model: str, render: Callable[[list, dict], st
     kwargs = body.get("chat_template_kwargs") or {}
     if not isinstance(kwargs, dict):
         raise ValidationError("chat_template_kwargs", "must be an object")
-    req = OpenAIRequest("chat", _model(body, served_model), _native_base(body), stream=_stream(body),
-                        include_usage=_include_usage(body))
+    req = OpenAIRequest("chat", _model(body, served_model), _native_base(body), stream=_stream(body))
+    _stream_options(body, req)
     separate = body.get("separate_reasoning")
     if separate is not None and not isinstance(separate, bool):
         raise ValidationError("separate_reasoning", f"must be a boolean, got {separate!r}")
-    if reasoning_parser and separate is not False:  # SGLang's default: separate when a parser is set
-        req.reasoning = ReasoningParser(reasoning_parser)
-    try:
-        req.native["text"] = render(messages, kwargs)
-    except Exception as exc:  # a template error is the request's fault (a role it does not accept, ...)
-        raise ValidationError("messages", f"cannot be rendered by the chat template: {exc}") from None
+    parser = ReasoningParser.for_request(reasoning_parser, kwargs) if reasoning_parser else None
+    if separate is not False:  # SGLang's default: separate when a parser is set
+        req.reasoning = parser
+    if body.get("input_ids") is not None:  # SGLang's extension: the prompt's ids, no template
+        req.native["input_ids"] = body["input_ids"]
+    else:
+        req.native["text"] = _render(messages, kwargs, render, _flag(body, "continue_final_message"))
     req.native["sampling_params"] = {**(sampling_defaults or {}), **_sampling(body, req, default_max_tokens=None)}
-    _require_reasoning(body, req.native, reasoning_parser, kwargs)
+    _require_reasoning(body, req.native, parser)
     if _flag(body, "logprobs"):
         top = body.get("top_logprobs") or 0
         if not isinstance(top, int) or isinstance(top, bool) or not 0 <= top <= 20:
@@ -141,12 +147,34 @@ def chat_request(body: Any, served_model: str, render: Callable[[list, dict], st
     return req
 
 
+def _render(messages: list[dict], kwargs: dict, render: Callable[[list, dict], str], continue_final: bool) -> str:
+    """The prompt text, with SGLang's handling of a final assistant message: with
+    `continue_final_message` the answer continues it (its text follows the generation prompt);
+    otherwise it is rendered as a user message, so the prompt always ends on the user's side."""
+    prefix = ""
+    if messages[-1]["role"] == "assistant":
+        if continue_final:
+            prefix, messages = messages[-1]["content"], messages[:-1]
+        else:
+            messages = [*messages[:-1], {**messages[-1], "role": "user"}]
+    try:
+        return render(messages, kwargs) + prefix
+    except Exception as exc:  # a template error is the request's fault (a role it does not accept, ...)
+        raise ValidationError("messages", f"cannot be rendered by the chat template: {exc}") from None
+
+
 def _flat_message(i: int, message: dict) -> dict:
-    """Text content parts joined by newlines: the templates of text-only models take a string."""
-    if not isinstance(message.get("role"), str):
-        raise ValidationError(f"messages[{i}].role", "must be a string")
+    """Roles lowercased, as SGLang's protocol does; a null content is empty (an assistant turn that
+    only called tools); text content parts joined by spaces, as SGLang does for the templates of
+    text-only models, which take a string."""
+    role = message.get("role")
+    if not isinstance(role, str) or role.lower() not in _ROLES:
+        raise ValidationError(f"messages[{i}].role", f"must be one of {', '.join(_ROLES)}, got {role!r}")
+    message = {**message, "role": role.lower()}
     content = message.get("content")
-    if isinstance(content, (str, type(None))):
+    if content is None:
+        return {**message, "content": ""}
+    if isinstance(content, str):
         return message
     if not isinstance(content, list):
         raise ValidationError(f"messages[{i}].content", "must be a string or a list of content parts")
@@ -159,17 +187,17 @@ def _flat_message(i: int, message: dict) -> dict:
         if not isinstance(part.get("text"), str):
             raise ValidationError(f"{where}.text", "must be a string")
         texts.append(part["text"])
-    return {**message, "content": "\n".join(texts)}
+    return {**message, "content": " ".join(texts)}
 
 
-def _require_reasoning(body: dict, native: dict[str, Any], parser: str | None, kwargs: dict) -> None:
+def _require_reasoning(body: dict, native: dict[str, Any], parser: ReasoningParser | None) -> None:
     """Chat on a reasoning server: a constrained answer is reasoned freely first and the grammar
     holds after `</think>` (SGLang's chat default), unless the client says otherwise or the
     template switched thinking off."""
     if body.get("require_reasoning") is not None:
         native["require_reasoning"] = body["require_reasoning"]
-    elif parser and any(k in native["sampling_params"] for k in _CONSTRAINTS):
-        native["require_reasoning"] = parser == "deepseek-r1" or kwargs.get("enable_thinking") is not False
+    elif parser is not None and any(k in native["sampling_params"] for k in _CONSTRAINTS):
+        native["require_reasoning"] = parser.starts_inside
 
 
 def _check_object(body: Any) -> None:
@@ -178,6 +206,20 @@ def _check_object(body: Any) -> None:
     for name in _UNSUPPORTED:
         if body.get(name) not in (None, [], {}, False, ""):  # what clients send for "not used" passes
             raise ValidationError(name, "is not supported by this server")
+    _check_tools(body)
+
+
+def _check_tools(body: dict) -> None:
+    """Tool calling is not implemented: a request that could call a tool is a 400. What asks for
+    no call passes, as SGLang ignores it: tools with `tool_choice: "none"`, `tool_choice` "none" or
+    "auto" without tools, `parallel_tool_calls` (a flag about calls that cannot happen)."""
+    choice, tools = body.get("tool_choice"), body.get("tools")
+    if tools not in (None, []) and choice != "none":
+        raise ValidationError("tools", "is not supported by this server (tool_choice \"none\" ignores them)")
+    if choice not in (None, "none", "auto"):
+        raise ValidationError("tool_choice", "is not supported by this server")
+    if not isinstance(body.get("parallel_tool_calls", False), bool):
+        raise ValidationError("parallel_tool_calls", "must be a boolean")
 
 
 def _model(body: dict, served_model: str) -> str:
@@ -205,13 +247,14 @@ def _native_base(body: dict) -> dict[str, Any]:
     return native
 
 
-def _include_usage(body: dict) -> bool:
+def _stream_options(body: dict, req: OpenAIRequest) -> None:
     opts = body.get("stream_options")
     if opts is None:
-        return False
+        return
     if not isinstance(opts, dict):
         raise ValidationError("stream_options", "must be an object")
-    return _flag(opts, "include_usage")
+    req.include_usage = _flag(opts, "include_usage")
+    req.continuous_usage = req.include_usage and _flag(opts, "continuous_usage_stats")
 
 
 def _sampling(body: dict, req: OpenAIRequest, default_max_tokens: int | None) -> dict[str, Any]:
@@ -239,11 +282,11 @@ def _response_format(fmt: Any, sp: dict[str, Any]) -> None:
         raise ValidationError("response_format", "must be {\"type\": \"text\" | \"json_object\" | \"json_schema\"}")
     if fmt["type"] == "json_object":
         sp["json_schema"] = '{"type": "object"}'
-    elif fmt["type"] == "json_schema":
-        spec = fmt.get("json_schema")
-        if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
-            raise ValidationError("response_format.json_schema", "must be an object with a `schema` object")
-        sp["json_schema"] = orjson.dumps(spec.get("schema", {})).decode()
+    elif fmt["type"] == "json_schema":  # SGLang also takes the schema at the top level
+        spec = fmt.get("json_schema", {"schema": fmt.get("schema")})
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+            raise ValidationError("response_format.json_schema.schema", "is required: a JSON schema object")
+        sp["json_schema"] = orjson.dumps(spec["schema"]).decode()
 
 
 # -- responses -------------------------------------------------------------------------------------------
@@ -290,8 +333,16 @@ def _completion_logprobs(meta: dict, offset: int, start: int = 0, prompt: bool =
             offset += len(text)
             out["tokens"].append(text)
             out["token_logprobs"].append(lp)
-            out["top_logprobs"].append(None if lp is None else {t: v for v, _, t in top or []})
+            # tokens that decode alike keep the most likely one's logprob (tops come most likely first)
+            out["top_logprobs"].append(None if lp is None else _first_per_text(top or []))
     return out
+
+
+def _first_per_text(top: list) -> dict[str, float]:
+    by_text: dict[str, float] = {}
+    for v, _, t in top:
+        by_text.setdefault(t, v)
+    return by_text
 
 
 def response(req: OpenAIRequest, results: list[dict], n: int) -> dict[str, Any]:
@@ -300,7 +351,9 @@ def response(req: OpenAIRequest, results: list[dict], n: int) -> dict[str, Any]:
         meta = r["meta_info"]
         reason, matched = _finish(meta)
         if req.kind == "chat":
-            message: dict[str, Any] = {"role": "assistant", "content": r["text"]}
+            # SGLang's message always carries these keys (null here): clients read them unguarded
+            message: dict[str, Any] = {"role": "assistant", "content": r["text"], "reasoning_content": None,
+                                       "tool_calls": None}
             if req.reasoning is not None:
                 reasoning, content = req.reasoning.split(r["text"])
                 message.update(content=content, reasoning_content=reasoning or None)
@@ -358,7 +411,12 @@ async def stream_chunks(req: OpenAIRequest, cumulative: AsyncIterator[dict], n: 
             offset = 0 if with_prompt else len(echo) + text_start
             choice = {"index": i, "text": (echo if first else "") + delta_text,
                       "logprobs": _completion_logprobs(meta, offset, lp_start, with_prompt) if req.logprobs else None}
-        yield chunk({**choice, "finish_reason": reason, "matched_stop": matched})
+        out = chunk({**choice, "finish_reason": reason, "matched_stop": matched})
+        if req.continuous_usage:  # this choice's counts so far, as SGLang's continuous_usage_stats
+            prompt, completion = meta["prompt_tokens"], meta["completion_tokens"]
+            out["usage"] = {"prompt_tokens": prompt, "completion_tokens": completion,
+                            "total_tokens": prompt + completion}
+        yield out
     if req.include_usage and last:
         yield {"id": rid, "object": obj, "created": created, "model": req.model, "choices": [],
                "usage": usage([last[i] for i in sorted(last)], n)}

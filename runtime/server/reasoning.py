@@ -2,8 +2,9 @@
 
 `deepseek-r1`: the chat template opens `<think>` itself, so the answer starts inside the
 reasoning: everything before `</think>` is reasoning (all of it while `</think>` has not come).
-`qwen3`: reasoning only when the answer opens with `<think>` (thinking can be switched off
-through `chat_template_kwargs`), up to `</think>`.
+`qwen3`: the same while thinking is on (SGLang's rule: `chat_template_kwargs.enable_thinking`
+absent or true), whether the model writes `<think>` or the template opened it; with thinking
+off, reasoning only when the answer opens with `<think>`.
 
 Streaming splits the cumulative text each time, holding back a tail that could be the start of
 a tag, so what was sent as reasoning is never taken back.
@@ -19,19 +20,20 @@ PARSERS = ("deepseek-r1", "qwen3")
 @dataclass(frozen=True)
 class ReasoningParser:
     name: str
+    starts_inside: bool  # the answer is reasoning until `</think>`, with or without `<think>`
 
-    @property
-    def starts_inside(self) -> bool:
-        return self.name == "deepseek-r1"
+    @classmethod
+    def for_request(cls, name: str, template_kwargs: dict) -> "ReasoningParser":
+        return cls(name, name == "deepseek-r1" or template_kwargs.get("enable_thinking", True) is True)
 
     def split(self, text: str, final: bool = True) -> tuple[str, str]:
         """(reasoning, content). Not final: a tail that may still grow into a tag is left out."""
         body = text.lstrip()
         if body.startswith(THINK_START):
             body = body[len(THINK_START):]
+        elif not final and THINK_START.startswith(body):  # "<thi" may become "<think>"
+            return "", ""
         elif not self.starts_inside:
-            if not final and THINK_START.startswith(body):  # "<thi" may become "<think>"
-                return "", ""
             return "", text
         body = body.lstrip()
         end = body.find(THINK_END)

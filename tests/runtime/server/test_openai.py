@@ -51,11 +51,12 @@ def test_chat_takes_the_models_sampling_defaults_for_fields_it_leaves_out():
 
 
 def test_text_content_parts_are_joined_for_the_template():
+    """By spaces, as SGLang's process_content_for_template_format for string-content templates."""
     seen = []
     oa.chat_request({"messages": [{"role": "user", "content": [{"type": "text", "text": "a"},
                                                                {"type": "text", "text": "b"}]}]},
                     "served", lambda messages, kw: seen.append(messages) or "x")
-    assert seen == [[{"role": "user", "content": "a\nb"}]]
+    assert seen == [[{"role": "user", "content": "a b"}]]
 
 
 def test_require_reasoning_defaults_on_for_constrained_chat_on_a_reasoning_server():
@@ -82,7 +83,13 @@ def test_require_reasoning_defaults_on_for_constrained_chat_on_a_reasoning_serve
     ({"prompt": "a", "max_tokens": 0}, "max_tokens"),
     ({"prompt": "a", "max_completion_tokens": -1}, "max_completion_tokens"),
     ({"prompt": "a", "response_format": {"type": "json_schema", "json_schema": {"schema": 3}}},
-     "response_format.json_schema"),
+     "response_format.json_schema.schema"),
+    # SGLang's "schema_ is required": no schema is not "any JSON"
+    ({"prompt": "a", "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+     "response_format.json_schema.schema"),
+    ({"prompt": "a", "tool_choice": "required"}, "tool_choice"),
+    ({"prompt": "a", "tools": [{"type": "function"}], "tool_choice": "auto"}, "tools"),
+    ({"prompt": "a", "parallel_tool_calls": "yes"}, "parallel_tool_calls"),
 ])
 def test_bad_completion_fields(body, field):
     with pytest.raises(ValidationError) as err:
@@ -96,6 +103,7 @@ def test_bad_completion_fields(body, field):
     ({"messages": [{"role": "user", "content": [{"type": "text", "text": 3}]}]}, "messages[0].content[0].text"),
     ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
     ({"messages": [{"content": "x"}]}, "messages[0].role"),
+    ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
     ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
     ({"messages": [{"role": "user", "content": "x"}], "stream_options": 1}, "stream_options"),
     ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}, "max_tokens"),
@@ -106,8 +114,9 @@ def test_bad_chat_fields(body, field):
     assert err.value.field == field
 
 
-@pytest.mark.parametrize("field", ["lora_path", "custom_logit_processor", "stop_regex", "continue_final_message",
-                                   "return_hidden_states", "reasoning_effort", "session_params"])
+@pytest.mark.parametrize("field", ["lora_path", "custom_logit_processor", "stop_regex", "return_hidden_states",
+                                   "reasoning_effort", "reasoning", "session_params", "return_token_ids",
+                                   "return_meta_info", "cache_salt"])
 def test_sglang_extensions_this_server_lacks_are_refused_not_ignored(field):
     for make, prompt in ((_chat, {"messages": [{"role": "user", "content": "x"}]}), (_completion, {"prompt": "a"})):
         with pytest.raises(ValidationError) as err:
@@ -118,6 +127,47 @@ def test_sglang_extensions_this_server_lacks_are_refused_not_ignored(field):
 def test_sglang_extensions_sent_as_their_off_values_pass():
     off = {"return_hidden_states": False, "continue_final_message": False, "lora_path": "", "tools": []}
     assert _chat({"messages": [{"role": "user", "content": "x"}], **off}).native["text"]
+    # what asks for no tool call, as SGLang ignores it
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    for no_call in ({"tools": tools, "tool_choice": "none"}, {"tool_choice": "auto"}, {"parallel_tool_calls": True}):
+        assert _chat({"messages": [{"role": "user", "content": "x"}], **no_call}).native["text"]
+
+
+def test_messages_are_normalized_as_sglang_renders_them():
+    """Roles lowercased; a null content is empty; a final assistant message is rendered as the
+    user's (SGLang's _handle_last_assistant_message), or continued with continue_final_message."""
+    seen: list = []
+
+    def chat(messages: list, **body) -> str:
+        return oa.chat_request({"messages": messages, **body}, "served",
+                               lambda m, kw: seen.append(m) or "<prompt>").native["text"]
+
+    assert chat([{"role": "User", "content": "x"}, {"role": "assistant", "content": None},
+                 {"role": "user", "content": "y"}]) == "<prompt>"
+    assert seen.pop() == [{"role": "user", "content": "x"}, {"role": "assistant", "content": ""},
+                          {"role": "user", "content": "y"}]
+    history = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hello"}]
+    assert chat(history) == "<prompt>"
+    assert seen.pop() == [{"role": "user", "content": "hi"}, {"role": "user", "content": "Hello"}]
+    assert chat(history, continue_final_message=True) == "<prompt>Hello"
+    assert seen.pop() == [{"role": "user", "content": "hi"}]
+
+
+def test_chat_input_ids_are_the_prompt_without_the_template():
+    req = _chat({"messages": [{"role": "user", "content": "x"}], "input_ids": [1, 2, 3]})
+    assert req.native["input_ids"] == [1, 2, 3] and "text" not in req.native
+
+
+def test_response_format_json_schema_at_the_top_level():
+    fmt = {"type": "json_schema", "schema": {"type": "array"}}
+    assert _completion({"prompt": "a", "response_format": fmt}).native["sampling_params"]["json_schema"] \
+        == '{"type":"array"}'
+
+
+def test_legacy_top_logprobs_keep_the_most_likely_of_tokens_that_decode_alike():
+    meta = {"output_token_logprobs": [(-0.1, 7, "\ufffd")],
+            "output_top_logprobs": [[(-0.1, 7, "\ufffd"), (-0.5, 8, "a"), (-3.0, 9, "\ufffd")]]}
+    assert oa._completion_logprobs(meta, 0)["top_logprobs"] == [{"\ufffd": -0.1, "a": -0.5}]
 
 
 def test_rid_priority_and_extra_key_reach_generate():
@@ -165,7 +215,9 @@ def test_response_shapes_and_usage_count_each_prompt_once():
                      "top_logprobs": [{"a": -0.5, "z": -2.0}, {"b": -1.0}], "text_offset": [0, 1]}
     assert out["choices"][2]["finish_reason"] == "length" and out["choices"][2]["text"] == "qef"
     chat = oa.response(_chat({"messages": [{"role": "user", "content": "x"}], "logprobs": True}), results[:1], 1)
-    assert chat["choices"][0]["message"] == {"role": "assistant", "content": "ab"}
+    # SGLang's message always has reasoning_content and tool_calls (null): clients read them unguarded
+    assert chat["choices"][0]["message"] == {"role": "assistant", "content": "ab", "reasoning_content": None,
+                                             "tool_calls": None}
     assert chat["choices"][0]["logprobs"]["content"][0] == {"token": "a", "logprob": -0.5, "bytes": [97],
                                                             "top_logprobs": [{"token": "a", "logprob": -0.5,
                                                                               "bytes": [97]},
@@ -224,6 +276,11 @@ def test_stream_chunks_are_deltas_then_usage():
     assert [c["choices"][0]["finish_reason"] for c in chunks[:-1]] == [None, "stop"]
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 2
     assert all(c["object"] == "chat.completion.chunk" and c["id"] == chunks[0]["id"] for c in chunks)
+    assert all("usage" not in c for c in chunks[:-1])
+    # continuous_usage_stats: every chunk also carries its choice's counts so far
+    req.continuous_usage = True
+    chunks = asyncio.run(collect())
+    assert [c["usage"]["completion_tokens"] for c in chunks] == [1, 2, 2]
 
 
 def test_errors_have_openai_shape():

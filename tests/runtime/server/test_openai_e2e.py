@@ -39,7 +39,7 @@ def test_chat_answer_equals_generate_on_the_rendered_template(client, smol_serve
         assert chat.usage.completion_tokens == native["meta_info"]["completion_tokens"]
         assert chat.object == "chat.completion" and chat.id.startswith("chatcmpl-")
     parts = [{"role": "user", "content": [{"type": "text", "text": "Name three"}, {"type": "text", "text": "colors."}]}]
-    joined = [{"role": "user", "content": "Name three\ncolors."}]
+    joined = [{"role": "user", "content": "Name three colors."}]
     assert (client.chat.completions.create(model="m", messages=parts, **GREEDY).choices[0].message.content
             == client.chat.completions.create(model="m", messages=joined, **GREEDY).choices[0].message.content)
 
@@ -56,6 +56,23 @@ def test_greedy_completions_equal_generate_and_echo(client, smol_server):
     batch = client.completions.create(model="m", prompt=[prompt, "Once upon a time"], max_tokens=5, temperature=0)
     assert [c.index for c in batch.choices] == [0, 1] and batch.choices[0].text == native["text"][:len(
         batch.choices[0].text)]
+
+
+def test_sglang_client_surface(client, smol_server, smol_tokenizer):
+    """What SGLang's OpenAI layer gives a client: the model card by id (404 for another), a chat
+    message whose reasoning_content and tool_calls are there (null), an echoed token-id prompt
+    decoded without special tokens."""
+    served = client.models.list().data[0].id
+    assert client.models.retrieve(served).id == served
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("no-such-model")
+    message = client.chat.completions.create(model="m", messages=CHAT, **GREEDY).choices[0].message
+    assert message.reasoning_content is None and message.tool_calls is None
+    text = smol_tokenizer.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=True)
+    ids = smol_tokenizer.encode(text, add_special_tokens=False)
+    echoed = client.completions.create(model="m", prompt=ids, max_tokens=2, temperature=0, echo=True)
+    assert echoed.choices[0].text.startswith(smol_tokenizer.decode(ids, skip_special_tokens=True))
+    assert "<|im_start|>" not in echoed.choices[0].text
 
 
 def test_streaming_deltas_add_up_and_usage_comes_last(client):

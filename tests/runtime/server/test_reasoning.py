@@ -5,7 +5,8 @@ import pytest
 
 from tandem.runtime.server.reasoning import ReasoningParser, StreamSplitter
 
-R1, QWEN3 = ReasoningParser("deepseek-r1"), ReasoningParser("qwen3")
+R1 = ReasoningParser.for_request("deepseek-r1", {"enable_thinking": False})  # the template opens <think>
+QWEN3 = ReasoningParser.for_request("qwen3", {"enable_thinking": False})
 
 
 def test_whole_answers():
@@ -17,11 +18,25 @@ def test_whole_answers():
     assert QWEN3.split("<think>cut off") == ("cut off", "")
 
 
+def test_qwen3_is_reasoning_until_the_end_tag_while_thinking_is_on():
+    """SGLang's rule (_get_reasoning_from_request): thinking is on unless enable_thinking is set
+    to something other than true, and then the answer is reasoning up to `</think>` even when the
+    template opened `<think>` itself (Qwen3 thinking-only templates)."""
+    for kwargs in ({}, {"enable_thinking": True}):
+        thinking = ReasoningParser.for_request("qwen3", kwargs)
+        assert thinking.split("step1 step2</think>\n\nThe answer") == ("step1 step2", "The answer")
+        assert thinking.split("<think>plan</think>Answer") == ("plan", "Answer")
+        assert thinking.split("still thinking") == ("still thinking", "")
+    assert ReasoningParser.for_request("qwen3", {"enable_thinking": "yes"}) == QWEN3
+
+
 @pytest.mark.parametrize("parser, text", [
     (R1, "plan step one \n and two\n</think>\n\nThe answer is 4."),
     (QWEN3, "<think>\nhmm </ not yet\n</think>\n\nFour."),
     (QWEN3, "No thinking at all."),
     (R1, "never ends"),
+    (ReasoningParser.for_request("qwen3", {}), "<think>plan</think>Answer"),  # "<thi" is not reasoning
+    (ReasoningParser.for_request("qwen3", {}), "plan</think>Answer"),
 ])
 def test_streamed_deltas_add_up_to_the_whole_split(parser, text):
     for step in (1, 2, 3, 7):
