@@ -50,14 +50,21 @@ def test_health_generate_is_ok_on_a_busy_server(tmp_path, tiny_model_dir):
                            "--health-generate-timeout", "5"], str(tmp_path / "busy.log"))
     try:
         long = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 2000, "ignore_eos": True}}
-        with ThreadPoolExecutor(2) as pool:
-            calls = [pool.submit(server.post, "/generate", long) for _ in range(2)]
+        def wait_for(running: int, queued: int) -> None:
             deadline = time.monotonic() + 30
             while time.monotonic() < deadline:
                 info = server.info()
-                if info["num_running_reqs"] == 1 and info["num_queue_reqs"] == 1:
-                    break
+                if info["num_running_reqs"] == running and info["num_queue_reqs"] == queued:
+                    return
                 time.sleep(0.02)
+            raise AssertionError(f"never {running} running and {queued} queued: {info}")
+
+        with ThreadPoolExecutor(2) as pool:
+            # one after the other: the second arriving while the first still waits would be refused
+            calls = [pool.submit(server.post, "/generate", long)]
+            wait_for(1, 0)
+            calls.append(pool.submit(server.post, "/generate", long))
+            wait_for(1, 1)
             resp = server.get("/health_generate")
             server.post("/abort_request", {"abort_all": True})
             assert all(call.result(60).status_code == 200 for call in calls)
