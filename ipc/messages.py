@@ -252,6 +252,8 @@ class ReadyMsg(_Msg, kw_only=True):
     context_len: int = 0
     vocab_size: int = 0
     max_running_requests: int = 0
+    architecture: str = ""  # config.json's architectures[0] (GGUF: the architecture it maps to)
+    eos_token_ids: tuple[int, ...] = ()  # the end tokens the scheduler stops on
 
 
 class ChildError(_Msg, kw_only=True):

@@ -94,7 +94,8 @@ class TokenizerManager:
                 waiting.discard(msg.role)
                 if msg.role == "scheduler":
                     self.model_info = {"max_total_num_tokens": msg.max_total_tokens, "context_len": msg.context_len,
-                                       "vocab_size": msg.vocab_size, "max_running_requests": msg.max_running_requests}
+                                       "vocab_size": msg.vocab_size, "max_running_requests": msg.max_running_requests,
+                                       "architectures": [msg.architecture], "eos_token_ids": list(msg.eos_token_ids)}
         self.vocab_size = self.model_info["vocab_size"]
         self.context_len = self.model_info["context_len"]
         args = self.args

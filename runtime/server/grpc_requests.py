@@ -93,18 +93,29 @@ _SMG_CONSTRAINT = {"regex": "regex", "json_schema": "json_schema", "ebnf_grammar
                    "structural_tag": "structural_tag"}
 
 
-def scheduler_service_request(req: Any) -> GrpcRequest:
-    """smg's GenerateRequest (token ids the gateway tokenized itself) -> a /generate body."""
+def scheduler_service_request(req: Any, context_len: int) -> GrpcRequest:
+    """smg's GenerateRequest (token ids the gateway tokenized itself) -> a /generate body.
+
+    An explicit max_new_tokens beyond the context is shortened to what fits, as SGLang's
+    scheduler does for the requests its gRPC servicer hands it (its HTTP path refuses them
+    before, and so does /generate here)."""
     if req.HasField("mm_inputs") and req.mm_inputs.ByteSize():
         raise ValidationError("mm_inputs", "is not supported by this server (text-only model)")
     for name in ("input_embeds", "lora_id", "custom_logit_processor"):
         if getattr(req, name):
             raise ValidationError(name, "is not supported by this server")
-    out = GrpcRequest({"input_ids": list(req.tokenized.input_ids), "stream": req.stream})
+    if req.HasField("disaggregated_params") and req.disaggregated_params.ByteSize():
+        raise ValidationError("disaggregated_params", "prefill/decode disaggregation is not supported by this server")
+    if req.HasField("data_parallel_rank") and req.data_parallel_rank != 0:
+        raise ValidationError("data_parallel_rank", f"this server has one rank (0), got {req.data_parallel_rank}")
+    input_ids = list(req.tokenized.input_ids)
+    out = GrpcRequest({"input_ids": input_ids, "stream": req.stream})
     body = out.native
     if req.request_id:
         body["rid"] = req.request_id
-    body["sampling_params"] = _scheduler_sampling(req.sampling_params, out.renames)
+    body["sampling_params"] = sp = _scheduler_sampling(req.sampling_params, out.renames)
+    if sp["max_new_tokens"] is not None:
+        sp["max_new_tokens"] = min(sp["max_new_tokens"], max(context_len - len(input_ids), 0))
     if req.return_logprob:
         body.update(return_logprob=True, logprob_start_len=req.logprob_start_len,
                     top_logprobs_num=req.top_logprobs_num)

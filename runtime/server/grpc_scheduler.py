@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import io
+import json
 import tempfile
 import time
 import zipfile
@@ -30,34 +31,45 @@ from tandem.runtime.server.info import VERSION, current_loads, health_generate, 
 from tandem.runtime.tokenizer_manager import TokenizerManager
 
 HEALTH_TIMEOUT_S = 20.0
+_MODEL_TYPES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
+                "Qwen3ForCausalLM": "qwen3"}  # config.json's model_type of each architecture
 _TOKENIZER_CHUNK = 1 << 20
+
+
+def _top_rows(rows: list) -> list:
+    return [pb.TopLogProbs(values=[t[0] for t in top or []], token_ids=[t[1] for t in top or []]) for top in rows]
 
 
 def _output_logprobs(meta: dict, start: int) -> Any:
     rows = meta.get("output_token_logprobs")
     if rows is None:
         return None
-    tops = meta.get("output_top_logprobs") or []
     return pb.OutputLogProbs(
         token_logprobs=[r[0] for r in rows[start:]], token_ids=[r[1] for r in rows[start:]],
-        top_logprobs=[pb.TopLogProbs(values=[t[0] for t in top or []], token_ids=[t[1] for t in top or []])
-                      for top in tops[start:]])
+        top_logprobs=_top_rows((meta.get("output_top_logprobs") or [])[start:]),
+        token_ids_logprobs=_top_rows((meta.get("output_token_ids_logprobs") or [])[start:]))
 
 
 def _input_logprobs(meta: dict) -> Any:
     rows = meta.get("input_token_logprobs")
     if not rows:
         return None
-    tops = meta.get("input_top_logprobs") or []
     return pb.InputLogProbs(
         token_logprobs=[pb.InputTokenLogProb() if r[0] is None else pb.InputTokenLogProb(value=r[0]) for r in rows],
-        token_ids=[r[1] for r in rows],
-        top_logprobs=[pb.TopLogProbs(values=[t[0] for t in top or []], token_ids=[t[1] for t in top or []])
-                      for top in tops])
+        token_ids=[r[1] for r in rows], top_logprobs=_top_rows(meta.get("input_top_logprobs") or []))
 
 
-def _complete(rid: str, result: dict, start: int = 0) -> Any:
-    """`start`: where the output ids and logprobs it carries begin (a stream's last delta)."""
+def _hidden_states(meta: dict, logprob_start_len: int) -> list:
+    """return_hidden_states: meta_info's rows, which cover consecutive positions: the prompt's
+    from logprob_start_len (when >= 0), then each output token's (its last prompt position first)."""
+    rows = meta.get("hidden_states") or []
+    first = logprob_start_len if logprob_start_len >= 0 else meta["prompt_tokens"] - 1
+    return [pb.HiddenStates(values=list(row), position=first + i) for i, row in enumerate(rows)]
+
+
+def _complete(rid: str, result: dict, start: int = 0, with_prompt: bool = True, logprob_start_len: int = -1) -> Any:
+    """`start`: where the output ids and logprobs it carries begin (a stream's last delta);
+    `with_prompt`: the prompt's logprobs too (a stream sent them in its first chunk)."""
     meta = result["meta_info"]
     reason = meta["finish_reason"] or {}
     matched = reason.get("matched")
@@ -67,7 +79,8 @@ def _complete(rid: str, result: dict, start: int = 0) -> Any:
         output_ids=result["output_ids"][start:], finish_reason=reason.get("type", "stop"),
         prompt_tokens=meta["prompt_tokens"], completion_tokens=meta["completion_tokens"],
         cached_tokens=meta["cached_tokens"], output_logprobs=_output_logprobs(meta, start),
-        input_logprobs=_input_logprobs(meta), index=result.get("index", 0), **stop))
+        input_logprobs=_input_logprobs(meta) if with_prompt else None, all_hidden_states=_hidden_states(meta, logprob_start_len),
+        index=result.get("index", 0), **stop))
 
 
 def _struct(values: dict) -> Struct:
@@ -83,8 +96,10 @@ class SchedulerService:
         self.started = time.time()
 
     async def Generate(self, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-        req = scheduler_service_request(request)
+        req = scheduler_service_request(request, self.tm.context_len)
         rid, stream = request.request_id, request.stream
+        start_len = req.native.get("logprob_start_len", -1)
+        with_prompt = start_len >= 0  # as SGLang's servicer: no prompt logprobs for -1 (the gateway's chat)
         sent_tokens: dict[int, int] = {}
         async for result in native_results(self.tm, req):
             index, meta = result.get("index", 0), result["meta_info"]
@@ -98,9 +113,10 @@ class SchedulerService:
                         token_ids=new, prompt_tokens=meta["prompt_tokens"],
                         completion_tokens=meta["completion_tokens"], cached_tokens=meta["cached_tokens"],
                         output_logprobs=_output_logprobs(meta, start),
-                        input_logprobs=_input_logprobs(meta) if start == 0 else None, index=index))
+                        input_logprobs=_input_logprobs(meta) if start == 0 and with_prompt else None, index=index))
             if meta["finish_reason"] is not None:
-                yield _complete(rid, result, start)  # streaming: the last delta again, as SGLang's servicer
+                # streaming: the last delta again, as SGLang's servicer (the prompt's logprobs went first)
+                yield _complete(rid, result, start, with_prompt=with_prompt and not stream, logprob_start_len=start_len)
 
     async def Abort(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         found = self.tm.abort(request.request_id)
@@ -115,33 +131,41 @@ class SchedulerService:
         return pb.HealthCheckResponse(healthy=True, message="a 1-token generation went through")
 
     async def GetModelInfo(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        """The gateway applies `default_sampling_params_json` to every request that leaves those
+        fields out, as SGLang's chat does with the model's generation_config.json."""
         info, tok = model_info(self.tm), self.tm.tokenizer
-        eos = tok.eos_token_id
+        arch = info["architectures"][0]
+        defaults = self.tm.chat_sampling_defaults
         return pb.GetModelInfoResponse(
             model_path=info["model_path"], tokenizer_path=info["tokenizer_path"] or "", is_generation=True,
             served_model_name=served_model_name(self.tm.args), max_context_length=info["context_len"],
-            vocab_size=info["vocab_size"], model_type="llama", eos_token_ids=[] if eos is None else [eos],
-            pad_token_id=tok.pad_token_id or 0, bos_token_id=tok.bos_token_id or 0,
-            max_req_input_len=info["context_len"] - 1)
+            vocab_size=info["vocab_size"], model_type=_MODEL_TYPES.get(arch, ""), architectures=info["architectures"],
+            eos_token_ids=info["eos_token_ids"], pad_token_id=tok.pad_token_id or 0, bos_token_id=tok.bos_token_id or 0,
+            max_req_input_len=info["context_len"], weight_version=info["weight_version"],
+            default_sampling_params_json=json.dumps(defaults) if defaults else "")
 
     async def GetServerInfo(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         info = await server_info(self.tm)
         started = Timestamp()
         started.FromSeconds(int(self.started))
         return pb.GetServerInfoResponse(
-            server_args=_struct({k: v for k, v in vars(self.tm.args).items() if k in info}),
+            # server_info's arguments and counters (no secrets), and what the gateway labels workers by
+            server_args=_struct({**info, **{k: v for k, v in model_info(self.tm).items()
+                                            if k in ("model_path", "weight_version", "vocab_size", "context_len")}}),
             scheduler_info=_struct(await self.tm.server_info()), active_requests=len(self.tm.groups),
             uptime_seconds=time.time() - self.started, sglang_version=VERSION, server_type="grpc",
             start_time=started, max_total_num_tokens=info.get("max_total_num_tokens", 0))
 
     async def GetLoads(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        """One scheduler, dp_rank 0: asked for another rank, no loads (as SGLang's for a rank it lacks)."""
         report = await current_loads(self.tm, set(request.include) or None)
         load = dict(report["loads"][0])
         queues = load.pop("queues", None)
-        return pb.GetLoadsResponse(
-            timestamp=report["timestamp"], version=report["version"], dp_rank_count=1,
-            loads=[pb.SchedulerLoad(**load, queues=pb.QueueMetrics(**queues) if queues else None)],
-            aggregate=pb.AggregateMetrics(**report["aggregate"]))
+        loads = [pb.SchedulerLoad(**load, queues=pb.QueueMetrics(**queues) if queues else None)]
+        if request.HasField("dp_rank") and request.dp_rank != 0:
+            loads = []
+        return pb.GetLoadsResponse(timestamp=report["timestamp"], version=report["version"], dp_rank_count=len(loads),
+                                   loads=loads, aggregate=pb.AggregateMetrics(**report["aggregate"]))
 
     async def FlushCache(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         self.auth.check(context, admin=True)

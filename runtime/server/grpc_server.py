@@ -87,7 +87,8 @@ def service_handler(descriptor: Any, servicer: Any, auth: GrpcAuth) -> grpc.Gene
     for method in descriptor.methods:
         request_cls = message_factory.GetMessageClass(method.input_type)
         response_cls = message_factory.GetMessageClass(method.output_type)
-        impl = getattr(servicer, method.name, None) or _unimplemented(descriptor.full_name, method.name)
+        impl = getattr(servicer, method.name, None) or _unimplemented(descriptor.full_name, method.name,
+                                                                      method.server_streaming)
         make = grpc.unary_stream_rpc_method_handler if method.server_streaming else grpc.unary_unary_rpc_method_handler
         needs_key = auth if method.name not in _OPEN_METHODS else GrpcAuth()
         wrapped = _streaming(impl, needs_key) if method.server_streaming else _unary(impl, needs_key)
@@ -96,10 +97,20 @@ def service_handler(descriptor: Any, servicer: Any, auth: GrpcAuth) -> grpc.Gene
     return grpc.method_handlers_generic_handler(descriptor.full_name, handlers)
 
 
-def _unimplemented(service: str, name: str) -> Callable:
-    async def impl(request: Any, context: grpc.aio.ServicerContext) -> Any:
-        raise GrpcError(grpc.StatusCode.UNIMPLEMENTED, f"{service}/{name} is not implemented by tandem")
-    return impl
+def _unimplemented(service: str, name: str, streaming: bool) -> Callable:
+    """UNIMPLEMENTED, in the shape the handler runs (a streaming one iterates it): the gateway's
+    KV-event subscription stops on UNIMPLEMENTED, and retries forever on anything else."""
+    def error() -> GrpcError:
+        return GrpcError(grpc.StatusCode.UNIMPLEMENTED, f"{service}/{name} is not implemented by tandem")
+
+    async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        raise error()
+
+    async def stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        raise error()
+        yield  # a generator: raises at the first step
+
+    return stream if streaming else unary
 
 
 def _unary(impl: Callable, auth: GrpcAuth) -> Callable:

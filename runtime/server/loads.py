@@ -7,6 +7,8 @@ from __future__ import annotations
 import datetime
 from typing import Any
 
+from tandem.runtime.sampling.params import ValidationError
+
 
 def scheduler_load(info: dict[str, Any], max_running_requests: int, cache_hit_rate: float) -> dict[str, Any]:
     total = info.get("max_total_num_tokens") or 0
@@ -23,8 +25,14 @@ def scheduler_load(info: dict[str, Any], max_running_requests: int, cache_hit_ra
     }
 
 
+SECTIONS = frozenset({"core", "memory", "spec", "lora", "disagg", "queues", "all"})  # SGLang's
+
+
 def loads_report(load: dict[str, Any], version: str, include: set[str] | None = None) -> dict[str, Any]:
-    """`include` (SGLang's ?include=core,queues,...): the optional sections kept; None keeps all."""
+    """`include` (SGLang's ?include=core,queues,...): the optional sections kept; None keeps all.
+    Of SGLang's sections this server has core and queues; an unknown one is a ValidationError."""
+    if include is not None and (unknown := include - SECTIONS):
+        raise ValidationError("include", f"unknown sections {sorted(unknown)}; SGLang's are {sorted(SECTIONS)}")
     if include is not None and "all" not in include and "queues" not in include:
         load = {k: v for k, v in load.items() if k != "queues"}
     return {

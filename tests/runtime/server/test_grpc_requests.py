@@ -52,32 +52,48 @@ def test_native_errors_are_renamed_to_the_proto_fields():
     req = native_service_request(pb.GenerateRequest(input_ids=[1], max_thinking_tokens=2, sampling_params=sp), text=False)
     assert req.rename(ValidationError("sampling_params.regex", "x")).field == "sampling_params.guided_decoding.choice"
     assert req.rename(ValidationError("sampling_params.max_thinking_tokens", "x")).field == "max_thinking_tokens"
-    smg = scheduler_service_request(spb.GenerateRequest(sampling_params=spb.SamplingParams(ebnf_grammar="")))
+    smg = scheduler_service_request(spb.GenerateRequest(sampling_params=spb.SamplingParams(ebnf_grammar="")), 64)
     assert smg.rename(ValidationError("sampling_params.ebnf", "x")).field == "sampling_params.ebnf_grammar"
 
 
 def test_scheduler_request_leaves_out_proto_zeros_that_mean_unset():
     req = spb.GenerateRequest(request_id="g1", tokenized=spb.TokenizedInput(input_ids=[4, 5]), stream=True,
                               sampling_params=spb.SamplingParams(temperature=0.7, max_new_tokens=0, regex="[0-9]"))
-    body = scheduler_service_request(req).native
+    body = scheduler_service_request(req, 64).native
     assert body["rid"] == "g1" and body["input_ids"] == [4, 5] and body["stream"] is True
     sp = body["sampling_params"]
     assert sp["temperature"] == pytest.approx(0.7) and sp["max_new_tokens"] == 0 and sp["regex"] == "[0-9]"
     assert not {"top_p", "top_k", "n", "repetition_penalty", "stream_interval"} & set(sp)
     assert "return_logprob" not in body and "require_reasoning" not in body
     logprobs = scheduler_service_request(spb.GenerateRequest(return_logprob=True, top_logprobs_num=2,
-                                                             logprob_start_len=-1, require_reasoning=True)).native
+                                                             logprob_start_len=-1, require_reasoning=True), 64).native
     assert (logprobs["top_logprobs_num"], logprobs["logprob_start_len"], logprobs["require_reasoning"]) == (2, -1, True)
     # unset max_new_tokens fills the context (null), as SGLang's servicer passes None
     assert logprobs["sampling_params"]["max_new_tokens"] is None
+
+
+def test_scheduler_request_shortens_max_new_tokens_to_the_context_as_sglangs_scheduler():
+    """The gateway's requests reach SGLang's scheduler without the HTTP check, and it shortens an
+    explicit max_new_tokens to the room the context leaves (the request then ends with "length")."""
+    def max_new(asked: int, prompt_len: int) -> int:
+        req = spb.GenerateRequest(tokenized=spb.TokenizedInput(input_ids=[3] * prompt_len),
+                                  sampling_params=spb.SamplingParams(max_new_tokens=asked))
+        return scheduler_service_request(req, 64).native["sampling_params"]["max_new_tokens"]
+
+    assert (max_new(100000, 11), max_new(20, 11), max_new(53, 11), max_new(5, 64)) == (53, 20, 53, 0)
 
 
 @pytest.mark.parametrize("req, field", [
     (spb.GenerateRequest(lora_id="x"), "lora_id"),
     (spb.GenerateRequest(mm_inputs=spb.MultimodalInputs(image_urls=["u"])), "mm_inputs"),
     (spb.GenerateRequest(input_embeds=[0.5]), "input_embeds"),
+    # prefill/decode disaggregation and data-parallel ranks would be a different answer, not this one
+    (spb.GenerateRequest(disaggregated_params=spb.DisaggregatedParams(bootstrap_host="h", bootstrap_room=3)),
+     "disaggregated_params"),
+    (spb.GenerateRequest(data_parallel_rank=3), "data_parallel_rank"),
 ])
 def test_scheduler_request_refuses_what_the_server_lacks(req, field):
     with pytest.raises(ValidationError) as err:
-        scheduler_service_request(req)
+        scheduler_service_request(req, 64)
     assert err.value.field == field
+    assert scheduler_service_request(spb.GenerateRequest(data_parallel_rank=0), 64).native  # rank 0 is this one

@@ -55,6 +55,31 @@ def test_greedy_equals_generate_streamed_and_not(stub, grpc_server):
         list(done.output_logprobs.token_logprobs), abs=1e-5)
     prompt_lp = generate(stub, return_logprob=True, logprob_start_len=0)[0].complete.input_logprobs
     assert not prompt_lp.token_logprobs[0].HasField("value") and len(prompt_lp.token_ids) == len(PROMPT)
+    # as SGLang's servicer: no prompt logprobs for start -1, and a stream sends them once (first chunk)
+    assert not done.HasField("input_logprobs") and not any(c.HasField("input_logprobs") for c in chunks)
+    scored = generate(stub, stream=True, return_logprob=True, logprob_start_len=0)
+    assert [r.chunk.HasField("input_logprobs") if r.HasField("chunk") else r.complete.HasField("input_logprobs")
+            for r in scored] == [True] + [False] * (len(scored) - 1)
+
+
+def test_token_ids_logprobs_hidden_states_and_a_long_max_new_tokens(stub, grpc_server):
+    """token_ids_logprob rows per output token, return_hidden_states rows per position, and a
+    max_new_tokens past the context shortened to what fits (SGLang's scheduler) instead of refused."""
+    http = grpc_server.generate({"input_ids": PROMPT, "return_logprob": True, "token_ids_logprob": [5, 9],
+                                 "sampling_params": {"temperature": 0, "max_new_tokens": 8}})
+    (out,) = generate(stub, return_logprob=True, token_ids_logprob=[5, 9], return_hidden_states=True,
+                      logprob_start_len=-1)
+    rows = out.complete.output_logprobs.token_ids_logprobs
+    assert [list(r.token_ids) for r in rows] == [[5, 9]] * 8
+    assert [v for r in rows for v in r.values] == pytest.approx(
+        [v[0] for row in http["meta_info"]["output_token_ids_logprobs"] for v in row], abs=1e-5)
+    hidden = out.complete.all_hidden_states
+    assert [h.position for h in hidden] == list(range(len(PROMPT) - 1, len(PROMPT) + 7))
+    assert len({len(h.values) for h in hidden}) == 1 and len(hidden[0].values) > 0
+    (long,) = stub.Generate(pb.GenerateRequest(tokenized=pb.TokenizedInput(input_ids=[5] * 2040),
+                                               sampling_params=params(max_new_tokens=100000, ignore_eos=True)),
+                            timeout=120)
+    assert long.complete.finish_reason == "length" and long.complete.completion_tokens == 8  # 2048 - 2040
 
 
 def test_n2_answers_per_index(stub):
@@ -130,11 +155,18 @@ def test_info_loads_flush_tokenizer_and_unimplemented(stub, grpc_server, smol_to
     assert health.healthy
     info = stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=30)
     assert info.vocab_size == 49152 and info.max_context_length == 2048 and info.is_generation
-    assert list(info.eos_token_ids) == [smol_tokenizer.eos_token_id]
+    assert smol_tokenizer.eos_token_id in info.eos_token_ids
+    assert (list(info.architectures), info.model_type, info.weight_version) == (["LlamaForCausalLM"], "llama", "default")
     server = stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=30)
     assert server.server_type == "grpc" and server.max_total_num_tokens == 6000
     loads = stub.GetLoads(pb.GetLoadsRequest(include=["core", "queues"]), timeout=30)
     assert loads.dp_rank_count == 1 and loads.loads[0].max_total_num_tokens == 6000
+    assert not stub.GetLoads(pb.GetLoadsRequest(dp_rank=3), timeout=30).loads  # no such rank here
+    with pytest.raises(grpc.RpcError) as err:
+        stub.GetLoads(pb.GetLoadsRequest(include=["bogus"]), timeout=30)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "include" in err.value.details()
+    args = server.server_args
+    assert args["model_path"] and args["weight_version"] == "default" and args["dp_size"] == 1
     assert stub.FlushCache(common_pb2.FlushCacheRequest(timeout_s=5), timeout=30).success
     chunks = list(stub.GetTokenizer(common_pb2.GetTokenizerRequest(), timeout=60))
     data = b"".join(c.data for c in chunks)
@@ -143,3 +175,7 @@ def test_info_loads_flush_tokenizer_and_unimplemented(stub, grpc_server, smol_to
     with pytest.raises(grpc.RpcError) as err:
         stub.Embed(pb.EmbedRequest(), timeout=30)
     assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    # a streaming one too: the gateway's KV-event subscription stops only on UNIMPLEMENTED
+    with pytest.raises(grpc.RpcError) as err:
+        list(stub.SubscribeKvEvents(common_pb2.SubscribeKvEventsRequest(), timeout=30))
+    assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED, err.value.details()
