@@ -128,18 +128,21 @@ class TokenizerManager:
                                                   chat_template=self.chat_template, **template_kwargs)
 
     # -- submission -------------------------------------------------------------------------------------
-    def _tokenize(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=False)
+    def _tokenizer_for(self, add_special_tokens: bool) -> Callable[[str], list[int]]:
+        return lambda text: self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
-    async def _submit(self, body: Any) -> Call:
+    async def _submit(self, body: Any, add_special_tokens: bool = True) -> Call:
         """Validate the whole call (off the event loop: tokenizing a long text takes a while),
-        check its rids, then register and send every choice."""
+        check its rids, then register and send every choice. A text prompt gets the tokenizer's
+        special tokens (a BOS where the model has one), as SGLang tokenizes it; a rendered chat
+        template has written them already."""
         if self.dead_reason:
             raise RequestError(500, self.dead_reason)
         if self.draining:
             raise RequestError(503, SHUTTING_DOWN)
         norm = await asyncio.get_running_loop().run_in_executor(
-            self._validation_pool, normalize_generate_request, body, self.limits, self._tokenize)
+            self._validation_pool, normalize_generate_request, body, self.limits,
+            self._tokenizer_for(add_special_tokens))
         if self.dead_reason:
             raise RequestError(500, self.dead_reason)
         check_rids_free(norm.items, self.groups)
@@ -186,10 +189,11 @@ class TokenizerManager:
         return self.tokenizer.batch_decode([[i] for i in ids])
 
     # -- the two response shapes ----------------------------------------------------------------------------
-    async def generate(self, body: Any, is_disconnected: Callable[[], Any] | None = None) -> dict | list[dict]:
+    async def generate(self, body: Any, is_disconnected: Callable[[], Any] | None = None,
+                       add_special_tokens: bool = True) -> dict | list[dict]:
         """Non-streaming: the finished result (a list for batch input or n > 1). The first choice
         that fails ends the whole call with its error (its siblings are aborted)."""
-        call = await self._submit(body)
+        call = await self._submit(body, add_special_tokens)
         next_poll = time.monotonic() + DISCONNECT_POLL_S
         try:
             while not all(g.finished for g in call.groups):
@@ -219,13 +223,13 @@ class TokenizerManager:
                 self._validation_pool, lambda: [c.result() for c in call.choices])
         return [c.result() for c in call.choices]
 
-    async def generate_stream(self, body: Any) -> AsyncIterator[dict]:
+    async def generate_stream(self, body: Any, add_special_tokens: bool = True) -> AsyncIterator[dict]:
         """Streaming: cumulative results as they grow; ends when every choice has finished.
         Validation runs now, before any byte of the stream is sent (so bad input is still a 400);
         a failed choice (scheduler-initiated, or a dead child) ends the stream with its last chunk,
         its finish_reason an abort with the status (request_groups.stream_error), as SGLang's, and
         the other choices are aborted."""
-        return self._stream(await self._submit(body))
+        return self._stream(await self._submit(body, add_special_tokens))
 
     async def _stream(self, call: Call) -> AsyncIterator[dict]:
         sent = {id(c): 0 for c in call.choices}  # version 0: nothing received yet

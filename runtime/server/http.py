@@ -120,10 +120,10 @@ def create_app(args: ServerArgs, on_child_death: Callable[[str], None] | None = 
         n = req.native["sampling_params"].get("n") or 1
         try:
             if req.stream:
-                cumulative = await tm.generate_stream(req.native)
+                cumulative = await tm.generate_stream(req.native, req.add_special_tokens)
                 return StreamingResponse(_sse(openai.stream_chunks(req, cumulative, n)),
                                          media_type="text/event-stream")
-            results = await tm.generate({**req.native}, request.is_disconnected)
+            results = await tm.generate({**req.native}, request.is_disconnected, req.add_special_tokens)
         except ValidationError as exc:
             raise req.rename(exc) from None
         results = results if isinstance(results, list) else [results]

@@ -62,6 +62,7 @@ class OpenAIRequest:
     continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage on every chunk
     stream: bool = False
     reasoning: ReasoningParser | None = None  # chat: split reasoning_content off the answer
+    add_special_tokens: bool = True  # a text prompt's BOS; a chat template writes its own
 
     def rename(self, exc: ValidationError) -> ValidationError:
         """A native field name in a validation error -> the OpenAI one the client sent."""
@@ -122,7 +123,8 @@ def chat_request(body: Any, served_model: str, render: Callable[[list, dict], st
     kwargs = body.get("chat_template_kwargs") or {}
     if not isinstance(kwargs, dict):
         raise ValidationError("chat_template_kwargs", "must be an object")
-    req = OpenAIRequest("chat", _model(body, served_model), _native_base(body), stream=_stream(body))
+    req = OpenAIRequest("chat", _model(body, served_model), _native_base(body), stream=_stream(body),
+                        add_special_tokens=False)
     _stream_options(body, req)
     separate = body.get("separate_reasoning")
     if separate is not None and not isinstance(separate, bool):

@@ -244,3 +244,32 @@ def test_require_reasoning_reasons_freely_then_the_grammar_holds(servers, smol_t
     message = chat["choices"][0]["message"]
     assert message["reasoning_content"] and chat["choices"][0]["finish_reason"] == "stop"
     jsonschema.validate(json.loads(message["content"]), COLOR)
+
+
+def test_a_text_prompt_gets_the_tokenizers_bos_a_chat_only_the_templates(tmp_path, tiny_model_dir, smol_tokenizer):
+    """As SGLang tokenizes: /generate and completion text with the tokenizer's special tokens (a
+    BOS for Llama-3 or Mistral tokenizers), a rendered chat template without (it wrote its own)."""
+    import shutil
+
+    from server_utils import start_server
+
+    model = tmp_path / "bos_model"
+    shutil.copytree(tiny_model_dir("llama"), model)
+    spec = json.loads((model / "tokenizer.json").read_text())
+    bos = {"SpecialToken": {"id": "<|endoftext|>", "type_id": 0}}  # id 0
+    spec["post_processor"] = {"type": "TemplateProcessing", "single": [bos, {"Sequence": {"id": "A", "type_id": 0}}],
+                              "pair": [bos, {"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
+                              "special_tokens": {"<|endoftext|>": {"id": "<|endoftext|>", "ids": [0], "tokens": ["<|endoftext|>"]}}}
+    (model / "tokenizer.json").write_text(json.dumps(spec))
+    server = start_server(["--model-path", str(model), "--max-total-tokens", "2000"], str(tmp_path / "bos.log"))
+    try:
+        plain = len(smol_tokenizer.encode("Hello world", add_special_tokens=False))
+        native = server.generate({"text": "Hello world", "sampling_params": {"max_new_tokens": 1}})
+        assert native["meta_info"]["prompt_tokens"] == plain + 1
+        completion = server.post("/v1/completions", {"prompt": "Hello world", "max_tokens": 1}).json()
+        assert completion["usage"]["prompt_tokens"] == plain + 1
+        chat = server.post("/v1/chat/completions", {"messages": CHAT, "max_tokens": 1}).json()
+        rendered = smol_tokenizer.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=True)
+        assert chat["usage"]["prompt_tokens"] == len(smol_tokenizer.encode(rendered, add_special_tokens=False))
+    finally:
+        server.stop()
