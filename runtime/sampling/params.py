@@ -100,11 +100,12 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         if d is None:
             return cls()
         if not isinstance(d, dict):
-            raise ValidationError(field, f"must be an object, got {_type_name(d)}")
+            raise ValidationError(field, f"must be an object, got {type_name(d)}")
         return _Checker(d, field, vocab_size, guided_decoding).build()
 
 
-def _type_name(v: Any) -> str:
+def type_name(v: Any) -> str:
+    """How a JSON value's type is named in an error."""
     return "null" if v is None else type(v).__name__
 
 
@@ -196,7 +197,7 @@ class _Checker:
             if self._present(name):
                 v = self.d[name]
                 if not is_int(v):
-                    raise self.fail(name, f"must be an integer, got {_type_name(v)}")
+                    raise self.fail(name, f"must be an integer, got {type_name(v)}")
                 if not fits_int64(v):  # msgpack on the IPC wire carries at most 64 bits
                     raise self.fail(name, f"must fit in a 64-bit integer, got {short(v)}")
                 self.out[name] = v
@@ -204,7 +205,7 @@ class _Checker:
             if self._present(name):
                 v = self.d[name]
                 if not is_number(v):
-                    raise self.fail(name, f"must be a number, got {_type_name(v)}")
+                    raise self.fail(name, f"must be a number, got {type_name(v)}")
                 if finite_float32(v) is None:
                     raise self.fail(name, f"must be a finite float32, got {short(v)}")
                 self.out[name] = float(v)
@@ -212,7 +213,7 @@ class _Checker:
             if self._present(name):
                 v = self.d[name]
                 if not isinstance(v, bool):
-                    raise self.fail(name, f"must be a boolean, got {_type_name(v)}")
+                    raise self.fail(name, f"must be a boolean, got {type_name(v)}")
                 self.out[name] = v
 
     def _ranges(self) -> None:
@@ -263,7 +264,7 @@ class _Checker:
         if self._present("stop_token_ids"):
             ids = self.d["stop_token_ids"]
             if not isinstance(ids, list):
-                got = _type_name(ids)
+                got = type_name(ids)
                 raise self.fail("stop_token_ids", f"must be a list of integers, got {got}")
             for i, t in enumerate(ids):
                 self._token_id(f"stop_token_ids[{i}]", t)
@@ -273,20 +274,20 @@ class _Checker:
         # SGLang accepts a bare string as a one-element list.
         items = [stop] if isinstance(stop, str) else stop
         if not isinstance(items, list):
-            got = _type_name(stop)
+            got = type_name(stop)
             raise self.fail("stop", f"must be a string or a list of strings, got {got}")
         if len(items) > MAX_STOP_STRINGS:
             raise self.fail("stop", f"has {len(items)} entries, at most {MAX_STOP_STRINGS} allowed")
         for i, s in enumerate(items):
             if not isinstance(s, str):
-                raise self.fail(f"stop[{i}]", f"must be a string, got {_type_name(s)}")
+                raise self.fail(f"stop[{i}]", f"must be a string, got {type_name(s)}")
             if not s:  # an empty stop string would match before the first token
                 raise self.fail(f"stop[{i}]", "must not be empty")
         return list(items)
 
     def _token_id(self, name: str, t: Any) -> int:
         if not is_int(t):
-            raise self.fail(name, f"must be an integer token id, got {_type_name(t)}")
+            raise self.fail(name, f"must be an integer token id, got {type_name(t)}")
         if not 0 <= t < self.vocab_size:
             raise self.fail(name, f"must be in [0, {self.vocab_size}), got {short(t)}")
         return t
@@ -296,7 +297,7 @@ class _Checker:
             return
         bias = self.d["logit_bias"]
         if not isinstance(bias, dict):
-            got = _type_name(bias)
+            got = type_name(bias)
             raise self.fail("logit_bias", f"must be an object of token id -> bias, got {got}")
         out: dict[int, float] = {}
         for key, v in bias.items():
@@ -333,7 +334,7 @@ class _Checker:
             self.out[name] = self._json_text(name, v)
         else:
             if not isinstance(v, str):
-                raise self.fail(name, f"must be a string, got {_type_name(v)}")
+                raise self.fail(name, f"must be a string, got {type_name(v)}")
             if not v:
                 raise self.fail(name, "is an empty constraint")
             self.out[name] = v
@@ -341,7 +342,7 @@ class _Checker:
     def _choice_regex(self, v: Any) -> str:
         """An alternation of the literal choices: every regex metacharacter escaped."""
         if not isinstance(v, list):
-            raise self.fail("choice", f"must be a list of strings, got {_type_name(v)}")
+            raise self.fail("choice", f"must be a list of strings, got {type_name(v)}")
         if not v:
             raise self.fail("choice", "is an empty constraint")
         for i, c in enumerate(v):
@@ -358,7 +359,7 @@ class _Checker:
             except orjson.JSONEncodeError as exc:
                 raise self.fail(name, f"cannot be encoded as JSON: {exc}") from None
         if not isinstance(v, str):
-            raise self.fail(name, f"must be a JSON string, got {_type_name(v)}")
+            raise self.fail(name, f"must be a JSON string, got {type_name(v)}")
         if not v.strip():
             raise self.fail(name, "is an empty constraint")
         try:
@@ -366,7 +367,7 @@ class _Checker:
         except orjson.JSONDecodeError as exc:
             raise self.fail(name, f"is not valid JSON: {exc}") from None
         if not isinstance(parsed, dict) and not (name == "json_schema" and isinstance(parsed, bool)):
-            raise self.fail(name, f"must be a JSON object, got {_type_name(parsed)}")
+            raise self.fail(name, f"must be a JSON object, got {type_name(parsed)}")
         return v
 
 

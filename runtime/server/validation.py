@@ -2,7 +2,8 @@
 
 `normalize_generate_request` turns a single or batched body into one `GenerateItem` per prompt,
 every field checked; any problem is a `ValidationError` whose text names the field (HTTP 400).
-`n > 1` is not expanded here: it stays in `sampling_params.n` for the tokenizer manager.
+`n > 1` is not expanded here: it stays in `sampling_params.n` for the tokenizer manager. The
+prompts themselves (shapes, token ids, fitting the context) are `prompts.py`'s.
 
 Top-level keys: the ones below are handled; a small allowlist of other SGLang fields
 (`IGNORED_KEYS`: disaggregation, DP routing, logging, tracing) is accepted and dropped, so
@@ -30,7 +31,9 @@ from tandem.runtime.sampling.params import (
     is_int,
     key_name,
     short,
+    type_name,
 )
+from tandem.runtime.server.prompts import check_batch_items, explicit_max_new, fit_context, prompt_ids, prompts
 
 __all__ = [
     "GenerateItem",
@@ -125,15 +128,15 @@ def normalize_generate_request(
     body: Any, limits: RequestLimits, tokenize: Callable[[str], list[int]]
 ) -> NormalizedBatch:
     if not isinstance(body, dict):
-        raise ValidationError("body", f"must be a JSON object, got {_type_name(body)}")
+        raise ValidationError("body", f"must be a JSON object, got {type_name(body)}")
     _check_keys(body)
-    prompts, is_batch = _prompts(body)
-    n = len(prompts)
+    prompts_, is_batch = prompts(body)
+    n = len(prompts_)
     vocab_size = limits.vocab_size
     shared = _shared_flags(body)
     rids = _rids(body.get("rid"), n, is_batch)
     params = _sampling_params(body.get("sampling_params"), n, is_batch, vocab_size, limits.guided_decoding)
-    _check_batch_items(prompts, params, limits.max_batch_items)
+    check_batch_items(prompts_, params, limits.max_batch_items)
     reasoning = _per_item(body, "require_reasoning", n, is_batch, False, _bool)
     for (f, sp), (_, require_reasoning) in zip(params, reasoning):
         _check_thinking_budget(f, sp, require_reasoning, limits.strict_thinking)
@@ -145,10 +148,10 @@ def normalize_generate_request(
     extra_keys = _per_item(body, "extra_key", n, is_batch, None, _extra_key)
     hidden = _per_item(body, "return_hidden_states", n, is_batch, False, _bool)
     items = []
-    for i, (field, prompt) in enumerate(prompts):
-        ids, text = _prompt_ids(field, prompt, tokenize, limits)
+    for i, (field, prompt) in enumerate(prompts_):
+        ids, text = prompt_ids(field, prompt, tokenize, limits)
         sp_field, sp = params[i]
-        _fit_context(field, len(ids), sp_field, sp, _explicit_max_new(body, i), limits)
+        fit_context(field, len(ids), sp_field, sp, explicit_max_new(body, i), limits)
         start_field, start = start_lens[i]
         # SGLang refuses a logprob start at the prompt's end (no prompt token left to score);
         # hidden states alone may start there (no prompt rows)
@@ -187,10 +190,6 @@ def _check_thinking_budget(field: str, sp: SamplingParams, require_reasoning: bo
         raise ValidationError(f"{field}.max_thinking_tokens", "with a constraint needs require_reasoning=true")
 
 
-def _type_name(v: Any) -> str:
-    return "null" if v is None else type(v).__name__
-
-
 def _check_keys(body: dict) -> None:
     for key, value in body.items():
         if key in HANDLED_KEYS or key in IGNORED_KEYS:
@@ -214,122 +213,6 @@ def _is_empty(v: Any) -> bool:
     return True
 
 
-# ---- prompts -----------------------------------------------------------------------------
-
-Prompt = tuple[str, Any]  # (field name for messages, raw text str or raw id list)
-
-
-def _prompts(body: dict) -> tuple[list[Prompt], bool]:
-    text, ids = body.get("text"), body.get("input_ids")
-    if text is not None and ids is not None:
-        raise ValidationError("input_ids", "cannot be combined with text; give exactly one")
-    if text is None and ids is None:
-        raise ValidationError("text", "is required (or give input_ids)")
-    if text is not None:
-        return _text_prompts(text)
-    return _ids_prompts(ids)
-
-
-def _text_prompts(text: Any) -> tuple[list[Prompt], bool]:
-    if isinstance(text, str):
-        return [("text", text)], False
-    if not isinstance(text, list):
-        got = _type_name(text)
-        raise ValidationError("text", f"must be a string or a list of strings, got {got}")
-    if not text:
-        raise ValidationError("text", "must not be an empty list")
-    for i, t in enumerate(text):
-        if not isinstance(t, str):
-            raise ValidationError(f"text[{i}]", f"must be a string, got {_type_name(t)}")
-    return [(f"text[{i}]", t) for i, t in enumerate(text)], True
-
-
-def _ids_prompts(ids: Any) -> tuple[list[Prompt], bool]:
-    if not isinstance(ids, list):
-        got = _type_name(ids)
-        raise ValidationError("input_ids", f"must be a list of token ids, got {got}")
-    if not ids:
-        raise ValidationError("input_ids", "must not be empty")
-    if not isinstance(ids[0], list):
-        return [("input_ids", ids)], False  # element types are checked with the ids
-    for i, row in enumerate(ids):
-        if not isinstance(row, list):
-            got = _type_name(row)
-            raise ValidationError(f"input_ids[{i}]", f"must be a list of token ids, got {got}")
-    return [(f"input_ids[{i}]", row) for i, row in enumerate(ids)], True
-
-
-def _check_batch_items(prompts: list[Prompt], params: list[tuple[str, SamplingParams]], cap: int) -> None:
-    """Every prompt x choice becomes a sequence in the scheduler: bound them before any work."""
-    total = sum(sp.n for _, sp in params)
-    if total > cap:
-        what = f"{len(prompts)} prompt(s) x n = {total} sequences" if total != len(prompts) else f"{total} prompts"
-        raise ValidationError(prompts[0][0].split("[")[0], f"asks for {what}, more than --max-batch-items ({cap})")
-
-
-def _prompt_ids(
-    field: str, prompt: Any, tokenize: Callable[[str], list[int]], limits: RequestLimits
-) -> tuple[list[int], str | None]:
-    vocab_size = limits.vocab_size
-    if isinstance(prompt, str):
-        if not prompt:
-            raise ValidationError(field, "must not be empty")
-        cap = limits.max_text_chars
-        if cap is not None and len(prompt) > cap:
-            msg = f"has {len(prompt)} characters; no text longer than {cap} fits the context ({limits.context_len} tokens)"
-            raise ValidationError(field, msg)
-        ids = list(tokenize(prompt))
-        if not ids:
-            raise ValidationError(field, "tokenizes to zero tokens")
-        return ids, prompt
-    if not prompt:
-        raise ValidationError(field, "must not be empty")
-    for j, t in enumerate(prompt):
-        if not is_int(t):
-            got = _type_name(t)
-            raise ValidationError(f"{field}[{j}]", f"must be an integer token id, got {got}")
-        if not 0 <= t < vocab_size:
-            raise ValidationError(f"{field}[{j}]", f"must be in [0, {vocab_size}), got {short(t)}")
-    return list(prompt), None
-
-
-def _explicit_max_new(body: dict, i: int) -> bool:
-    sp = body.get("sampling_params")
-    d = sp[i] if isinstance(sp, list) else sp
-    return isinstance(d, dict) and d.get("max_new_tokens") is not None
-
-
-def _fit_context(
-    field: str, prompt_len: int, sp_field: str, sp: SamplingParams, explicit: bool, limits: RequestLimits
-) -> None:
-    """prompt + max_new_tokens must fit the context. Like SGLang, only an explicit
-    max_new_tokens is an error; the default (128) and null (fill the context) are clamped to the
-    room that is left, in the context and in the KV pool."""
-    ctx = limits.context_len
-    if prompt_len > ctx:
-        msg = f"has {prompt_len} tokens, more than the context length ({ctx})"
-        raise ValidationError(field, msg)
-    kv = limits.max_total_tokens
-    # a prompt that fills the KV pool is the scheduler's 400, not a clamp to an empty answer
-    room = min(ctx, kv) if kv and prompt_len < kv else ctx
-    if not explicit and prompt_len + sp.max_new_tokens > room:
-        sp.max_new_tokens = max(room - prompt_len, 0)
-        if sp.min_new_tokens > sp.max_new_tokens:
-            pool = f", {limits.max_total_tokens} KV slots" if room < ctx else ""
-            msg = (
-                f"is {sp.min_new_tokens}, but only {sp.max_new_tokens} tokens fit after the "
-                f"{prompt_len}-token prompt (context length {ctx}{pool})"
-            )
-            raise ValidationError(f"{sp_field}.min_new_tokens", msg)
-    max_new = sp.max_new_tokens
-    if prompt_len + max_new > ctx:
-        msg = (
-            f"is {max_new}; with the {prompt_len}-token prompt that is {prompt_len + max_new} "
-            f"tokens, more than the context length ({ctx})"
-        )
-        raise ValidationError(f"{sp_field}.max_new_tokens", msg)
-
-
 # ---- per-request fields ------------------------------------------------------------------
 
 
@@ -343,7 +226,7 @@ def _rids(rid: Any, n: int, is_batch: bool) -> list[str]:
         return [f"{rid}_{i}" for i in range(n)] if is_batch else [rid]
     if not is_batch or not isinstance(rid, list):
         want = "a string or a list of strings" if is_batch else "a string"
-        raise ValidationError("rid", f"must be {want}, got {_type_name(rid)}")
+        raise ValidationError("rid", f"must be {want}, got {type_name(rid)}")
     _check_len("rid", rid, n)
     for i, r in enumerate(rid):
         if not isinstance(r, str) or not r:
@@ -393,13 +276,13 @@ def _per_item(
 
 def _bool(field: str, v: Any) -> bool:
     if not isinstance(v, bool):
-        raise ValidationError(field, f"must be a boolean, got {_type_name(v)}")
+        raise ValidationError(field, f"must be a boolean, got {type_name(v)}")
     return v
 
 
 def _int(field: str, v: Any) -> int:
     if not is_int(v):
-        raise ValidationError(field, f"must be an integer, got {_type_name(v)}")
+        raise ValidationError(field, f"must be an integer, got {type_name(v)}")
     if not fits_int64(v):
         raise ValidationError(field, f"must fit in a 64-bit integer, got {short(v)}")
     return v
@@ -422,7 +305,7 @@ def _top_num(cap: int) -> Checker:
 
 def _extra_key(field: str, v: Any) -> str | None:
     if not isinstance(v, str):
-        raise ValidationError(field, f"must be a string, got {_type_name(v)}")
+        raise ValidationError(field, f"must be a string, got {type_name(v)}")
     return v or None  # SGLang: an empty extra_key means no namespace
 
 
@@ -432,7 +315,7 @@ def _token_ids_logprob(
     if v is None or v == []:
         return [None] * n
     if not isinstance(v, list):
-        got = _type_name(v)
+        got = type_name(v)
         raise ValidationError("token_ids_logprob", f"must be a list of token ids, got {got}")
     if is_batch and any(row is None or isinstance(row, list) for row in v):  # one list (or null) per item
         _check_len("token_ids_logprob", v, n)
@@ -444,7 +327,7 @@ def _id_list(field: str, v: Any, vocab_size: int, cap: int) -> list[int] | None:
     if v is None or v == []:
         return None
     if not isinstance(v, list):
-        raise ValidationError(field, f"must be a list of token ids, got {_type_name(v)}")
+        raise ValidationError(field, f"must be a list of token ids, got {type_name(v)}")
     if len(v) > cap:  # each id is a logprob at every position: the same budget as top_logprobs_num
         raise ValidationError(field, f"at most {cap} token ids (--max-top-logprobs-num), got {len(v)}")
     for j, t in enumerate(v):
