@@ -13,6 +13,7 @@ import concurrent.futures
 import threading
 from typing import Any, AsyncIterator, Iterator
 
+from tandem.runtime.server.info import model_info, server_info
 from tandem.runtime.server_args import ServerArgs
 from tandem.runtime.tokenizer_manager import TokenizerManager
 
@@ -155,8 +156,20 @@ class Engine:
     def flush_cache(self) -> bool:
         return self._run(self._live().flush_cache()).success
 
-    def server_info(self) -> dict[str, Any]:
-        return self._run(self._live().server_info())
+    def get_server_info(self) -> dict[str, Any]:
+        """What GET /server_info answers (SGLang's Engine.get_server_info)."""
+        return self._run(server_info(self._live()))
+
+    server_info = get_server_info
+
+    def get_model_info(self) -> dict[str, Any]:
+        """What GET /model_info answers."""
+        return model_info(self._live())
+
+    @property
+    def tokenizer_manager(self) -> TokenizerManager:
+        """SGLang's name: `engine.tokenizer_manager.tokenizer` is the tokenizer."""
+        return self._live()
 
     # -- lifecycle -------------------------------------------------------------------------------------------
     def _live(self) -> TokenizerManager:

@@ -37,6 +37,7 @@ class ChoiceState:
     prompt_tokens: int
     formatter: LogprobFormatter | None
     hidden_states: list[list[float]] | None  # None: not asked for
+    prompt_token_ids: list[int] | None = None  # return_prompt_token_ids: the prompt's ids, as SGLang's
     text: str = ""
     output_ids: list[int] = field(default_factory=list)
     completion_tokens: int = 0
@@ -69,6 +70,8 @@ class ChoiceState:
         if self.hidden_states is not None:
             meta["hidden_states"] = list(self.hidden_states)
         out: dict[str, Any] = {"text": self.text, "output_ids": list(self.output_ids), "meta_info": meta}
+        if self.prompt_token_ids is not None:
+            out["prompt_token_ids"] = self.prompt_token_ids
         if self.group.call.indexed:
             out["index"] = self.index
         return out

@@ -165,7 +165,8 @@ class TokenizerManager:
         for i in range(sp.n):
             choice = ChoiceState(rid=f"{group.prefix}{i}", group=group, index=len(call.choices) + len(group.choices),
                                  prompt_tokens=len(item.input_ids), formatter=self._formatter(item, i),
-                                 hidden_states=[] if item.return_hidden_states else None)
+                                 hidden_states=[] if item.return_hidden_states else None,
+                                 prompt_token_ids=item.input_ids if item.return_prompt_token_ids else None)
             group.choices.append(choice)
             self.choices[choice.rid] = choice
             send(self.to_scheduler, TokenizedGenerateReq(

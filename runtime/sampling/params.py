@@ -157,7 +157,10 @@ _BOOL_FIELDS = (
 GRAMMAR_KINDS = ("json_schema", "regex", "ebnf", "structural_tag")
 GUIDED_FIELDS = (*GRAMMAR_KINDS, "choice")  # SGLang's names; choice becomes a regex
 _ALIASES = {"seed": "sampling_seed"}
-_KNOWN = set(SamplingParams.__struct_fields__) | set(_ALIASES) | {"choice"}
+# custom_params only reach a custom logit processor, which this server refuses: with none they
+# cannot change the answer, so they are accepted and dropped (as SGLang does without a processor)
+_DROPPED = frozenset({"custom_params"})
+_KNOWN = set(SamplingParams.__struct_fields__) | set(_ALIASES) | {"choice"} | _DROPPED
 _REGEX_SPECIAL = frozenset("\\^$.|?*+()[]{}")
 
 

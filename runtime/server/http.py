@@ -103,7 +103,7 @@ def create_app(args: ServerArgs, on_child_death: Callable[[str], None] | None = 
     async def _client_gone(_: Request, exc: ClientDisconnected) -> Response:
         return Response(status_code=499)  # nobody reads it; the request was aborted
 
-    @app.post("/generate")
+    @app.api_route("/generate", methods=["POST", "PUT"])  # SGLang serves both
     async def generate(request: Request) -> Response:
         tm = holder["tm"]
         body = await read_json(request)

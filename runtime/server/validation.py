@@ -50,7 +50,8 @@ HANDLED_KEYS = frozenset(
         "logprob_start_len", "top_logprobs_num", "token_ids_logprob", "return_text_in_logprobs",
         "priority", "extra_key", "return_flat_raw_top_logprobs",
         "return_flat_raw_output_top_logprobs", "return_flat_raw_top_logprobs_b64",
-        "return_hidden_states", "require_reasoning",
+        "return_hidden_states", "require_reasoning", "max_thinking_tokens", "cache_salt",
+        "return_prompt_token_ids",
     }
 )  # fmt: skip
 # Routing, disaggregation, logging and tracing fields: they do not change the answer.
@@ -59,7 +60,8 @@ IGNORED_KEYS = frozenset(
         "bootstrap_host", "bootstrap_port", "bootstrap_room", "bootstrap_pair_key",
         "decode_tp_size", "data_parallel_rank", "routed_dp_rank", "disagg_prefill_dp_rank",
         "log_metrics", "no_logs", "custom_labels", "conversation_id", "routing_key",
-        "received_time", "external_trace_header", "modalities", "model",
+        "received_time", "external_trace_header", "modalities", "model", "http_worker_ipc",
+        "kv_router_hint", "need_wait_for_mm_inputs", "encoder_urls", "num_items_assigned",
     }
 )  # fmt: skip
 # Inputs and outputs this server does not have: accepted only when empty (or false), because
@@ -68,7 +70,9 @@ MEDIA_KEYS = frozenset(
     {
         "image_data", "video_data", "audio_data", "input_embeds", "session_params", "lora_path",
         "lora_id", "custom_logit_processor", "return_routed_experts", "return_entropy",
-        "return_sampling_mask", "return_bytes", "background",
+        "return_sampling_mask", "return_bytes", "background", "session_id", "routed_experts_start_len",
+        "return_indexer_topk", "mm_hashes", "mm_content_hashes", "use_audio_in_video", "video_config",
+        "images_config", "max_dynamic_patch", "positional_embed_overrides", "multi_item_delimiter_indices",
     }
 )  # fmt: skip
 FLAT_FLAGS = ("return_flat_raw_top_logprobs", "return_flat_raw_output_top_logprobs")
@@ -91,6 +95,7 @@ class GenerateItem(msgspec.Struct, kw_only=True):
     return_flat_raw_top_logprobs: bool = False
     return_flat_raw_output_top_logprobs: bool = False
     return_flat_raw_top_logprobs_b64: bool = False
+    return_prompt_token_ids: bool = False
 
 
 class NormalizedBatch(msgspec.Struct, kw_only=True):
@@ -138,14 +143,17 @@ def normalize_generate_request(
     params = _sampling_params(body.get("sampling_params"), n, is_batch, vocab_size, limits.guided_decoding)
     check_batch_items(prompts_, params, limits.max_batch_items)
     reasoning = _per_item(body, "require_reasoning", n, is_batch, False, _bool)
+    budget_field = _thinking_budget(body.get("max_thinking_tokens"), params)
     for (f, sp), (_, require_reasoning) in zip(params, reasoning):
-        _check_thinking_budget(f, sp, require_reasoning, limits.strict_thinking)
+        _check_thinking_budget(budget_field or f"{f}.max_thinking_tokens", sp, require_reasoning,
+                               limits.strict_thinking)
     return_logprob = _per_item(body, "return_logprob", n, is_batch, False, _bool)
     start_lens = _per_item(body, "logprob_start_len", n, is_batch, -1, _start_len)
     columns = min(vocab_size, limits.max_top_logprobs_num)  # logprobs per position, each a row of the output
     top_nums = _per_item(body, "top_logprobs_num", n, is_batch, 0, _top_num(columns))
     token_lists = _token_ids_logprob(body.get("token_ids_logprob"), n, is_batch, vocab_size, columns)
     extra_keys = _per_item(body, "extra_key", n, is_batch, None, _extra_key)
+    salts = _per_item(body, "cache_salt", n, is_batch, None, _extra_key)
     hidden = _per_item(body, "return_hidden_states", n, is_batch, False, _bool)
     items = []
     for i, (field, prompt) in enumerate(prompts_):
@@ -174,20 +182,44 @@ def normalize_generate_request(
                 ),
                 return_hidden_states=hidden[i][1],
                 require_reasoning=reasoning[i][1],
-                extra_key=extra_keys[i][1],
+                extra_key=_cache_namespace(extra_keys[i][1], salts[i][1]),
                 **shared,
             )
         )
     return NormalizedBatch(is_batch=is_batch, items=items)
 
 
+def _thinking_budget(budget: Any, params: list[tuple[str, SamplingParams]]) -> str | None:
+    """SGLang's top-level max_thinking_tokens, for every item; also accepted inside
+    sampling_params. Returns the field to name in errors when it was given at the top."""
+    if budget is None:
+        return None
+    budget = _int("max_thinking_tokens", budget)
+    if budget < 0:
+        raise ValidationError("max_thinking_tokens", f"must be >= 0, got {budget}")
+    for f, sp in params:
+        if sp.max_thinking_tokens is not None:
+            raise ValidationError("max_thinking_tokens", f"is also given as {f}.max_thinking_tokens; give one")
+    for _, sp in params:
+        sp.max_thinking_tokens = budget
+    return "max_thinking_tokens"
+
+
 def _check_thinking_budget(field: str, sp: SamplingParams, require_reasoning: bool, strict: bool) -> None:
     if sp.max_thinking_tokens is None:
         return
     if not strict:
-        raise ValidationError(f"{field}.max_thinking_tokens", "needs --enable-strict-thinking on the server")
+        raise ValidationError(field, "needs --enable-strict-thinking on the server")
     if sp.constraint is not None and not require_reasoning:  # the grammar would hold from the first token
-        raise ValidationError(f"{field}.max_thinking_tokens", "with a constraint needs require_reasoning=true")
+        raise ValidationError(field, "with a constraint needs require_reasoning=true")
+
+
+def _cache_namespace(extra_key: str | None, cache_salt: str | None) -> str | None:
+    """SGLang's extra_key and cache_salt both separate prefix-cache namespaces: requests share
+    cached prefixes only when both agree."""
+    if cache_salt is None:
+        return extra_key
+    return f"{extra_key or ''}\x00{cache_salt}"
 
 
 def _check_keys(body: dict) -> None:
@@ -202,13 +234,14 @@ def _check_keys(body: dict) -> None:
 
 
 def _is_empty(v: Any) -> bool:
-    """None, False, "", {} or (nested) lists of those; iterative so deep nesting cannot recurse."""
+    """None, False, 0, "", {} or (nested) lists of those (SGLang's defaults: routed_experts_start_len
+    is 0); iterative so deep nesting cannot recurse."""
     stack = [v]
     while stack:
         x = stack.pop()
         if isinstance(x, list):
             stack.extend(x)
-        elif not (x is None or x is False or x == {} or x == ""):
+        elif not (x is None or x is False or (type(x) is int and x == 0) or x == {} or x == ""):
             return False
     return True
 
@@ -342,7 +375,8 @@ def _id_list(field: str, v: Any, vocab_size: int, cap: int) -> list[int] | None:
 
 def _shared_flags(body: dict) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    names = ("stream", "return_text_in_logprobs", *FLAT_FLAGS, "return_flat_raw_top_logprobs_b64")
+    names = ("stream", "return_text_in_logprobs", *FLAT_FLAGS, "return_flat_raw_top_logprobs_b64",
+             "return_prompt_token_ids")
     for name in names:
         v = body.get(name)
         out[name] = False if v is None else _bool(name, v)

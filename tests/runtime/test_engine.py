@@ -48,6 +48,18 @@ def test_sync_stream_and_async_calls_agree(engine):
     assert [len(o["output_ids"]) for o in batch] == [6, 6] and batch[0]["output_ids"] == out["output_ids"]
 
 
+def test_sglangs_engine_surface(engine):
+    """SGLang's Engine names: get_server_info / get_model_info answer as /server_info and
+    /model_info, tokenizer_manager.tokenizer is the tokenizer; return_prompt_token_ids as SGLang's."""
+    info = engine.get_server_info()
+    assert info["max_total_num_tokens"] == 4000 and info["dp_size"] == 1 and "num_running_reqs" in info
+    assert engine.get_model_info()["architectures"] == ["LlamaForCausalLM"]
+    tokenizer = engine.tokenizer_manager.tokenizer
+    out = engine.generate("Hello world", GREEDY, return_prompt_token_ids=True)
+    assert out["prompt_token_ids"] == tokenizer.encode("Hello world")
+    assert "prompt_token_ids" not in engine.generate("Hello world", GREEDY)
+
+
 def test_bad_input_raises_naming_the_field(engine):
     with pytest.raises(Exception, match="max_new_tokens"):
         engine.generate(input_ids=[5, 6], sampling_params={"max_new_tokens": -1})

@@ -50,6 +50,10 @@ def test_batch_input_returns_a_list_in_order(tiny_server):
         assert o["meta_info"]["prompt_tokens"] == len(p)
         single = tiny_server.generate({"input_ids": p, "sampling_params": {"max_new_tokens": 5, "temperature": 0}})
         assert single["output_ids"] == o["output_ids"]
+    # SGLang serves /generate on PUT too
+    put = requests.put(tiny_server.url + "/generate", json={"input_ids": prompts[0], "sampling_params": {
+        "max_new_tokens": 5, "temperature": 0}}, timeout=60)
+    assert put.status_code == 200 and put.json()["output_ids"] == out[0]["output_ids"]
 
 
 def test_streaming_is_cumulative_and_ends_with_done(tiny_server):

@@ -84,6 +84,32 @@ def test_require_reasoning_and_the_thinking_budget() -> None:
     assert ok.require_reasoning and ok.sampling_params.max_thinking_tokens == 4
 
 
+def test_top_level_thinking_budget_as_sglangs_generate_req_input() -> None:
+    """SGLang's GenerateReqInput has max_thinking_tokens at the top, for the whole call; errors
+    name it there, and giving it in both places is a 400."""
+    out = norm({"text": ["ab", "cd"], "max_thinking_tokens": 3}, strict_thinking=True)
+    assert [i.sampling_params.max_thinking_tokens for i in out.items] == [3, 3]
+    with pytest.raises(ValidationError, match="^max_thinking_tokens needs --enable-strict-thinking"):
+        norm({"text": "ab", "max_thinking_tokens": 3})
+    with pytest.raises(ValidationError, match="^max_thinking_tokens must be >= 0"):
+        norm({"text": "ab", "max_thinking_tokens": -1}, strict_thinking=True)
+    with pytest.raises(ValidationError, match="also given as sampling_params.max_thinking_tokens"):
+        norm({"text": "ab", "max_thinking_tokens": 3, "sampling_params": {"max_thinking_tokens": 2}},
+             strict_thinking=True)
+
+
+def test_cache_salt_separates_prefix_cache_namespaces_with_extra_key() -> None:
+    items = norm({"text": ["a", "b", "c"], "cache_salt": ["", "s", "s"], "extra_key": ["", "", "k"]}).items
+    assert items[0].extra_key is None and len({i.extra_key for i in items}) == 3
+    assert norm({"text": "a", "cache_salt": "s"}).items[0].extra_key != norm({"text": "a", "extra_key": "s"}).items[0].extra_key
+
+
+def test_return_prompt_token_ids_and_dropped_custom_params() -> None:
+    item = norm({"input_ids": [4, 5], "return_prompt_token_ids": True,
+                 "sampling_params": {"custom_params": {"k": 1}}}).items[0]
+    assert item.return_prompt_token_ids and not norm({"text": "a"}).items[0].return_prompt_token_ids
+
+
 def test_batch_text_shared_params_and_rid_prefix() -> None:
     out = norm({"text": ["ab", "cd", "ef"], "rid": "job", "sampling_params": {"top_k": 5}})
     assert out.is_batch and [i.rid for i in out.items] == ["job_0", "job_1", "job_2"]
@@ -123,6 +149,12 @@ def test_ignored_and_empty_media_keys_are_accepted() -> None:
     }  # fmt: skip
     assert norm(body).items[0].input_ids == [ord("a") % VOCAB]
     assert norm({"text": ["a", "b"], "image_data": [None, None]}).is_batch
+    # a whole GenerateReqInput serialized by an SGLang client: its unused fields at their defaults
+    defaults = {"session_id": None, "routed_experts_start_len": 0, "mm_hashes": None, "http_worker_ipc": "x",
+                "kv_router_hint": None, "positional_embed_overrides": None, "need_wait_for_mm_inputs": False}
+    assert norm({"text": "a", **defaults}).items[0].input_ids == [ord("a") % VOCAB]
+    with pytest.raises(ValidationError, match="routed_experts_start_len is not supported"):
+        norm({"text": "a", "routed_experts_start_len": 2})
 
 
 def test_what_the_gateway_adds_to_generate_is_accepted() -> None:
