@@ -37,11 +37,11 @@ _UNSUPPORTED = ("functions", "function_call", "audio", "modalities", "prediction
                 "web_search_options", "reasoning_effort", "reasoning",
                 # SGLang's extensions of the OpenAI API that this server does not implement
                 "lora_path", "custom_logit_processor", "custom_params", "stop_regex", "return_hidden_states",
-                "return_routed_experts", "session_params", "session_id", "cache_salt", "return_token_ids",
+                "return_routed_experts", "session_params", "session_id", "return_token_ids",
                 "return_prompt_token_ids", "return_meta_info", "return_cached_tokens_details")
 # the roles SGLang's protocol accepts (after lowercasing)
 _ROLES = ("system", "user", "assistant", "tool", "function", "developer", "latest_reminder")
-_NATIVE_TOP = ("rid", "priority", "extra_key")  # SGLang's extensions that /generate takes as they are
+_NATIVE_TOP = ("rid", "priority", "extra_key", "cache_salt")  # SGLang's extensions /generate takes as they are
 _SAMPLING_FIELD = re.compile(r"sampling_params(?:\[\d+\])?\.(\w+)(.*)")
 _PROMPT_FIELD = re.compile(r"(?:text|input_ids)(.*)")
 _FINISH = {"stop": "stop", "length": "length", "abort": "abort"}

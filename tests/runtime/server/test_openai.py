@@ -116,7 +116,7 @@ def test_bad_chat_fields(body, field):
 
 @pytest.mark.parametrize("field", ["lora_path", "custom_logit_processor", "stop_regex", "return_hidden_states",
                                    "reasoning_effort", "reasoning", "session_params", "return_token_ids",
-                                   "return_meta_info", "cache_salt"])
+                                   "return_meta_info"])
 def test_sglang_extensions_this_server_lacks_are_refused_not_ignored(field):
     for make, prompt in ((_chat, {"messages": [{"role": "user", "content": "x"}]}), (_completion, {"prompt": "a"})):
         with pytest.raises(ValidationError) as err:
@@ -171,7 +171,7 @@ def test_legacy_top_logprobs_keep_the_most_likely_of_tokens_that_decode_alike():
 
 
 def test_rid_priority_and_extra_key_reach_generate():
-    fields = {"rid": "mine", "priority": 3, "extra_key": "tenant"}
+    fields = {"rid": "mine", "priority": 3, "extra_key": "tenant", "cache_salt": "s"}
     assert {k: _chat({"messages": [{"role": "user", "content": "x"}], **fields}).native[k] for k in fields} == fields
     assert {k: _completion({"prompt": "a", **fields}).native[k] for k in fields} == fields
 
