@@ -71,7 +71,7 @@ class ChoiceState:
             meta["hidden_states"] = list(self.hidden_states)
         out: dict[str, Any] = {"text": self.text, "output_ids": list(self.output_ids), "meta_info": meta}
         if self.prompt_token_ids is not None:
-            out["prompt_token_ids"] = self.prompt_token_ids
+            out["prompt_token_ids"] = list(self.prompt_token_ids)  # each result its own list, as output_ids
         if self.group.call.indexed:
             out["index"] = self.index
         return out

@@ -52,7 +52,7 @@ class Core:
                                                                      "ignore_eos": True, **sp}),
                                    priority=priority, logprob=logprob, return_hidden_states=return_hidden_states)
         req = Req.from_message(msg, arrival, default_seed=arrival)
-        assert self.planner.admission_error(req) is None
+        assert self.planner.admission_error(req) is None and self.planner.queue_error(req) is None
         self.planner.add(req)
         return req
 

@@ -8,7 +8,10 @@ from pathlib import Path
 
 from tandem.runtime.model_files import generation_config
 
-SUPPORTED_ARCHS = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM")
+# each supported architecture and its config.json model_type
+MODEL_TYPES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
+               "MistralForCausalLM": "mistral"}
+SUPPORTED_ARCHS = tuple(MODEL_TYPES)
 
 
 @dataclass(frozen=True)

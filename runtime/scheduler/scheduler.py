@@ -373,5 +373,6 @@ def run_scheduler_process(args: ServerArgs, addrs: IPCAddresses, watch: ParentWa
         send(scheduler.reply_sock, ReadyMsg(role="scheduler", pid=os.getpid(), max_total_tokens=r.max_total_tokens,
                                             context_len=r.context_len, vocab_size=r.config.vocab_size,
                                             max_running_requests=r.max_running_requests,
-                                            architecture=r.config.arch, eos_token_ids=r.config.eos_token_ids))
+                                            architecture=r.config.arch,
+                                            eos_token_ids=tuple(sorted(scheduler.checker.eos_ids))))
     scheduler.event_loop()

@@ -93,12 +93,12 @@ _SMG_CONSTRAINT = {"regex": "regex", "json_schema": "json_schema", "ebnf_grammar
                    "structural_tag": "structural_tag"}
 
 
-def scheduler_service_request(req: Any, context_len: int) -> GrpcRequest:
+def scheduler_service_request(req: Any, max_req_len: int) -> GrpcRequest:
     """smg's GenerateRequest (token ids the gateway tokenized itself) -> a /generate body.
 
-    An explicit max_new_tokens beyond the context is shortened to what fits, as SGLang's
-    scheduler does for the requests its gRPC servicer hands it (its HTTP path refuses them
-    before, and so does /generate here)."""
+    An explicit max_new_tokens beyond `max_req_len` (the context, or the KV pool when smaller)
+    is shortened to what fits, min_new_tokens with it, as SGLang's scheduler does for the
+    requests its gRPC servicer hands it (its HTTP path refuses them before, as /generate here)."""
     if req.HasField("mm_inputs") and req.mm_inputs.ByteSize():
         raise ValidationError("mm_inputs", "is not supported by this server (text-only model)")
     for name in ("input_embeds", "lora_id", "custom_logit_processor"):
@@ -115,7 +115,9 @@ def scheduler_service_request(req: Any, context_len: int) -> GrpcRequest:
         body["rid"] = req.request_id
     body["sampling_params"] = sp = _scheduler_sampling(req.sampling_params, out.renames)
     if sp["max_new_tokens"] is not None:
-        sp["max_new_tokens"] = min(sp["max_new_tokens"], max(context_len - len(input_ids), 0))
+        sp["max_new_tokens"] = min(sp["max_new_tokens"], max(max_req_len - len(input_ids), 0))
+        if "min_new_tokens" in sp:
+            sp["min_new_tokens"] = min(sp["min_new_tokens"], sp["max_new_tokens"])
     if req.return_logprob:
         body.update(return_logprob=True, logprob_start_len=req.logprob_start_len,
                     top_logprobs_num=req.top_logprobs_num)

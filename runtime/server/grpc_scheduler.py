@@ -25,14 +25,13 @@ from google.protobuf.timestamp_pb2 import Timestamp
 from smg_grpc_proto import sglang_scheduler_pb2 as pb
 from smg_grpc_proto.generated import common_pb2
 
+from tandem.runtime.model.config import MODEL_TYPES
 from tandem.runtime.server.grpc_requests import scheduler_service_request
 from tandem.runtime.server.grpc_server import GrpcAuth, native_results
 from tandem.runtime.server.info import VERSION, current_loads, health_generate, model_info, served_model_name, server_info
 from tandem.runtime.tokenizer_manager import TokenizerManager
 
 HEALTH_TIMEOUT_S = 20.0
-_MODEL_TYPES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
-                "Qwen3ForCausalLM": "qwen3"}  # config.json's model_type of each architecture
 _TOKENIZER_CHUNK = 1 << 20
 
 
@@ -96,7 +95,8 @@ class SchedulerService:
         self.started = time.time()
 
     async def Generate(self, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-        req = scheduler_service_request(request, self.tm.context_len)
+        limits = self.tm.limits
+        req = scheduler_service_request(request, min(limits.context_len, limits.max_total_tokens or limits.context_len))
         rid, stream = request.request_id, request.stream
         start_len = req.native.get("logprob_start_len", -1)
         with_prompt = start_len >= 0  # as SGLang's servicer: no prompt logprobs for -1 (the gateway's chat)
@@ -105,15 +105,16 @@ class SchedulerService:
             index, meta = result.get("index", 0), result["meta_info"]
             start = 0
             if stream:
+                first = index not in sent_tokens
                 start = sent_tokens.get(index, 0)
                 new = result["output_ids"][start:]
-                if new or index not in sent_tokens:
+                if new or first:
                     sent_tokens[index] = len(result["output_ids"])
                     yield pb.GenerateResponse(request_id=rid, chunk=pb.GenerateStreamChunk(
                         token_ids=new, prompt_tokens=meta["prompt_tokens"],
                         completion_tokens=meta["completion_tokens"], cached_tokens=meta["cached_tokens"],
                         output_logprobs=_output_logprobs(meta, start),
-                        input_logprobs=_input_logprobs(meta) if start == 0 and with_prompt else None, index=index))
+                        input_logprobs=_input_logprobs(meta) if first and with_prompt else None, index=index))
             if meta["finish_reason"] is not None:
                 # streaming: the last delta again, as SGLang's servicer (the prompt's logprobs went first)
                 yield _complete(rid, result, start, with_prompt=with_prompt and not stream, logprob_start_len=start_len)
@@ -139,9 +140,9 @@ class SchedulerService:
         return pb.GetModelInfoResponse(
             model_path=info["model_path"], tokenizer_path=info["tokenizer_path"] or "", is_generation=True,
             served_model_name=served_model_name(self.tm.args), max_context_length=info["context_len"],
-            vocab_size=info["vocab_size"], model_type=_MODEL_TYPES.get(arch, ""), architectures=info["architectures"],
+            vocab_size=info["vocab_size"], model_type=MODEL_TYPES.get(arch, ""), architectures=info["architectures"],
             eos_token_ids=info["eos_token_ids"], pad_token_id=tok.pad_token_id or 0, bos_token_id=tok.bos_token_id or 0,
-            max_req_input_len=info["context_len"], weight_version=info["weight_version"],
+            max_req_input_len=info["context_len"] - 1, weight_version=info["weight_version"],
             default_sampling_params_json=json.dumps(defaults) if defaults else "")
 
     async def GetServerInfo(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
@@ -161,11 +162,12 @@ class SchedulerService:
         report = await current_loads(self.tm, set(request.include) or None)
         load = dict(report["loads"][0])
         queues = load.pop("queues", None)
-        loads = [pb.SchedulerLoad(**load, queues=pb.QueueMetrics(**queues) if queues else None)]
         if request.HasField("dp_rank") and request.dp_rank != 0:
-            loads = []
-        return pb.GetLoadsResponse(timestamp=report["timestamp"], version=report["version"], dp_rank_count=len(loads),
-                                   loads=loads, aggregate=pb.AggregateMetrics(**report["aggregate"]))
+            return pb.GetLoadsResponse(timestamp=report["timestamp"], version=report["version"], dp_rank_count=0)
+        return pb.GetLoadsResponse(
+            timestamp=report["timestamp"], version=report["version"], dp_rank_count=1,
+            loads=[pb.SchedulerLoad(**load, queues=pb.QueueMetrics(**queues) if queues else None)],
+            aggregate=pb.AggregateMetrics(**report["aggregate"]))
 
     async def FlushCache(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         self.auth.check(context, admin=True)

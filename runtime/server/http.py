@@ -132,7 +132,7 @@ def create_app(args: ServerArgs, on_child_death: Callable[[str], None] | None = 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         req = openai.completion_request(await read_json(request), served_name(),
-                                        lambda ids: holder["tm"].tokenizer.decode(ids, skip_special_tokens=True))
+                                        lambda ids, skip: holder["tm"].tokenizer.decode(ids, skip_special_tokens=skip))
         return await openai_call(request, req)
 
     @app.post("/v1/chat/completions")
@@ -190,7 +190,8 @@ def create_app(args: ServerArgs, on_child_death: Callable[[str], None] | None = 
     @app.get("/v1/loads")
     async def v1_loads(request: Request) -> dict[str, Any]:
         include = request.query_params.get("include")
-        return await current_loads(holder["tm"], None if include is None else set(include.split(",")))
+        sections = None if include is None else {s.strip() for s in include.split(",") if s.strip()}
+        return await current_loads(holder["tm"], sections or None)
 
     @app.post("/flush_cache")
     async def flush_cache(request: Request) -> Response:

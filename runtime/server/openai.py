@@ -70,17 +70,24 @@ class OpenAIRequest:
         if m := _SAMPLING_FIELD.match(name):  # sampling_params[.i].<native>[rest]
             native, rest = m.groups()
             name = (self.max_tokens_name if native == "max_new_tokens" else _NATIVE_TO_OPENAI.get(native, native)) + rest
-        elif m := _PROMPT_FIELD.match(name):
-            name = "messages" if self.kind == "chat" else "prompt" + m.group(1)
+        elif m := _PROMPT_FIELD.match(name):  # chat: the rendered messages, or the client's input_ids
+            if self.kind != "chat":
+                name = "prompt" + m.group(1)
+            elif "text" in self.native:
+                name = "messages"
         elif name.startswith("top_logprobs_num"):
             name = "top_logprobs" if self.kind == "chat" else "logprobs"
         return ValidationError(name, exc.message)
 
 
 # -- requests ---------------------------------------------------------------------------------------------
-def completion_request(body: Any, served_model: str, decode: Callable[[list[int]], str]) -> OpenAIRequest:
+def completion_request(body: Any, served_model: str, decode: Callable[[list[int], bool], str]) -> OpenAIRequest:
+    """`decode(ids, skip_special_tokens)` gives an echoed token-id prompt its text: without special
+    tokens, as SGLang's; with them when the prompt's logprobs come too, whose tokens must join
+    into the echoed text."""
     _check_object(body)
     prompt = body.get("prompt")
+    skip_special = body.get("logprobs") is None
     req = OpenAIRequest("completion", _model(body, served_model), _native_base(body), stream=_stream(body))
     _stream_options(body, req)
     native = req.native
@@ -89,10 +96,10 @@ def completion_request(body: Any, served_model: str, decode: Callable[[list[int]
         texts = [prompt] if isinstance(prompt, str) else prompt
     elif isinstance(prompt, list) and prompt and all(isinstance(t, list) for t in prompt):
         native["input_ids"] = prompt
-        texts = [decode(p) for p in prompt] if body.get("echo") else []
+        texts = [decode(p, skip_special) for p in prompt] if body.get("echo") else []
     elif isinstance(prompt, list) and prompt:
         native["input_ids"] = prompt
-        texts = [decode(prompt)] if body.get("echo") else []
+        texts = [decode(prompt, skip_special)] if body.get("echo") else []
     else:
         raise ValidationError("prompt", "must be a string, a list of strings, token ids or lists of token ids")
     native["sampling_params"] = _sampling(body, req, default_max_tokens=16)
@@ -256,7 +263,7 @@ def _stream_options(body: dict, req: OpenAIRequest) -> None:
     if not isinstance(opts, dict):
         raise ValidationError("stream_options", "must be an object")
     req.include_usage = _flag(opts, "include_usage")
-    req.continuous_usage = req.include_usage and _flag(opts, "continuous_usage_stats")
+    req.continuous_usage = _flag(opts, "continuous_usage_stats")  # on its own, as SGLang's
 
 
 def _sampling(body: dict, req: OpenAIRequest, default_max_tokens: int | None) -> dict[str, Any]:
@@ -335,16 +342,9 @@ def _completion_logprobs(meta: dict, offset: int, start: int = 0, prompt: bool =
             offset += len(text)
             out["tokens"].append(text)
             out["token_logprobs"].append(lp)
-            # tokens that decode alike keep the most likely one's logprob (tops come most likely first)
-            out["top_logprobs"].append(None if lp is None else _first_per_text(top or []))
+            # tokens that decode alike: the last (least likely) one's logprob, as SGLang's dict
+            out["top_logprobs"].append(None if lp is None else {t: v for v, _, t in top or []})
     return out
-
-
-def _first_per_text(top: list) -> dict[str, float]:
-    by_text: dict[str, float] = {}
-    for v, _, t in top:
-        by_text.setdefault(t, v)
-    return by_text
 
 
 def response(req: OpenAIRequest, results: list[dict], n: int) -> dict[str, Any]:

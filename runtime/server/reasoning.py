@@ -2,9 +2,9 @@
 
 `deepseek-r1`: the chat template opens `<think>` itself, so the answer starts inside the
 reasoning: everything before `</think>` is reasoning (all of it while `</think>` has not come).
-`qwen3`: the same while thinking is on (SGLang's rule: `chat_template_kwargs.enable_thinking`
-absent or true), whether the model writes `<think>` or the template opened it; with thinking
-off, reasoning only when the answer opens with `<think>`.
+`qwen3`: the same while thinking is on (`chat_template_kwargs.enable_thinking` anything but
+false, as Qwen3's template reads it), whether the model writes `<think>` or the template opened
+it; with thinking off, reasoning only when the answer opens with `<think>`.
 
 Streaming splits the cumulative text each time, holding back a tail that could be the start of
 a tag, so what was sent as reasoning is never taken back.
@@ -24,7 +24,7 @@ class ReasoningParser:
 
     @classmethod
     def for_request(cls, name: str, template_kwargs: dict) -> "ReasoningParser":
-        return cls(name, name == "deepseek-r1" or template_kwargs.get("enable_thinking", True) is True)
+        return cls(name, name == "deepseek-r1" or template_kwargs.get("enable_thinking") is not False)
 
     def split(self, text: str, final: bool = True) -> tuple[str, str]:
         """(reasoning, content). Not final: a tail that may still grow into a tag is left out."""

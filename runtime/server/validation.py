@@ -75,6 +75,7 @@ MEDIA_KEYS = frozenset(
         "images_config", "max_dynamic_patch", "positional_embed_overrides", "multi_item_delimiter_indices",
     }
 )  # fmt: skip
+MEDIA_DEFAULTS = {"routed_experts_start_len": 0}  # SGLang's defaults that are not empty values
 FLAT_FLAGS = ("return_flat_raw_top_logprobs", "return_flat_raw_output_top_logprobs")
 
 
@@ -227,21 +228,20 @@ def _check_keys(body: dict) -> None:
         if key in HANDLED_KEYS or key in IGNORED_KEYS:
             continue
         if key in MEDIA_KEYS:
-            if _is_empty(value):
+            if _is_empty(value) or (key in MEDIA_DEFAULTS and value == MEDIA_DEFAULTS[key] and type(value) is int):
                 continue
             raise ValidationError(key, "is not supported by this server")
         raise ValidationError(key_name(key), "is not a known /generate field")
 
 
 def _is_empty(v: Any) -> bool:
-    """None, False, 0, "", {} or (nested) lists of those (SGLang's defaults: routed_experts_start_len
-    is 0); iterative so deep nesting cannot recurse."""
+    """None, False, "", {} or (nested) lists of those; iterative so deep nesting cannot recurse."""
     stack = [v]
     while stack:
         x = stack.pop()
         if isinstance(x, list):
             stack.extend(x)
-        elif not (x is None or x is False or (type(x) is int and x == 0) or x == {} or x == ""):
+        elif not (x is None or x is False or x == {} or x == ""):
             return False
     return True
 

@@ -114,3 +114,12 @@ def test_chunked_prefill_forced_retraction_and_overlap_modes_agree(servers):
 def test_flush_cache_frees_every_slot(tiny_server):
     run_concurrently(tiny_server, [_greedy(p, 3) for p in _prompts(8, seed=6)])
     assert_no_leaks(tiny_server)
+
+
+def test_v1_loads_sections(tiny_server):
+    """SGLang's ?include= sections, spaces around the commas allowed; an unknown one is a 400."""
+    loads = requests.get(tiny_server.url + "/v1/loads", params={"include": "core, queues"}, timeout=30).json()
+    assert "queues" in loads["loads"][0] and loads["dp_rank_count"] == 1
+    assert "queues" not in requests.get(tiny_server.url + "/v1/loads?include=core", timeout=30).json()["loads"][0]
+    bad = requests.get(tiny_server.url + "/v1/loads?include=core,bogus", timeout=30)
+    assert bad.status_code == 400 and "include" in bad.text

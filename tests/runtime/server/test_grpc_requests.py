@@ -75,12 +75,14 @@ def test_scheduler_request_leaves_out_proto_zeros_that_mean_unset():
 def test_scheduler_request_shortens_max_new_tokens_to_the_context_as_sglangs_scheduler():
     """The gateway's requests reach SGLang's scheduler without the HTTP check, and it shortens an
     explicit max_new_tokens to the room the context leaves (the request then ends with "length")."""
-    def max_new(asked: int, prompt_len: int) -> int:
+    def max_new(asked: int, prompt_len: int, min_new: int = 0) -> tuple[int, int]:
         req = spb.GenerateRequest(tokenized=spb.TokenizedInput(input_ids=[3] * prompt_len),
-                                  sampling_params=spb.SamplingParams(max_new_tokens=asked))
-        return scheduler_service_request(req, 64).native["sampling_params"]["max_new_tokens"]
+                                  sampling_params=spb.SamplingParams(max_new_tokens=asked, min_new_tokens=min_new))
+        sp = scheduler_service_request(req, 64).native["sampling_params"]
+        return sp["max_new_tokens"], sp.get("min_new_tokens", 0)
 
-    assert (max_new(100000, 11), max_new(20, 11), max_new(53, 11), max_new(5, 64)) == (53, 20, 53, 0)
+    assert [max_new(100000, 11)[0], max_new(20, 11)[0], max_new(53, 11)[0], max_new(5, 64)[0]] == [53, 20, 53, 0]
+    assert max_new(100, 60, min_new=10) == (4, 4)  # min_new_tokens goes down with it, as the request ends there
 
 
 @pytest.mark.parametrize("req, field", [

@@ -155,7 +155,7 @@ def test_info_loads_flush_tokenizer_and_unimplemented(stub, grpc_server, smol_to
     assert health.healthy
     info = stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=30)
     assert info.vocab_size == 49152 and info.max_context_length == 2048 and info.is_generation
-    assert smol_tokenizer.eos_token_id in info.eos_token_ids
+    assert list(info.eos_token_ids) == [smol_tokenizer.eos_token_id]  # the ids the scheduler stops on
     assert (list(info.architectures), info.model_type, info.weight_version) == (["LlamaForCausalLM"], "llama", "default")
     server = stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=30)
     assert server.server_type == "grpc" and server.max_total_num_tokens == 6000

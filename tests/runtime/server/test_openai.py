@@ -10,7 +10,7 @@ from tandem.runtime.server import openai as oa
 
 
 def _completion(body: dict) -> oa.OpenAIRequest:
-    return oa.completion_request(body, "served", lambda ids: "".join(f"<{i}>" for i in ids))
+    return oa.completion_request(body, "served", lambda ids, skip: "".join(f"<{i}>" for i in ids if not skip or i))
 
 
 def _chat(body: dict) -> oa.OpenAIRequest:
@@ -25,6 +25,9 @@ def test_completion_fields_map_onto_generate():
                                               "max_new_tokens": 16, "json_schema": '{"type": "object"}'}}
     assert req.model == "served" and req.logprobs
     assert _completion({"prompt": [[1, 2], [3]], "echo": True}).echo_texts == ["<1><2>", "<3>"]
+    # id 0 plays a special token: skipped in the echo, kept when the prompt's logprobs must join into it
+    assert _completion({"prompt": [0, 1], "echo": True}).echo_texts == ["<1>"]
+    assert _completion({"prompt": [0, 1], "echo": True, "logprobs": 0}).echo_texts == ["<0><1>"]
     assert _completion({"prompt": [5, 6], "max_tokens": 3}).native["input_ids"] == [5, 6]
     both = _completion({"prompt": "a", "max_tokens": 3, "max_completion_tokens": 4})
     assert both.native["sampling_params"]["max_new_tokens"] == 4 and both.max_tokens_name == "max_completion_tokens"
@@ -164,10 +167,11 @@ def test_response_format_json_schema_at_the_top_level():
         == '{"type":"array"}'
 
 
-def test_legacy_top_logprobs_keep_the_most_likely_of_tokens_that_decode_alike():
-    meta = {"output_token_logprobs": [(-0.1, 7, "\ufffd")],
-            "output_top_logprobs": [[(-0.1, 7, "\ufffd"), (-0.5, 8, "a"), (-3.0, 9, "\ufffd")]]}
-    assert oa._completion_logprobs(meta, 0)["top_logprobs"] == [{"\ufffd": -0.1, "a": -0.5}]
+def test_chat_input_ids_errors_name_input_ids():
+    req = _chat({"messages": [{"role": "user", "content": "x"}], "input_ids": [1, -5]})
+    assert req.rename(ValidationError("input_ids[1]", "bad")).field == "input_ids[1]"
+    assert _chat({"messages": [{"role": "user", "content": "x"}]}).rename(
+        ValidationError("text", "bad")).field == "messages"
 
 
 def test_rid_priority_and_extra_key_reach_generate():

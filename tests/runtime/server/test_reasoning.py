@@ -19,15 +19,14 @@ def test_whole_answers():
 
 
 def test_qwen3_is_reasoning_until_the_end_tag_while_thinking_is_on():
-    """SGLang's rule (_get_reasoning_from_request): thinking is on unless enable_thinking is set
-    to something other than true, and then the answer is reasoning up to `</think>` even when the
-    template opened `<think>` itself (Qwen3 thinking-only templates)."""
-    for kwargs in ({}, {"enable_thinking": True}):
+    """Thinking is on unless enable_thinking is false (Qwen3's template: `enable_thinking is
+    false` switches it off), and then the answer is reasoning up to `</think>` even when the
+    template opened `<think>` itself (Qwen3 thinking-only templates), as SGLang's parser forces."""
+    for kwargs in ({}, {"enable_thinking": True}, {"enable_thinking": None}, {"enable_thinking": "yes"}):
         thinking = ReasoningParser.for_request("qwen3", kwargs)
         assert thinking.split("step1 step2</think>\n\nThe answer") == ("step1 step2", "The answer")
         assert thinking.split("<think>plan</think>Answer") == ("plan", "Answer")
         assert thinking.split("still thinking") == ("still thinking", "")
-    assert ReasoningParser.for_request("qwen3", {"enable_thinking": "yes"}) == QWEN3
 
 
 @pytest.mark.parametrize("parser, text", [

@@ -155,6 +155,8 @@ def test_ignored_and_empty_media_keys_are_accepted() -> None:
     assert norm({"text": "a", **defaults}).items[0].input_ids == [ord("a") % VOCAB]
     with pytest.raises(ValidationError, match="routed_experts_start_len is not supported"):
         norm({"text": "a", "routed_experts_start_len": 2})
+    with pytest.raises(ValidationError, match="multi_item_delimiter_indices is not supported"):
+        norm({"text": "a", "multi_item_delimiter_indices": [0]})  # a 0 there is a value, not a default
 
 
 def test_what_the_gateway_adds_to_generate_is_accepted() -> None:
