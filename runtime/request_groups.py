@@ -58,9 +58,10 @@ class ChoiceState:
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
             "cached_tokens": self.cached_tokens,
-            "e2e_latency": round(time.perf_counter() - self.group.created, 6),
             "weight_version": WEIGHT_VERSION,  # SGLang's; this server never updates its weights
         }
+        if self.finished:  # as SGLang's: a stream's earlier chunks have no end-to-end latency yet
+            meta["e2e_latency"] = round(time.perf_counter() - self.group.created, 6)
         verify_ct, drafts, accepted = self.spec_counts
         if verify_ct:  # SGLang's names; the accept length counts the bonus token
             meta.update(spec_verify_ct=verify_ct, spec_accept_length=round(self.completion_tokens / verify_ct, 4),

@@ -72,6 +72,7 @@ def test_streaming_is_cumulative_and_ends_with_done(tiny_server):
         assert b["text"].startswith(a["text"])
     assert chunks[-1]["output_ids"] == final["output_ids"] and chunks[-1]["text"] == final["text"]
     assert chunks[-1]["meta_info"]["finish_reason"]["type"] == "length"
+    assert "e2e_latency" in chunks[-1]["meta_info"] and not any("e2e_latency" in c["meta_info"] for c in chunks[:-1])
 
 
 def test_64_concurrent_mixed_lengths_equal_one_at_a_time(tiny_server):
