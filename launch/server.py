@@ -11,11 +11,13 @@ import asyncio
 import logging
 import signal
 import sys
+from collections.abc import Sequence
 from types import FrameType
 
 import uvicorn
 from fastapi import FastAPI
 
+from tandem.runtime import sglang_flags
 from tandem.runtime.server.http import create_app
 from tandem.runtime.server.protocol import protocol_with_head_timeout
 from tandem.runtime.server_args import ServerArgs
@@ -44,8 +46,11 @@ class DrainingServer(uvicorn.Server):
         self.should_exit = True
 
 
-def run_server(args: ServerArgs) -> int:
+def run_server(args: ServerArgs, notes: Sequence[str] = ()) -> int:
+    """`notes`: lines to log once logging is set up (SGLang flags that were ignored)."""
     logging.basicConfig(level=args.log_level.upper(), format="[%(asctime)s] %(message)s")
+    for note in notes:
+        logging.info(note)
     if args.node_rank > 0:  # schedulers only: node 0 serves HTTP, tokenizes and detokenizes
         from tandem.runtime.launcher import run_scheduler_node
 
@@ -71,9 +76,16 @@ def run_server(args: ServerArgs) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="tandem serve", description="Serve a model over SGLang's native HTTP API")
+    parser = argparse.ArgumentParser(prog="tandem serve", description="Serve a model over SGLang's native HTTP API",
+                                     allow_abbrev=False)
     ServerArgs.add_cli_args(parser)
-    return run_server(ServerArgs.from_cli_args(parser.parse_args(argv)))
+    ns = parser.parse_args(argv)
+    try:  # a bad value exits as argparse's errors do (usage, the flag and why; status 2), no traceback
+        notes = sglang_flags.check(ns)
+        args = ServerArgs.from_cli_args(ns)
+    except ValueError as exc:
+        parser.error(str(exc))
+    return run_server(args, notes)
 
 
 if __name__ == "__main__":

@@ -13,6 +13,18 @@ DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "default.t
 
 # auto: the model dtype; fp8: one byte per element, no scales (runner.py maps them to torch dtypes)
 KV_CACHE_DTYPES = ("auto", "fp8_e5m2", "fp8_e4m3")
+# SGLang's other spellings of a value, taken as tandem's
+_VALUE_ALIASES = {"dtype": {"half": "float16", "float": "float32"}, "attention_backend": {"torch_native": "torch"}}
+_CHOICES = {
+    "schedule_policy": ("fcfs", "lpm"),
+    "dtype": ("auto", "float32", "bfloat16", "float16", "half", "float"),
+    "attention_backend": ("auto", "torch", "cpu", "triton", "torch_native"),
+    "kv_cache_dtype": KV_CACHE_DTYPES,
+    "grammar_backend": ("xgrammar", "none"),
+    "reasoning_parser": (None, "deepseek-r1", "qwen3"),
+    "sampling_defaults": ("model", "openai"),
+    "log_level": ("debug", "info", "warning", "error", "critical"),
+}
 
 @dataclass(frozen=True)
 class ServerArgs:
@@ -37,7 +49,7 @@ class ServerArgs:
     context_length: int | None = None
     schedule_policy: str = "fcfs"
     enable_priority_scheduling: bool = False
-    priority_preemption: bool = False
+    disable_priority_preemption: bool = False  # SGLang's: with priority scheduling, urgent arrivals preempt unless set
     disable_radix_cache: bool = False
     disable_overlap_schedule: bool = False
     request_timeout: float | None = None
@@ -74,26 +86,30 @@ class ServerArgs:
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        for name, allowed in _CHOICES.items():
+            if getattr(self, name) not in allowed:
+                shown = ", ".join("none" if a is None else a for a in allowed)
+                raise ValueError(f"{_flag(name)}: {getattr(self, name)!r} is not one of {shown}")
+        for name, aliases in _VALUE_ALIASES.items():
+            value = getattr(self, name)
+            object.__setattr__(self, name, aliases.get(value, value))
         checks = {
-            "schedule_policy": self.schedule_policy in ("fcfs", "lpm"),
-            "dtype": self.dtype in ("auto", "float32", "bfloat16", "float16"),
-            "attention_backend": self.attention_backend in ("auto", "torch", "cpu", "triton"),
-            "kv_cache_dtype": self.kv_cache_dtype in KV_CACHE_DTYPES,
             "chunked_prefill_size": self.chunked_prefill_size > 0 or self.chunked_prefill_size == -1,
+            "mem_fraction_static": self.mem_fraction_static is None or 0 < self.mem_fraction_static <= 1,
+            "context_length": self.context_length is None or self.context_length >= 1,
+            "max_total_tokens": self.max_total_tokens is None or self.max_total_tokens >= 1,
+            "port": 0 < self.port < 65536,
             "max_running_requests": self.max_running_requests > 0,
             "tp_size": self.tp_size >= 1,
             "nnodes": self.nnodes >= 1,
             "node_rank": 0 <= self.node_rank < self.nnodes,
             "dist_init_addr": self.dist_init_addr is None or self.dist_init_addr.rpartition(":")[2].isdigit(),
             "max_batch_items": self.max_batch_items >= 1,
-            "grammar_backend": self.grammar_backend in ("xgrammar", "none"),
-            "reasoning_parser": self.reasoning_parser in (None, "deepseek-r1", "qwen3"),
-            "sampling_defaults": self.sampling_defaults in ("model", "openai"),
             "max_top_logprobs_num": self.max_top_logprobs_num >= 0,
         }
         bad = [name for name, ok in checks.items() if not ok]
         if bad:
-            raise ValueError(f"invalid server argument {bad[0]}={getattr(self, bad[0])!r}")
+            raise ValueError(f"{_flag(bad[0])}: invalid value {getattr(self, bad[0])!r}")
         if self.tp_size % self.nnodes:
             raise ValueError(f"tp_size={self.tp_size} must be a multiple of nnodes={self.nnodes}: "
                              f"every node runs tp_size / nnodes ranks")
@@ -165,15 +181,20 @@ class ServerArgs:
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> None:
+        """One flag per field, SGLang's spellings of the common ones (--model, --tp, ...) too, and
+        SGLang's flags that change nothing here (sglang_flags.py)."""
+        from tandem.runtime import sglang_flags
+
         parser.add_argument("--config", type=str, default=None, help="TOML preset (flags given here override it)")
         for f in fields(ServerArgs):
             if f.name == "extra":
                 continue
-            flag = "--" + f.name.replace("_", "-")
+            flags = [_flag(f.name), *_FLAG_ALIASES.get(f.name, ())]
             if f.type in ("bool", bool):
-                parser.add_argument(flag, action="store_true", default=None)
+                parser.add_argument(*flags, action="store_true", default=None, dest=f.name)
             else:
-                parser.add_argument(flag, type=_cli_type(f.type), default=None)
+                parser.add_argument(*flags, type=_cli_type(f.type), default=None, dest=f.name)
+        sglang_flags.add_args(parser)
 
     @staticmethod
     def from_cli_args(ns: argparse.Namespace) -> "ServerArgs":
@@ -182,6 +203,16 @@ class ServerArgs:
         if getattr(ns, "config", None):
             return ServerArgs.from_toml(ns.config, **given)
         return ServerArgs(**given)
+
+
+# SGLang's other names for tandem's flags (explicit: argparse's prefix matching would break as
+# soon as another flag shares a prefix)
+_FLAG_ALIASES = {"model_path": ("--model",), "tp_size": ("--tp", "--tensor-parallel-size"),
+                 "speculative_draft_model_path": ("--speculative-draft-model",)}
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
 
 
 def _cli_type(type_name: Any):

@@ -45,7 +45,7 @@ class ModelRunner:
         self.draft_model = self._load_draft_model()
         if pack_now:
             self.pack_weights()
-        self.context_len = min(args.context_length or self.config.max_position, self.config.max_position)
+        self.context_len = self._context_len()
         self.max_total_tokens = self._kv_capacity()
         self.max_running_requests = args.max_running_requests
         # twice the running limit: rows of finished requests are reused only once the step in
@@ -118,6 +118,15 @@ class ModelRunner:
             raise ValueError(f"speculative_draft_model_path {path}: vocabulary {draft.cfg.vocab_size} differs from the "
                              f"target's {self.config.vocab_size} (the draft must share the tokenizer)")
         return draft
+
+    def _context_len(self) -> int:
+        """--context-length, at most the model's own (SGLang refuses a longer one too: positions
+        past what the model was trained on give garbage, not an error)."""
+        limit = self.config.max_position
+        asked = self.args.context_length
+        if asked is not None and asked > limit:
+            raise ValueError(f"--context-length {asked} is more than the model's maximum ({limit} positions)")
+        return asked or limit
 
     def _kv_capacity(self) -> int:
         if self.args.max_total_tokens:

@@ -271,7 +271,8 @@ class Planner:
                     or sp.max_thinking_tokens is not None)
 
     def _preempt_for(self, req: Req) -> bool:
-        """--priority-preemption: a much more urgent arrival retracts the least urgent running request."""
+        """With priority scheduling (unless --disable-priority-preemption), a much more urgent arrival
+        retracts the least urgent running request, as SGLang's."""
         cfg = self.cfg
         if not (cfg.priority_preemption and cfg.enable_priority_scheduling and self.running):
             return False

@@ -54,7 +54,7 @@ def planner_config(args: ServerArgs, runner: ModelRunner) -> PlannerConfig:
         max_running_requests=runner.max_running_requests, max_prefill_tokens=args.max_prefill_tokens,
         chunked_prefill_size=args.chunked_prefill_size, max_queued_requests=args.max_queued_requests,
         request_timeout=args.request_timeout, schedule_policy=args.schedule_policy,
-        enable_priority_scheduling=args.enable_priority_scheduling, priority_preemption=args.priority_preemption,
+        enable_priority_scheduling=args.enable_priority_scheduling, priority_preemption=not args.disable_priority_preemption,
         force_retract_every=envs.TEST_RETRACT_INTERVAL.get() if envs.TEST_RETRACT.get() else 0,
         speculative_num_drafts=args.speculative_num_draft_tokens - 1 if args.speculative_algorithm else 0,
         speculative_disable_batch_size=args.speculative_disable_batch_size,

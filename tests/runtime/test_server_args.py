@@ -29,7 +29,7 @@ def test_cli_and_toml_build_the_same_args(tmp_path):
 
 def test_default_preset_loads_and_bad_values_name_the_argument():
     assert ServerArgs.from_toml(DEFAULT_CONFIG).port == 30000
-    with pytest.raises(ValueError, match="schedule_policy"):
+    with pytest.raises(ValueError, match="^--schedule-policy: 'random' is not one of fcfs, lpm$"):
         ServerArgs(schedule_policy="random")
     with pytest.raises(ValueError, match="not_a_flag"):
         ServerArgs.from_dict({"not_a_flag": 1})
@@ -57,13 +57,13 @@ def test_speculative_flags():
 def test_sampling_defaults_source():
     assert ServerArgs().sampling_defaults == "model"  # SGLang's default
     assert _cli(["--sampling-defaults", "openai"]).sampling_defaults == "openai"
-    with pytest.raises(ValueError, match="sampling_defaults='hf'"):
+    with pytest.raises(ValueError, match="--sampling-defaults: 'hf' is not one of"):
         ServerArgs(sampling_defaults="hf")
 
 
 def test_reasoning_parser_names():
     assert _cli(["--reasoning-parser", "deepseek-r1"]).reasoning_parser == "deepseek-r1"
-    with pytest.raises(ValueError, match="reasoning_parser='r2'"):
+    with pytest.raises(ValueError, match="--reasoning-parser: 'r2' is not one of"):
         ServerArgs(reasoning_parser="r2")
 
 
@@ -72,8 +72,8 @@ def test_parallelism_flags():
     assert (args.tp_size, args.nnodes, args.node_rank, args.dist_init_addr) == (4, 2, 1, "10.0.0.1:5000")
     for bad, fragment in [({"tp_size": 3, "nnodes": 2, "dist_init_addr": "h:1"}, "tp_size=3 must be a multiple of nnodes=2"),
                           ({"tp_size": 2, "nnodes": 2}, "dist_init_addr (HOST:PORT on node 0) is needed"),
-                          ({"node_rank": 1}, "node_rank=1"),
-                          ({"dist_init_addr": "host"}, "dist_init_addr='host'"),
+                          ({"node_rank": 1}, "--node-rank: invalid value 1"),
+                          ({"dist_init_addr": "host"}, "--dist-init-addr: invalid value 'host'"),
                           ({"tp_size": 2, "speculative_algorithm": "NGRAM"},
                            "speculative_algorithm=NGRAM is not available with tp_size=2")]:
         with pytest.raises(ValueError, match=fragment.replace("(", r"\(").replace(")", r"\)")):
@@ -83,6 +83,45 @@ def test_parallelism_flags():
 def test_kv_cache_dtype():
     assert _cli(["--kv-cache-dtype", "fp8_e4m3"]).kv_cache_dtype == "fp8_e4m3"
     assert ServerArgs().kv_cache_dtype == "auto"
-    with pytest.raises(ValueError, match="kv_cache_dtype='fp8'"):
+    with pytest.raises(ValueError, match="--kv-cache-dtype: 'fp8' is not one of"):
         ServerArgs(kv_cache_dtype="fp8")
     assert ServerArgs(kv_cache_dtype="fp8_e5m2", attention_backend="triton").kv_cache_dtype == "fp8_e5m2"
+
+
+def test_an_sglang_launch_command_starts_tandem():
+    """SGLang's spellings (--model, --tp, half, torch_native) and its flags that change nothing
+    here (logged as ignored) parse; a parallelism flag above 1 is refused naming it."""
+    from tandem.runtime import sglang_flags
+
+    parser = argparse.ArgumentParser(allow_abbrev=False)
+    ServerArgs.add_cli_args(parser)
+    ns = parser.parse_args(["--model", "m", "--tp", "1", "--dtype", "half", "--attention-backend", "torch_native",
+                            "--disable-cuda-graph", "--trust-remote-code", "--cuda-graph-max-bs", "8", "--dp", "1",
+                            "--enable-metrics", "--mem-fraction-static", "0.85"])
+    notes = sglang_flags.check(ns)
+    args = ServerArgs.from_cli_args(ns)
+    assert (args.model_path, args.tp_size, args.dtype, args.attention_backend) == ("m", 1, "float16", "torch")
+    assert any(n.startswith("--disable-cuda-graph ignored") for n in notes) and len(notes) == 4
+    with pytest.raises(ValueError, match="^--dp-size: tandem runs one rank of it, got 2"):
+        sglang_flags.check(parser.parse_args(["--dp", "2"]))
+    with pytest.raises(SystemExit):  # a flag that would change the answer is not accepted
+        parser.parse_args(["--quantization", "fp8"])
+
+
+@pytest.mark.parametrize("bad, fragment", [
+    ({"mem_fraction_static": 1.5}, "--mem-fraction-static: invalid value 1.5"),
+    ({"mem_fraction_static": 0.0}, "--mem-fraction-static: invalid value 0.0"),
+    ({"context_length": 0}, "--context-length: invalid value 0"),
+    ({"max_total_tokens": -1}, "--max-total-tokens: invalid value -1"),
+    ({"port": 70000}, "--port: invalid value 70000"),
+    ({"log_level": "loud"}, "--log-level: 'loud' is not one of"),
+    ({"attention_backend": "flashinfer"}, "--attention-backend: 'flashinfer' is not one of auto, torch, cpu, triton"),
+])
+def test_bad_values_name_the_flag(bad, fragment):
+    with pytest.raises(ValueError, match="^" + fragment):
+        ServerArgs(**bad)
+
+
+def test_priority_scheduling_preempts_unless_disabled_as_sglang():
+    assert not ServerArgs(enable_priority_scheduling=True).disable_priority_preemption
+    assert _cli(["--enable-priority-scheduling", "--disable-priority-preemption"]).disable_priority_preemption

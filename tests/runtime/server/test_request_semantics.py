@@ -199,7 +199,8 @@ def test_priority_orders_admission_when_full(tmp_path, tiny_model_dir):
     from server_utils import start_server
 
     server = start_server(["--model-path", tiny_model_dir("llama"), "--max-total-tokens", "4000",
-                           "--max-running-requests", "1", "--enable-priority-scheduling"], str(tmp_path / "p.log"),
+                           "--max-running-requests", "1", "--enable-priority-scheduling",
+                           "--disable-priority-preemption"], str(tmp_path / "p.log"),  # admission order alone
                           env={"TANDEM_TEST_FORWARD_HANG": "0.01"})  # requests end >= 40 ms apart: the client sees the order
     try:
         order: list[str] = []
@@ -227,7 +228,7 @@ def test_priority_preemption_requeues_the_running_request(tmp_path, tiny_model_d
     from server_utils import start_server
 
     server = start_server(["--model-path", tiny_model_dir("llama"), "--max-total-tokens", "4000",
-                           "--max-running-requests", "1", "--enable-priority-scheduling", "--priority-preemption"],
+                           "--max-running-requests", "1", "--enable-priority-scheduling"],  # preempts by default
                           str(tmp_path / "pp.log"), env={"TANDEM_TEST_FORWARD_HANG": "0.01"})  # low runs >= 3 s
     try:
         low_body = {"input_ids": [9] * 5, "rid": "low", "priority": 0,

@@ -1,0 +1,56 @@
+"""SGLang's launch flags that tandem takes without a ServerArgs field, so that an SGLang launch
+command (a benchmark harness's, a deployment script's) starts tandem unchanged.
+
+Each accepted flag cannot change an answer here: tandem captures no CUDA graphs and compiles
+nothing, runs no code from the checkpoint, always serves /metrics and cached-token counts, and
+has one data/expert/pipeline rank. They are logged as ignored, with the reason. Flags that would
+change answers are not in this table: argparse refuses them by name.
+"""
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+# flag -> (takes a value, why it changes nothing on tandem)
+IGNORED: dict[str, tuple[bool, str]] = {
+    "--disable-cuda-graph": (False, "tandem captures no CUDA graphs"),
+    "--cuda-graph-max-bs": (True, "tandem captures no CUDA graphs"),
+    "--enable-torch-compile": (False, "tandem does not torch.compile its model"),
+    "--torch-compile-max-bs": (True, "tandem does not torch.compile its model"),
+    "--trust-remote-code": (False, "tandem runs no code from a checkpoint (its own model classes and tokenizer)"),
+    "--enable-metrics": (False, "/metrics is always served"),
+    "--enable-cache-report": (False, "usage.prompt_tokens_details.cached_tokens is always reported"),
+    "--skip-server-warmup": (False, "tandem sends no warm-up request"),
+    "--disable-custom-all-reduce": (False, "tensor parallelism uses torch.distributed's all-reduce"),
+    "--enable-p2p-check": (False, "tensor parallelism uses torch.distributed"),
+    "--decode-log-interval": (True, "tandem logs decode batches at its own interval"),
+    "--log-requests": (False, "tandem does not log request bodies"),
+}
+# SGLang's parallelism flags for what tandem runs as one rank: accepted at 1, refused above
+SINGLE_RANK = {"dp_size": ("--dp-size", "--dp"), "ep_size": ("--ep-size", "--ep"), "pp_size": ("--pp-size",)}
+
+
+def add_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("SGLang flags that change nothing here (accepted and logged)")
+    for flag, (takes_value, _) in IGNORED.items():
+        if takes_value:
+            group.add_argument(flag, default=None, dest=_dest(flag))
+        else:
+            group.add_argument(flag, action="store_true", default=None, dest=_dest(flag))
+    for dest, flags in SINGLE_RANK.items():
+        group.add_argument(*flags, type=int, default=None, dest=dest)
+
+
+def check(ns: argparse.Namespace) -> list[str]:
+    """Refuses a parallelism flag above 1 (ValueError naming it); returns the ignored flags'
+    log lines."""
+    for dest, flags in SINGLE_RANK.items():
+        value: Any = getattr(ns, dest, None)
+        if value is not None and value != 1:
+            why = "; data parallelism is the gateway's job (smg --dp-aware)" if dest == "dp_size" else ""
+            raise ValueError(f"{flags[0]}: tandem runs one rank of it, got {value}{why}")
+    return [f"{flag} ignored: {why}" for flag, (_, why) in IGNORED.items() if getattr(ns, _dest(flag), None)]
+
+
+def _dest(flag: str) -> str:
+    return "sglang_" + flag.removeprefix("--").replace("-", "_")
