@@ -178,6 +178,7 @@ class DetokenizeParams(msgspec.Struct, kw_only=True, frozen=True, gc=False, arra
     spaces_between_special_tokens: bool = True
     no_stop_trim: bool = False
     stop_strings: tuple[str, ...] = ()
+    prompt_tail: tuple[int, ...] = ()  # the prompt's last tokens: context for decoding the first output
 
 
 class _BatchOutputBase(_Msg, kw_only=True):

@@ -39,7 +39,8 @@ class Detokenizer:
         if params is not None:  # a request's first output
             state = DecodeState(skip_special_tokens=params.skip_special_tokens,
                                 spaces_between_special_tokens=params.spaces_between_special_tokens,
-                                stop_strings=params.stop_strings, no_stop_trim=params.no_stop_trim)
+                                stop_strings=params.stop_strings, no_stop_trim=params.no_stop_trim,
+                                context_ids=params.prompt_tail)
             self.states[out.rids[i]] = state
             return state
         return self.states[out.rids[i]]

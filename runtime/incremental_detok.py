@@ -8,6 +8,10 @@ SGLang, a state keeps two cursors into its token ids:
   SentencePiece's leading space), and
 - `read_offset`: end of the committed tokens.
 
+The ids start with the prompt's last few tokens (`context_ids`), committed but never shown, so the
+first output token is decoded after them as SGLang does: a SentencePiece tokenizer (Llama-2,
+Mistral) drops the leading space of whatever text a decode starts with.
+
 A step decodes `ids[surrogate_offset:]` and `ids[surrogate_offset:read_offset]`; the new text is
 the first minus the prefix that the second accounts for. New text ending in U+FFFD means a
 multi-byte character is split across tokens, so it stays uncommitted until a later token completes
@@ -33,7 +37,7 @@ REPLACEMENT_CHAR = "\ufffd"
 
 
 class DecodeState:
-    """Incremental detokenization state of one request (output tokens only, no prompt tail)."""
+    """Incremental detokenization state of one request."""
 
     def __init__(
         self,
@@ -43,6 +47,7 @@ class DecodeState:
         stop_strings: Sequence[str] = (),
         no_stop_trim: bool = False,
         tokenizer: Any = None,
+        context_ids: Sequence[int] = (),
     ) -> None:
         self.skip_special_tokens = skip_special_tokens
         self.spaces_between_special_tokens = spaces_between_special_tokens
@@ -50,9 +55,10 @@ class DecodeState:
         self.stop_strings: list[str] = [s for s in stop_strings if s]
         self.no_stop_trim = no_stop_trim
         self.tokenizer = tokenizer  # only needed by add(); decode_batch() passes its own
-        self.ids: list[int] = []
+        self.ids: list[int] = [int(t) for t in context_ids]
+        self.context_len = len(self.ids)
         self.surrogate_offset = 0
-        self.read_offset = 0
+        self.read_offset = self.context_len
         self.text = ""  # everything emitted so far
         self.finished = False
         self._decoded = ""  # committed decoded text, before stop handling
@@ -76,7 +82,7 @@ class DecodeState:
     def _extend(self, new_ids: Sequence[int], finished: bool, matched: Matched) -> list[list[int]]:
         """Record tokens; return the windows to decode: none, or the surrogate and read windows,
         and for a request ending on a stop string also all its tokens but the last (the cut must
-        find the occurrence that last token completes)."""
+        find the occurrence that last token completes), then the context alone (to take off)."""
         if self.finished:
             return []  # tokens after finish can never show up
         ids = [int(t) for t in new_ids]
@@ -84,8 +90,8 @@ class DecodeState:
             ids.pop()  # the stop token is the request's last; its text is not part of the output
         self.ids.extend(ids)
         windows = [self.ids[self.surrogate_offset : self.read_offset], self.ids[self.surrogate_offset :]]
-        if finished and isinstance(matched, str) and self.ids:
-            return [*windows, self.ids[:-1]]
+        if finished and isinstance(matched, str) and len(self.ids) > self.context_len:
+            return [*windows, self.ids[:-1], self.ids[:self.context_len]]
         return windows if self.read_offset < len(self.ids) else []
 
     def _advance(self, texts: list[str], finished: bool, matched: Matched) -> str:
@@ -99,7 +105,8 @@ class DecodeState:
             self._decoded += new_text
             self.surrogate_offset = self.read_offset
             self.read_offset = len(self.ids)
-        visible = self._visible_text(finished, matched, texts[2] if len(texts) > 2 else "")
+        before_last = texts[2][len(texts[3]):] if len(texts) > 2 else ""  # the output's, without the context
+        visible = self._visible_text(finished, matched, before_last)
         self.finished = finished
         delta = visible[len(self.text) :]
         self.text = visible

@@ -90,8 +90,13 @@ class OutputStreamer:
         out.hidden_states.append(rows)
 
 
+# prompt tokens decoded before the first output token (SGLang's INIT_INCREMENTAL_DETOKENIZATION_OFFSET)
+PROMPT_TAIL = 5
+
+
 def _detokenize_params(r: Req) -> DetokenizeParams:
     sp = r.sampling_params
     return DetokenizeParams(skip_special_tokens=sp.skip_special_tokens,
                             spaces_between_special_tokens=sp.spaces_between_special_tokens,
-                            no_stop_trim=sp.no_stop_trim, stop_strings=tuple(sp.stop))
+                            no_stop_trim=sp.no_stop_trim, stop_strings=tuple(sp.stop),
+                            prompt_tail=tuple(int(t) for t in r.origin_input_ids[-PROMPT_TAIL:]))

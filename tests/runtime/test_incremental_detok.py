@@ -325,3 +325,31 @@ def test_decode_window_stays_bounded(tok: Any) -> None:
     assert counting.max_window <= 8
     decode_batch(counting, [state], [[]], [True])
     assert state.text == tok.decode(ids)
+
+
+def _sentencepiece_style() -> Any:
+    """A Llama-2/Mistral-style decoder: "▁" is a space and one leading space of a decode is dropped."""
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, "▁The": 3, "▁capital": 4, "▁is": 5, "▁Paris": 6, ".": 7, "▁P": 8,
+             "aris": 9}
+    spec = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    spec.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    return PreTrainedTokenizerFast(tokenizer_object=spec, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+
+
+@pytest.mark.parametrize("chunks", [[[6, 7, 2]], [[6], [7], [2]]])
+def test_the_first_output_token_is_decoded_after_the_prompts_tail(chunks: list[list[int]]) -> None:
+    """As SGLang: with the prompt's last tokens as context, "▁Paris" keeps its space (decoded
+    alone, a SentencePiece decoder drops it); the context itself is never shown."""
+    sp_tok = _sentencepiece_style()
+    state = DecodeState(tokenizer=sp_tok, context_ids=[1, 3, 4, 5])
+    text = "".join(state.add(c, i == len(chunks) - 1, 2 if i == len(chunks) - 1 else None) for i, c in enumerate(chunks))
+    assert text == " Paris." and DecodeState(tokenizer=sp_tok).add([6, 7], True) == "Paris."
+
+
+def test_a_stop_string_is_cut_in_the_output_not_the_context() -> None:
+    sp_tok = _sentencepiece_style()
+    state = DecodeState(tokenizer=sp_tok, context_ids=[1, 3, 4, 5], stop_strings=["aris"])
+    assert state.add([8], False) + state.add([9], True, "aris") == " P"
