@@ -254,9 +254,12 @@ class TokenizerManager:
         unfinished = [g for g in call.groups if not g.finished]
         if unfinished and not self.dead_reason:
             send(self.to_scheduler, AbortReq(group_prefixes=[g.prefix for g in unfinished]))
+        now = time.perf_counter()
         for group in call.groups:
             for c in group.choices:
-                self.choices.pop(c.rid, None)
+                if self.choices.pop(c.rid, None) is not None:  # unfinished: its abort output will find no choice
+                    self.metrics.on_finish("abort", now - c.group.created, c.prompt_tokens, c.completion_tokens,
+                                           c.cached_tokens)
             if self.groups.get(group.logical_rid) is group:
                 del self.groups[group.logical_rid]
 

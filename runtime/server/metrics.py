@@ -10,9 +10,11 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
-_ITL_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.6, 0.8, 1.0, 2.0, 4.0)
-_MAX_ITL_OBSERVATIONS = 64  # per arrival: one big non-streaming chunk must not cost a loop of thousands
+# SGLang's default buckets, so dashboards' heatmaps and quantiles read the same rows
+_TTFT_BUCKETS = (0.1, 0.2, 0.4, 0.6, 0.8, 1, 2, 4, 6, 8, 10, 20, 40, 60, 80, 100, 200, 400)
+_E2E_BUCKETS = (*_TTFT_BUCKETS, 600, 1200, 1800, 2400)
+_ITL_BUCKETS = (0.002, 0.004, 0.006, 0.008, 0.010, 0.015, 0.020, 0.025, 0.030, 0.035, 0.040, 0.060, 0.080, 0.100,
+                0.200, 0.400, 0.600, 0.800, 1.000, 2.000, 4.000, 6.000, 8.000)
 
 
 class ServerMetrics:
@@ -38,37 +40,46 @@ class ServerMetrics:
                                          registry=r).labels(**self.labels)
         self.cached_tokens = Counter("sglang:cached_tokens", "Prompt tokens served from the prefix cache", names,
                                      registry=r).labels(**self.labels)
-        self.num_requests = Counter("sglang:num_requests", "Finished requests by finish type",
-                                    [*names, "finish_type"], registry=r)
-        self.aborts = Counter("tandem:num_aborted_requests", "Requests that ended with an abort", names,
+        self.num_requests = Counter("sglang:num_requests", "Finished requests", names, registry=r).labels(**self.labels)
+        self.aborts = Counter("sglang:num_aborted_requests", "Requests that ended with an abort", names,
                               registry=r).labels(**self.labels)
+        self.by_finish_type = Counter("tandem:num_requests_by_finish_type", "Finished requests by finish type",
+                                      [*names, "finish_type"], registry=r)
         self.ttft = Histogram("sglang:time_to_first_token_seconds", "Time to first token", names,
-                              buckets=_LATENCY_BUCKETS, registry=r).labels(**self.labels)
+                              buckets=_TTFT_BUCKETS, registry=r).labels(**self.labels)
         self.itl = Histogram("sglang:inter_token_latency_seconds", "Time between output tokens", names,
                              buckets=_ITL_BUCKETS, registry=r).labels(**self.labels)
         self.e2e = Histogram("sglang:e2e_request_latency_seconds", "Request latency, end to end", names,
-                             buckets=_LATENCY_BUCKETS, registry=r).labels(**self.labels)
+                             buckets=_E2E_BUCKETS, registry=r).labels(**self.labels)
         self._prompt_total = 0
         self._cached_total = 0
 
     # -- per request (main process, as outputs arrive) -------------------------------------------------
     def on_output(self, since_start_s: float, since_last_s: float | None, new_tokens: int) -> None:
-        """An output with `new_tokens` arrived; `since_last_s` is None for the first one."""
+        """An output with `new_tokens` arrived; `since_last_s` is None for the first one, which
+        counts as the time to first token only (as SGLang's: the tokens that came with it have no
+        interval of their own)."""
         if new_tokens <= 0:
             return
         if since_last_s is None:
             self.ttft.observe(since_start_s)
-            new_tokens -= 1
-            if new_tokens <= 0:
-                return
-            since_last_s = 0.0  # the rest of a first chunk arrived with the first token
-        per_token = since_last_s / new_tokens
-        for _ in range(min(new_tokens, _MAX_ITL_OBSERVATIONS)):
-            self.itl.observe(per_token)
+            return
+        self._observe_intervals(since_last_s, new_tokens)
+
+    def _observe_intervals(self, interval_s: float, tokens: int) -> None:
+        """`tokens` observations of interval_s / tokens in one step, as SGLang's collector does
+        (prometheus_client observes one value a call; a chunk can carry thousands)."""
+        self.itl._sum.inc(interval_s)
+        per_token = interval_s / tokens
+        for bucket, bound in zip(self.itl._buckets, self.itl._upper_bounds):
+            if per_token <= bound:
+                bucket.inc(tokens)
+                break
 
     def on_finish(self, finish_type: str, e2e_s: float, prompt_tokens: int, completion_tokens: int,
                   cached_tokens: int) -> None:
-        self.num_requests.labels(**self.labels, finish_type=finish_type).inc()
+        self.num_requests.inc()
+        self.by_finish_type.labels(**self.labels, finish_type=finish_type).inc()
         if finish_type == "abort":
             self.aborts.inc()
         self.e2e.observe(e2e_s)

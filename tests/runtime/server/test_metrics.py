@@ -14,9 +14,10 @@ def _samples(m: ServerMetrics) -> dict[tuple[str, tuple], float]:
     return out
 
 
-def _get(samples: dict, name: str, **labels) -> float:
+def _get(samples: dict, name: str, le: str | None = None, **labels) -> float:
     want = {"model_name": "m", **labels}
-    return next(v for (n, key), v in samples.items() if n == name and dict(k for k in key[:-1]) == want)
+    return next(v for (n, key), v in samples.items() if n == name and dict(k for k in key[:-1]) == want
+                and key[-1] == le)
 
 
 def test_request_metrics_and_scheduler_gauges():
@@ -30,14 +31,19 @@ def test_request_metrics_and_scheduler_gauges():
                              "max_total_num_tokens": 100, "gen_throughput": 12.5, "device_idle_fraction": 0.01,
                              "num_retractions": 7})
     s = _samples(m)
-    assert _get(s, "sglang:num_requests_total", finish_type="length") == 1
-    assert _get(s, "sglang:num_requests_total", finish_type="abort") == 1
-    assert _get(s, "tandem:num_aborted_requests_total") == 1
+    assert _get(s, "sglang:num_requests_total") == 2  # one series per worker, as SGLang's
+    assert _get(s, "tandem:num_requests_by_finish_type_total", finish_type="length") == 1
+    assert _get(s, "tandem:num_requests_by_finish_type_total", finish_type="abort") == 1
+    assert _get(s, "sglang:num_aborted_requests_total") == 1
     assert _get(s, "sglang:prompt_tokens_total") == 16 and _get(s, "sglang:generation_tokens_total") == 8
     assert _get(s, "sglang:cache_hit_rate") == 4 / 16
     assert _get(s, "sglang:time_to_first_token_seconds_count") == 2
     assert _get(s, "sglang:time_to_first_token_seconds_sum") == 2.5
-    assert _get(s, "sglang:inter_token_latency_seconds_count") == 2 + 4
+    # only the streamed request's two later tokens (0.1 s each); a first chunk is TTFT alone
+    assert _get(s, "sglang:inter_token_latency_seconds_count") == 2
+    assert abs(_get(s, "sglang:inter_token_latency_seconds_sum") - 0.2) < 1e-9
+    assert _get(s, "sglang:inter_token_latency_seconds_bucket", le="0.08") == 0
+    assert _get(s, "sglang:inter_token_latency_seconds_bucket", le="0.1") == 2
     assert _get(s, "sglang:e2e_request_latency_seconds_count") == 2
     assert _get(s, "sglang:num_running_reqs") == 3 and _get(s, "sglang:num_queue_reqs") == 2
     assert _get(s, "sglang:token_usage") == 0.25 and _get(s, "sglang:gen_throughput") == 12.5

@@ -5,6 +5,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+import requests
 from prometheus_client.parser import text_string_to_metric_families
 
 pytestmark = pytest.mark.timeout(120)
@@ -33,16 +34,26 @@ def test_metrics_count_known_traffic(tiny_server):
             time.sleep(0.02)
         tiny_server.post("/abort_request", {"rid": "metrics-abort"})
         aborted = fut.result(30)
+    # a streaming client that goes away: its request is aborted, and counted, as SGLang counts it
+    stream = requests.post(tiny_server.url + "/generate", json={"input_ids": [11], "stream": True, "sampling_params": {
+        **sp, "max_new_tokens": 1500}}, stream=True, timeout=60)
+    next(stream.iter_lines())
+    stream.close()
+    deadline = time.monotonic() + 10
+    while tiny_server.info()["num_running_reqs"] and time.monotonic() < deadline:
+        time.sleep(0.05)
     after = _scrape(tiny_server)
 
     def delta(name: str, finish_type: str = "") -> float:
         return after.get((name, finish_type), 0.0) - before.get((name, finish_type), 0.0)
 
-    assert delta("sglang:num_requests_total", "length") == 3  # one request + two choices
-    assert delta("sglang:num_requests_total", "abort") == 1
-    assert delta("sglang:prompt_tokens_total") == 3 + 2 * 2 + 1
-    assert delta("sglang:generation_tokens_total") == 4 + 2 * 6 + len(aborted["output_ids"])
-    assert delta("sglang:e2e_request_latency_seconds_count") == 4
+    assert delta("sglang:num_requests_total") == 5  # one request, two choices, the aborted and the dropped one
+    assert delta("tandem:num_requests_by_finish_type_total", "length") == 3
+    assert delta("tandem:num_requests_by_finish_type_total", "abort") == 2
+    assert delta("sglang:num_aborted_requests_total") == 2
+    assert delta("sglang:prompt_tokens_total") == 3 + 2 * 2 + 1 + 1
+    assert delta("sglang:generation_tokens_total") >= 4 + 2 * 6 + len(aborted["output_ids"]) + 1
+    assert delta("sglang:e2e_request_latency_seconds_count") == 5
     assert delta("sglang:time_to_first_token_seconds_count") >= 3
     for name in ("sglang:num_running_reqs", "sglang:num_queue_reqs", "sglang:token_usage", "sglang:cache_hit_rate",
                  "sglang:gen_throughput", "tandem:device_idle_fraction", "tandem:num_retractions"):
