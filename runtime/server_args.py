@@ -61,7 +61,7 @@ class ServerArgs:
     graceful_shutdown_timeout: float = 30.0  # SIGTERM: running requests get this long to finish
     http_read_timeout: float = 30.0  # a request head, and a request body, must arrive within this
     max_connections: int = 1024  # concurrent connections/requests; beyond it HTTP 503
-    api_key: str | None = None  # Bearer token for every route but /health
+    api_key: str | None = None  # Bearer token for every route but /health* and /metrics (SGLang's)
     admin_api_key: str | None = None  # Bearer token for /flush_cache and abort_all
     enable_docs: bool = False  # serve /docs and /openapi.json
     grammar_backend: str = "xgrammar"  # guided decoding: xgrammar | none

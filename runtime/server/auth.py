@@ -1,7 +1,8 @@
 """API keys, as SGLang's `--api-key` / `--admin-api-key`.
 
-`--api-key`: every route but `/health` needs `Authorization: Bearer <key>` (the admin key is
-accepted too). `--admin-api-key`: the control routes that touch every request (`/flush_cache`,
+`--api-key`: every route but the probes and the scrape (paths under `/health` and `/metrics`,
+and CORS preflights, as SGLang leaves open) needs `Authorization: Bearer <key>` (the admin key
+is accepted too). `--admin-api-key`: the control routes that touch every request (`/flush_cache`,
 `/abort_request` with `abort_all`) need it; without one they take the api key. Keys are
 compared in constant time and never appear in `/server_info`. gRPC takes the same keys, as
 `authorization: Bearer <key>` metadata (runtime/server/grpc_server.py).
@@ -13,7 +14,7 @@ from typing import Any, Awaitable, Callable
 
 import orjson
 
-OPEN_PATHS = frozenset({"/health"})
+OPEN_PREFIXES = ("/health", "/metrics")  # /health, /health_generate, /metrics: probes and scrapers
 SECRET_ARGS = frozenset({"api_key", "admin_api_key"})
 
 Scope = dict[str, Any]
@@ -44,11 +45,15 @@ class ApiKeyMiddleware:
         self.admin_api_key = admin_api_key
 
     async def __call__(self, scope: Scope, receive: Callable, send: Callable) -> None:
-        if scope["type"] == "http" and self.api_key and scope["path"] not in OPEN_PATHS:
+        if scope["type"] == "http" and self.api_key and not _open_route(scope):
             if not token_may_call(bearer_token(scope["headers"]), self.api_key, self.admin_api_key):
                 await _deny(send, 401, "a valid API key is required: Authorization: Bearer <--api-key>")
                 return
         await self.app(scope, receive, send)
+
+
+def _open_route(scope: Scope) -> bool:
+    return scope["method"] == "OPTIONS" or scope["path"].startswith(OPEN_PREFIXES)
 
 
 def is_admin(headers: Any, api_key: str | None, admin_api_key: str | None) -> bool:

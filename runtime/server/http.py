@@ -220,7 +220,9 @@ def create_app(args: ServerArgs, on_child_death: Callable[[str], None] | None = 
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        tm = holder["tm"]
+        tm = holder.get("tm")
+        if tm is None:  # a scraper may come before the model has loaded
+            return _error(503, "starting")
         tm.metrics.update_from_scheduler(await tm.server_info())
         return Response(tm.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 

@@ -24,12 +24,14 @@ def _auth(key: str) -> dict:
     return {"Authorization": f"Bearer {key}"}
 
 
-def test_every_route_but_health_needs_the_key(keyed_server):
+def test_every_route_but_probes_and_metrics_needs_the_key(keyed_server):
+    """As SGLang: /health*, /metrics (Prometheus scrapers, health probes) are open."""
     url = keyed_server.url
-    assert requests.get(url + "/health", timeout=10).status_code == 200
+    for path in ("/health", "/health_generate", "/metrics"):
+        assert requests.get(url + path, timeout=30).status_code == 200, path
     body = {"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 2}}
-    for method, path in (("post", "/generate"), ("get", "/get_server_info"), ("get", "/metrics"),
-                         ("get", "/v1/models"), ("get", "/health_generate"), ("post", "/abort_request")):
+    for method, path in (("post", "/generate"), ("get", "/get_server_info"), ("get", "/v1/models"),
+                         ("post", "/abort_request"), ("get", "/get_model_info")):
         resp = requests.request(method, url + path, json=body if path == "/generate" else {}, timeout=30)
         assert resp.status_code == 401, path
         assert requests.request(method, url + path, json={}, timeout=30, headers=_auth("wrong")).status_code == 401
