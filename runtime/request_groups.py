@@ -101,7 +101,11 @@ class RequestGroup:
     group_id: str
     call: Call
     choices: list[ChoiceState] = field(default_factory=list)
-    created: float = field(default_factory=time.perf_counter)
+
+    @property
+    def created(self) -> float:
+        """When the call arrived: latencies count tokenizing and validation too, as SGLang's."""
+        return self.call.received
 
     @property
     def prefix(self) -> str:
@@ -118,6 +122,7 @@ class Call:
 
     is_batch: bool
     indexed: bool  # the response items carry "index" (batch or n>1)
+    received: float  # perf_counter when the call arrived, before it was tokenized
     groups: list[RequestGroup] = field(default_factory=list)
     changed: asyncio.Event = field(default_factory=asyncio.Event)
 

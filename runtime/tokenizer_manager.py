@@ -136,6 +136,7 @@ class TokenizerManager:
         check its rids, then register and send every choice. A text prompt gets the tokenizer's
         special tokens (a BOS where the model has one), as SGLang tokenizes it; a rendered chat
         template has written them already."""
+        received = time.perf_counter()
         if self.dead_reason:
             raise RequestError(500, self.dead_reason)
         if self.draining:
@@ -146,7 +147,7 @@ class TokenizerManager:
         if self.dead_reason:
             raise RequestError(500, self.dead_reason)
         check_rids_free(norm.items, self.groups)
-        call = Call(is_batch=norm.is_batch,
+        call = Call(is_batch=norm.is_batch, received=received,
                     indexed=norm.is_batch or any(item.sampling_params.n > 1 for item in norm.items))
         for item in norm.items:
             call.groups.append(self._start_group(call, item))
