@@ -76,8 +76,7 @@ def run_server(args: ServerArgs, notes: Sequence[str] = ()) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="tandem serve", description="Serve a model over SGLang's native HTTP API",
-                                     allow_abbrev=False)
+    parser = argparse.ArgumentParser(prog="tandem serve", description="Serve a model over SGLang's native HTTP API")
     ServerArgs.add_cli_args(parser)
     ns = parser.parse_args(argv)
     try:  # a bad value exits as argparse's errors do (usage, the flag and why; status 2), no traceback

@@ -100,6 +100,11 @@ class DecodeState:
         if self.finished:
             return ""
         surrogate_text, read_text = texts[:2] if texts else ("", "")
+        if self.read_offset == self.context_len:
+            # before the first commit the window is the prompt's tail, which may end inside a
+            # character (a byte-fallback decoder writes one U+FFFD per byte of it): the output's
+            # text starts where the tail's complete characters end
+            surrogate_text = surrogate_text.rstrip(REPLACEMENT_CHAR)
         new_text = read_text[len(surrogate_text) :]
         if new_text and (finished or not new_text.endswith(REPLACEMENT_CHAR)):
             self._decoded += new_text

@@ -44,6 +44,7 @@ class ChoiceState:
     cached_tokens: int = 0
     spec_counts: tuple[int, int, int] = (0, 0, 0)  # verify passes, drafts checked, drafts accepted
     finish_reason: FinishReason | None = None
+    finished_at: float | None = None  # perf_counter when finish_reason arrived
     last_output: float | None = None  # perf_counter of the latest output (metrics)
     version: int = 0  # bumped on every update; streaming sends each version once
 
@@ -60,8 +61,8 @@ class ChoiceState:
             "cached_tokens": self.cached_tokens,
             "weight_version": WEIGHT_VERSION,  # SGLang's; this server never updates its weights
         }
-        if self.finished:  # as SGLang's: a stream's earlier chunks have no end-to-end latency yet
-            meta["e2e_latency"] = round(time.perf_counter() - self.group.created, 6)
+        if self.finished_at is not None:  # as SGLang's: a stream's earlier chunks have no latency yet
+            meta["e2e_latency"] = round(self.finished_at - self.group.created, 6)
         verify_ct, drafts, accepted = self.spec_counts
         if verify_ct:  # SGLang's names; the accept length counts the bonus token
             meta.update(spec_verify_ct=verify_ct, spec_accept_length=round(self.completion_tokens / verify_ct, 4),
@@ -123,6 +124,7 @@ class Call:
     is_batch: bool
     indexed: bool  # the response items carry "index" (batch or n>1)
     received: float  # perf_counter when the call arrived, before it was tokenized
+    log_metrics: bool = True  # False: health probes and SGLang's `log_metrics: false` stay out of /metrics
     groups: list[RequestGroup] = field(default_factory=list)
     changed: asyncio.Event = field(default_factory=asyncio.Event)
 

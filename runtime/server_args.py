@@ -98,7 +98,7 @@ class ServerArgs:
             "mem_fraction_static": self.mem_fraction_static is None or 0 < self.mem_fraction_static <= 1,
             "context_length": self.context_length is None or self.context_length >= 1,
             "max_total_tokens": self.max_total_tokens is None or self.max_total_tokens >= 1,
-            "port": 0 < self.port < 65536,
+            "port": 0 <= self.port < 65536,  # 0: any free port
             "max_running_requests": self.max_running_requests > 0,
             "tp_size": self.tp_size >= 1,
             "nnodes": self.nnodes >= 1,
@@ -205,8 +205,8 @@ class ServerArgs:
         return ServerArgs(**given)
 
 
-# SGLang's other names for tandem's flags (explicit: argparse's prefix matching would break as
-# soon as another flag shares a prefix)
+# SGLang's other names for tandem's flags (explicit: a prefix that argparse would match today
+# becomes ambiguous once another flag shares it)
 _FLAG_ALIASES = {"model_path": ("--model",), "tp_size": ("--tp", "--tensor-parallel-size"),
                  "speculative_draft_model_path": ("--speculative-draft-model",)}
 

@@ -1,5 +1,6 @@
 """SGLang's launch flags that tandem takes without a ServerArgs field, so that an SGLang launch
-command (a benchmark harness's, a deployment script's) starts tandem unchanged.
+command (a benchmark harness's, a deployment script's) starts tandem unchanged; also tandem's own
+retired flags. CLI only: a TOML preset names ServerArgs fields.
 
 Each accepted flag cannot change an answer here: tandem captures no CUDA graphs and compiles
 nothing, runs no code from the checkpoint, always serves /metrics and cached-token counts, and
@@ -25,9 +26,12 @@ IGNORED: dict[str, tuple[bool, str]] = {
     "--enable-p2p-check": (False, "tensor parallelism uses torch.distributed"),
     "--decode-log-interval": (True, "tandem logs decode batches at its own interval"),
     "--log-requests": (False, "tandem does not log request bodies"),
+    "--priority-preemption": (False, "tandem's old flag: preemption is now the default with priority scheduling"),
 }
 # SGLang's parallelism flags for what tandem runs as one rank: accepted at 1, refused above
-SINGLE_RANK = {"dp_size": ("--dp-size", "--dp"), "ep_size": ("--ep-size", "--ep"), "pp_size": ("--pp-size",)}
+SINGLE_RANK = {"dp_size": ("--dp-size", "--dp", "--data-parallel-size"),
+               "ep_size": ("--ep-size", "--ep", "--expert-parallel-size"),
+               "pp_size": ("--pp-size", "--pipeline-parallel-size")}
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:

@@ -131,11 +131,12 @@ class TokenizerManager:
     def _tokenizer_for(self, add_special_tokens: bool) -> Callable[[str], list[int]]:
         return lambda text: self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
-    async def _submit(self, body: Any, add_special_tokens: bool = True) -> Call:
+    async def _submit(self, body: Any, add_special_tokens: bool = True, log_metrics: bool = True) -> Call:
         """Validate the whole call (off the event loop: tokenizing a long text takes a while),
         check its rids, then register and send every choice. A text prompt gets the tokenizer's
         special tokens (a BOS where the model has one), as SGLang tokenizes it; a rendered chat
-        template has written them already."""
+        template has written them already. `log_metrics` False (or the body's SGLang
+        `log_metrics: false`) keeps the call out of /metrics."""
         received = time.perf_counter()
         if self.dead_reason:
             raise RequestError(500, self.dead_reason)
@@ -147,7 +148,8 @@ class TokenizerManager:
         if self.dead_reason:
             raise RequestError(500, self.dead_reason)
         check_rids_free(norm.items, self.groups)
-        call = Call(is_batch=norm.is_batch, received=received,
+        log_metrics = log_metrics and not (isinstance(body, dict) and body.get("log_metrics") is False)
+        call = Call(is_batch=norm.is_batch, received=received, log_metrics=log_metrics,
                     indexed=norm.is_batch or any(item.sampling_params.n > 1 for item in norm.items))
         for item in norm.items:
             call.groups.append(self._start_group(call, item))
@@ -192,10 +194,10 @@ class TokenizerManager:
 
     # -- the two response shapes ----------------------------------------------------------------------------
     async def generate(self, body: Any, is_disconnected: Callable[[], Any] | None = None,
-                       add_special_tokens: bool = True) -> dict | list[dict]:
+                       add_special_tokens: bool = True, log_metrics: bool = True) -> dict | list[dict]:
         """Non-streaming: the finished result (a list for batch input or n > 1). The first choice
         that fails ends the whole call with its error (its siblings are aborted)."""
-        call = await self._submit(body, add_special_tokens)
+        call = await self._submit(body, add_special_tokens, log_metrics)
         next_poll = time.monotonic() + DISCONNECT_POLL_S
         try:
             while not all(g.finished for g in call.groups):
@@ -258,7 +260,8 @@ class TokenizerManager:
         now = time.perf_counter()
         for group in call.groups:
             for c in group.choices:
-                if self.choices.pop(c.rid, None) is not None:  # unfinished: its abort output will find no choice
+                # unfinished: its abort output will find no choice, so it is counted here
+                if self.choices.pop(c.rid, None) is not None and call.log_metrics:
                     self.metrics.on_finish("abort", now - c.group.created, c.prompt_tokens, c.completion_tokens,
                                            c.cached_tokens)
             if self.groups.get(group.logical_rid) is group:
@@ -305,8 +308,10 @@ class TokenizerManager:
             if c is None:
                 continue  # its call already ended
             new_ids = msg.new_token_ids[i].tolist()
-            self.metrics.on_output(now - c.group.created, None if c.last_output is None else now - c.last_output,
-                                   len(new_ids))
+            counted = c.group.call.log_metrics
+            if counted:
+                self.metrics.on_output(now - c.group.created, None if c.last_output is None else now - c.last_output,
+                                       len(new_ids))
             if new_ids:
                 c.last_output = now
             c.text += msg.texts[i]
@@ -323,10 +328,11 @@ class TokenizerManager:
             if c.hidden_states is not None and msg.hidden_states and (rows := msg.hidden_states[i]) is not None:
                 c.hidden_states.extend(rows.tolist())
             if msg.finished_reasons[i] is not None:
-                c.finish_reason = msg.finished_reasons[i]
+                c.finish_reason, c.finished_at = msg.finished_reasons[i], now
                 del self.choices[rid]
-                self.metrics.on_finish(c.finish_reason.type, now - c.group.created, c.prompt_tokens,
-                                       c.completion_tokens, c.cached_tokens)
+                if counted:
+                    self.metrics.on_finish(c.finish_reason.type, now - c.group.created, c.prompt_tokens,
+                                           c.completion_tokens, c.cached_tokens)
             c.version += 1
             c.group.call.changed.set()
 
@@ -363,8 +369,10 @@ class TokenizerManager:
     def fail_all(self, reason: str) -> None:
         """A child died: every in-flight request ends with an error now, and new ones are refused."""
         self.dead_reason = reason
+        now = time.perf_counter()
         for c in list(self.choices.values()):
             c.finish_reason = FinishReason(type="abort", status_code=500, err_type="InternalServerError", message=reason)
+            c.finished_at = now
             c.version += 1
             c.group.call.changed.set()
         self.choices.clear()

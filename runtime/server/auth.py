@@ -1,7 +1,7 @@
 """API keys, as SGLang's `--api-key` / `--admin-api-key`.
 
 `--api-key`: every route but the probes and the scrape (paths under `/health` and `/metrics`,
-and CORS preflights, as SGLang leaves open) needs `Authorization: Bearer <key>` (the admin key
+as SGLang leaves open) needs `Authorization: Bearer <key>` (the admin key
 is accepted too). `--admin-api-key`: the control routes that touch every request (`/flush_cache`,
 `/abort_request` with `abort_all`) need it; without one they take the api key. Keys are
 compared in constant time and never appear in `/server_info`. gRPC takes the same keys, as
@@ -53,7 +53,7 @@ class ApiKeyMiddleware:
 
 
 def _open_route(scope: Scope) -> bool:
-    return scope["method"] == "OPTIONS" or scope["path"].startswith(OPEN_PREFIXES)
+    return scope["path"].startswith(OPEN_PREFIXES)
 
 
 def is_admin(headers: Any, api_key: str | None, admin_api_key: str | None) -> bool:

@@ -58,7 +58,7 @@ async def health_generate(tm: TokenizerManager, timeout_s: float) -> None:
     steps = (await asyncio.wait_for(tm.server_info(), timeout_s))["num_steps"]
     body = {"input_ids": [0], "sampling_params": {"max_new_tokens": 1, "temperature": 0},
             "rid": f"health-{time.monotonic_ns()}"}
-    probe = asyncio.ensure_future(tm.generate(body))
+    probe = asyncio.ensure_future(tm.generate(body, log_metrics=False))  # probes stay out of /metrics, as SGLang's
     try:
         while tm.last_output_at <= started:
             if probe.done() and (probe.exception() is None or tm.dead_reason):

@@ -333,9 +333,10 @@ def _sentencepiece_style() -> Any:
     from transformers import PreTrainedTokenizerFast
 
     vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, "▁The": 3, "▁capital": 4, "▁is": 5, "▁Paris": 6, ".": 7, "▁P": 8,
-             "aris": 9}
+             "aris": 9, "<0xF0>": 10, "<0x9F>": 11, "<0x8E>": 12, "<0x89>": 13, "!": 14}
     spec = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    spec.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    spec.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                      decoders.Strip(" ", 1, 0)])
     return PreTrainedTokenizerFast(tokenizer_object=spec, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
 
 
@@ -353,3 +354,12 @@ def test_a_stop_string_is_cut_in_the_output_not_the_context() -> None:
     sp_tok = _sentencepiece_style()
     state = DecodeState(tokenizer=sp_tok, context_ids=[1, 3, 4, 5], stop_strings=["aris"])
     assert state.add([8], False) + state.add([9], True, "aris") == " P"
+
+
+def test_a_prompt_tail_ending_inside_a_character_leaves_the_output_whole() -> None:
+    """A byte-fallback decoder writes one U+FFFD per byte of the tail's unfinished character, and
+    one character once the output completes it: the output text starts after the tail's whole
+    characters, so nothing the model wrote is cut (the completed emoji shows with it)."""
+    state = DecodeState(tokenizer=_sentencepiece_style(), context_ids=[1, 3, 10, 11])
+    text = "".join(state.add([t], i == 3) for i, t in enumerate([12, 13, 14, 7]))
+    assert text == "\N{PARTY POPPER}!."

@@ -93,7 +93,7 @@ def test_an_sglang_launch_command_starts_tandem():
     here (logged as ignored) parse; a parallelism flag above 1 is refused naming it."""
     from tandem.runtime import sglang_flags
 
-    parser = argparse.ArgumentParser(allow_abbrev=False)
+    parser = argparse.ArgumentParser()
     ServerArgs.add_cli_args(parser)
     ns = parser.parse_args(["--model", "m", "--tp", "1", "--dtype", "half", "--attention-backend", "torch_native",
                             "--disable-cuda-graph", "--trust-remote-code", "--cuda-graph-max-bs", "8", "--dp", "1",
@@ -106,6 +106,10 @@ def test_an_sglang_launch_command_starts_tandem():
         sglang_flags.check(parser.parse_args(["--dp", "2"]))
     with pytest.raises(SystemExit):  # a flag that would change the answer is not accepted
         parser.parse_args(["--quantization", "fp8"])
+    # SGLang's parser takes unambiguous prefixes (its docs write --mem-frac), and its long names
+    ns = parser.parse_args(["--mem-frac", "0.5", "--data-parallel-size", "1", "--priority-preemption"])
+    assert ServerArgs.from_cli_args(ns).mem_fraction_static == 0.5
+    assert any("now the default" in n for n in sglang_flags.check(ns))
 
 
 @pytest.mark.parametrize("bad, fragment", [

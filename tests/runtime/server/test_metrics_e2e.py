@@ -39,6 +39,9 @@ def test_metrics_count_known_traffic(tiny_server):
         **sp, "max_new_tokens": 1500}}, stream=True, timeout=60)
     next(stream.iter_lines())
     stream.close()
+    # neither a health probe nor a request with SGLang's log_metrics: false is counted
+    assert tiny_server.get("/health_generate").status_code == 200
+    tiny_server.generate({"input_ids": [12], "log_metrics": False, "sampling_params": {**sp, "max_new_tokens": 2}})
     deadline = time.monotonic() + 10
     while tiny_server.info()["num_running_reqs"] and time.monotonic() < deadline:
         time.sleep(0.05)
