@@ -362,8 +362,8 @@ class TokenizerManager:
     async def flush_cache(self) -> FlushCacheReply:
         return await self._control(lambda req_id: FlushCacheReq(req_id=req_id))
 
-    async def server_info(self) -> dict[str, Any]:
-        reply: GetServerInfoReply = await self._control(lambda req_id: GetServerInfoReq(req_id=req_id))
+    async def server_info(self, timeout: float = CONTROL_TIMEOUT_S) -> dict[str, Any]:
+        reply: GetServerInfoReply = await self._control(lambda req_id: GetServerInfoReq(req_id=req_id), timeout)
         return {**reply.info, **{f"{p.name.removeprefix('tandem-')}_pid": p.pid for p in self.procs}}
 
     def fail_all(self, reason: str) -> None:

@@ -19,6 +19,8 @@ from tandem.runtime.server.info import VERSION, current_loads, health_generate, 
 from tandem.runtime.server.auth import ApiKeyMiddleware, is_admin
 from tandem.runtime.tokenizer_manager import SHUTTING_DOWN, TokenizerManager
 
+METRICS_SCHEDULER_WAIT_S = 2.0  # a scrape waits this long for the scheduler's gauges
+
 logger = logging.getLogger("tandem.http")
 
 
@@ -220,10 +222,16 @@ def create_app(args: ServerArgs, on_child_death: Callable[[str], None] | None = 
 
     @app.get("/metrics")
     async def metrics() -> Response:
+        """The request metrics are this process's own; the scheduler's gauges are asked for, and
+        keep their last values when it is busy in a long step (a scrape never fails for it,
+        as SGLang's never waits on its scheduler)."""
         tm = holder.get("tm")
         if tm is None:  # a scraper may come before the model has loaded
             return _error(503, "starting")
-        tm.metrics.update_from_scheduler(await tm.server_info())
+        try:
+            tm.metrics.update_from_scheduler(await tm.server_info(timeout=METRICS_SCHEDULER_WAIT_S))
+        except RequestError:
+            pass
         return Response(tm.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     return app

@@ -63,3 +63,23 @@ def test_metrics_count_known_traffic(tiny_server):
         assert (name, "") in after, name
     info = tiny_server.info()
     assert info["scheduler_pid"] > 0 and info["detokenizer_pid"] > 0
+
+
+def test_a_scrape_during_a_long_step_answers_with_the_last_gauges(tmp_path, tiny_model_dir):
+    """Each forward step sleeps 12 s, longer than a control request's 10 s: /metrics still
+    answers (the request metrics are current, the gauges as last seen), where it used to wait
+    for the scheduler and fail with a 503."""
+    from server_utils import start_server
+
+    server = start_server(["--model-path", tiny_model_dir("llama"), "--max-total-tokens", "2000"],
+                          str(tmp_path / "slow.log"), env={"TANDEM_TEST_FORWARD_HANG": "12"})
+    try:
+        assert server.get("/metrics").status_code == 200  # idle: the scheduler answers
+        with ThreadPoolExecutor(1) as pool:
+            done = pool.submit(server.generate, {"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 1}})
+            time.sleep(1.0)  # inside the 12 s step
+            resp = server.get("/metrics")
+            assert resp.status_code == 200 and "sglang:num_running_reqs" in resp.text
+            assert len(done.result(60)["output_ids"]) == 1
+    finally:
+        server.stop()
