@@ -17,8 +17,8 @@ KV_CACHE_DTYPES = ("auto", "fp8_e5m2", "fp8_e4m3")
 _VALUE_ALIASES = {"dtype": {"half": "float16", "float": "float32"}, "attention_backend": {"torch_native": "torch"}}
 _CHOICES = {
     "schedule_policy": ("fcfs", "lpm"),
-    "dtype": ("auto", "float32", "bfloat16", "float16", "half", "float"),
-    "attention_backend": ("auto", "torch", "cpu", "triton", "torch_native"),
+    "dtype": ("auto", "float32", "bfloat16", "float16"),
+    "attention_backend": ("auto", "torch", "cpu", "triton"),
     "kv_cache_dtype": KV_CACHE_DTYPES,
     "grammar_backend": ("xgrammar", "none"),
     "reasoning_parser": (None, "deepseek-r1", "qwen3"),
@@ -86,13 +86,14 @@ class ServerArgs:
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        for name, aliases in _VALUE_ALIASES.items():
+            value = getattr(self, name)
+            if isinstance(value, str):
+                object.__setattr__(self, name, aliases.get(value, value))
         for name, allowed in _CHOICES.items():
             if getattr(self, name) not in allowed:
                 shown = ", ".join("none" if a is None else a for a in allowed)
                 raise ValueError(f"{_flag(name)}: {getattr(self, name)!r} is not one of {shown}")
-        for name, aliases in _VALUE_ALIASES.items():
-            value = getattr(self, name)
-            object.__setattr__(self, name, aliases.get(value, value))
         checks = {
             "chunked_prefill_size": self.chunked_prefill_size > 0 or self.chunked_prefill_size == -1,
             "mem_fraction_static": self.mem_fraction_static is None or 0 < self.mem_fraction_static <= 1,

@@ -262,8 +262,7 @@ class TokenizerManager:
             for c in group.choices:
                 # unfinished: its abort output will find no choice, so it is counted here
                 if self.choices.pop(c.rid, None) is not None and call.log_metrics:
-                    self.metrics.on_finish("abort", now - c.group.created, c.prompt_tokens, c.completion_tokens,
-                                           c.cached_tokens)
+                    self._count_finish(c, "abort", now)
             if self.groups.get(group.logical_rid) is group:
                 del self.groups[group.logical_rid]
 
@@ -331,10 +330,13 @@ class TokenizerManager:
                 c.finish_reason, c.finished_at = msg.finished_reasons[i], now
                 del self.choices[rid]
                 if counted:
-                    self.metrics.on_finish(c.finish_reason.type, now - c.group.created, c.prompt_tokens,
-                                           c.completion_tokens, c.cached_tokens)
+                    self._count_finish(c, c.finish_reason.type, now)
             c.version += 1
             c.group.call.changed.set()
+
+    def _count_finish(self, c: ChoiceState, finish_type: str, now: float) -> None:
+        self.metrics.on_finish(finish_type, now - c.group.created, c.prompt_tokens, c.completion_tokens,
+                               c.cached_tokens)
 
     async def _control_loop(self, sock: zmq.asyncio.Socket) -> None:
         while True:

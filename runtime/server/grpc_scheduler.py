@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import io
-import json
 import tempfile
 import time
 import zipfile
@@ -20,6 +19,7 @@ from pathlib import Path
 from typing import Any, AsyncIterator
 
 import grpc
+import orjson
 from google.protobuf.struct_pb2 import Struct
 from google.protobuf.timestamp_pb2 import Timestamp
 from smg_grpc_proto import sglang_scheduler_pb2 as pb
@@ -95,8 +95,7 @@ class SchedulerService:
         self.started = time.time()
 
     async def Generate(self, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-        limits = self.tm.limits
-        req = scheduler_service_request(request, min(limits.context_len, limits.max_total_tokens or limits.context_len))
+        req = scheduler_service_request(request, self.tm.limits.max_request_len)
         rid, stream = request.request_id, request.stream
         start_len = req.native.get("logprob_start_len", -1)
         with_prompt = start_len >= 0  # as SGLang's servicer: no prompt logprobs for -1 (the gateway's chat)
@@ -143,7 +142,7 @@ class SchedulerService:
             vocab_size=info["vocab_size"], model_type=MODEL_TYPES.get(arch, ""), architectures=info["architectures"],
             eos_token_ids=info["eos_token_ids"], pad_token_id=tok.pad_token_id or 0, bos_token_id=tok.bos_token_id or 0,
             max_req_input_len=info["context_len"] - 1, weight_version=info["weight_version"],
-            default_sampling_params_json=json.dumps(defaults) if defaults else "")
+            default_sampling_params_json=orjson.dumps(defaults).decode() if defaults else "")
 
     async def GetServerInfo(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         info = await server_info(self.tm)

@@ -88,7 +88,7 @@ class ServerMetrics:
         self.cached_tokens.inc(cached_tokens)
         self._prompt_total += prompt_tokens
         self._cached_total += cached_tokens
-        self.cache_hit_rate.set(self._cached_total / self._prompt_total if self._prompt_total else 0.0)
+        self.cache_hit_rate.set(self.prefix_hit_rate)
 
     @property
     def prefix_hit_rate(self) -> float:

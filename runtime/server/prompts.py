@@ -106,7 +106,7 @@ def fit_context(
         raise ValidationError(field, msg)
     kv = limits.max_total_tokens
     # a prompt that fills the KV pool is the scheduler's 400, not a clamp to an empty answer
-    room = min(ctx, kv) if kv and prompt_len < kv else ctx
+    room = limits.max_request_len if kv and prompt_len < kv else ctx
     if not explicit and prompt_len + sp.max_new_tokens > room:
         sp.max_new_tokens = max(room - prompt_len, 0)
         if sp.min_new_tokens > sp.max_new_tokens:

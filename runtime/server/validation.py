@@ -127,6 +127,11 @@ class RequestLimits:
     # longer text cannot fit the context whatever it tokenizes to: refused before tokenizing
     max_text_chars: int | None = None
     guided_decoding: bool = True  # False with --grammar-backend none: constraints are a 400
+
+    @property
+    def max_request_len(self) -> int:
+        """Prompt + output tokens one request can hold: the context, or the KV pool when smaller."""
+        return min(self.context_len, self.max_total_tokens or self.context_len)
     strict_thinking: bool = False  # --enable-strict-thinking: max_thinking_tokens is allowed
 
 
