@@ -14,7 +14,7 @@ from tandem.runtime.model.gemm_bound import pick_cpu_dtype
 from tandem.runtime.model.loader import load_config, load_model
 from tandem.runtime.model_files import resolve_model_path
 from tandem.runtime.model.ops import create_ops
-from tandem.runtime.model.packed_linear import fp32_layout, packs_weights
+from tandem.runtime.model.packed_linear import packs_weights
 from tandem.runtime.model.tensor_parallel import SINGLE, TensorParallel
 from tandem.runtime.sampling.sampler import SamplingBatchInfo, sample
 from tandem.runtime.server_args import ServerArgs
@@ -74,9 +74,8 @@ class ModelRunner:
         batch-64 matmuls ran on one thread: 2x slower)."""
         if packs_weights(self.dtype, self.device):
             packed = sum(m.pack_weights() for m in (self.model, self.draft_model) if m is not None)
-            layout = "oneDNN, bf16" if self.dtype == torch.bfloat16 else f"{fp32_layout()[0]}, fp32"
-            logger.info("%d linear weights packed for the CPU GEMM (%s, %d threads)", packed, layout,
-                        torch.get_num_threads())
+            logger.info("%d linear weights packed for the CPU GEMM (%s, %d threads)", packed,
+                        "oneDNN, bf16" if self.dtype == torch.bfloat16 else "MKL, fp32", torch.get_num_threads())
 
     def _pick_dtype(self) -> torch.dtype:
         if self.args.dtype != "auto" or self.device.type != "cpu":
