@@ -38,7 +38,8 @@ class Envs:
     CACHE_DIR = EnvVar("TANDEM_CACHE_DIR", "", "where converted tokenizers are cached (default ~/.cache/tandem)")
     HEALTH_CHECK_INTERVAL = EnvVar("TANDEM_CHILD_WATCH_INTERVAL", 0.5, "seconds between child-process liveness checks")
     CPU_PACK_WEIGHTS = EnvVar("TANDEM_CPU_PACK_WEIGHTS", True, "linears on packed weights on CPU: bf16 "
-                              "in oneDNN's layout (native bf16 CPUs), fp32 in MKL's (0: torch's plain linear, for A/B runs)")
+                              "in oneDNN's layout (native bf16 CPUs), fp32 in MKL's or oneDNN's, whichever measures faster "
+                              "(0: torch's plain linear, for A/B runs)")
     CPU_MALLOC_KEEP = EnvVar("TANDEM_CPU_MALLOC_KEEP", True, "CPU model processes keep freed large blocks in "
                              "glibc's heap instead of unmapping them (0: glibc's defaults, for A/B runs)")
     TEST_FORWARD_HANG = EnvVar("TANDEM_TEST_FORWARD_HANG", 0.0, "seconds every forward step sleeps first (watchdog tests)")

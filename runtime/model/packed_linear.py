@@ -1,20 +1,26 @@
 """Linear layers on weights packed once at load into the layout the CPU GEMM library computes
-from: bfloat16 in oneDNN's blocked layout on CPUs with AMX-BF16 or AVX512-BF16, float32 in MKL's
-packed-GEMM layout where torch has MKL.
+from: bfloat16 in oneDNN's blocked layout on CPUs with AMX-BF16 or AVX512-BF16; float32 in
+oneDNN's blocked layout or MKL's packed-GEMM layout, whichever this CPU runs faster.
 
 torch's plain linear hands the library an [out, in] weight that it re-packs on every call:
 - bf16: oneDNN's AMX kernels re-block it; blocked once, a decode step's matmuls run ~1.5x faster
   (prefill ~1.2x) on the same kernels, so outputs are bit-identical.
-- fp32: MKL's sgemm copies it into panels; packed once (`cblas_sgemm_pack`, run by
-  `cblas_sgemm_compute`), a batch-64 decode step's matmuls run ~1.3x faster, batch 8 ~1.6x,
-  a 2048-row prefill chunk the same. Same FMA count, other summation blocking: results match
-  the plain linear to float rounding, not bit for bit.
+- fp32: torch's plain linear is MKL's sgemm, which copies the weight into panels on every call.
+  Packed once (`cblas_sgemm_pack`), a batch-64 decode step's matmuls ran ~1.3x faster on an
+  Intel Xeon. On an AMD EPYC, MKL (packed or not) ran 2.3-3.6x slower than oneDNN's fp32 kernels
+  on the same blocked layout as bf16 (MKL takes slower paths on CPUs that are not Intel's), so
+  the layout is measured once per process (`fp32_layout`), not assumed from the vendor. Same FMA
+  count, other summation blocking: results match the plain linear to float rounding, not bit
+  for bit.
 
 Invariant: a packed weight is opaque to everything but `linear`; nothing else (loader, tensor
 parallel sharding, the embedding) ever sees it, and the plain weight is not kept beside it.
+oneDNN only ever sees row counts from `padded_rows`, which bounds the kernels it compiles and keeps.
 """
 from __future__ import annotations
 
+import functools
+import time
 from dataclasses import dataclass
 
 import torch
@@ -28,6 +34,16 @@ from tandem.runtime.envs import envs
 # 3% of a pack made for the exact row count at 8, 32, 64 and 128 rows, and as fast as the plain
 # sgemm at 2048; planned for 1 row it lost most of the gain at 8 and 64.
 _MKL_PLAN_ROWS = 512
+# MKL keeps fp32 unless oneDNN is clearly faster: a flip between the two on noise would change
+# the summation order, and so the last bits of the logits, from one start to the next
+ONEDNN_MIN_SPEEDUP = 1.2
+# oneDNN compiles a kernel for every input row count it meets and keeps it in two caches (torch's
+# ideep LRU and its own, 1024 entries each), ~1 MB of the process a kernel. Decode batches recur,
+# but prefill chunks bring a new row count almost every step: a one-minute soak grew a server by
+# 0.5 GB. Past EXACT_ROWS the rows are padded to one of PADS_PER_OCTAVE sizes per power of two
+# (at most 1/16 more rows; ~3% more linear time on prefill chunks, measured on 2 AMD EPYC cores).
+EXACT_ROWS = 64
+PADS_PER_OCTAVE = 16
 
 
 @dataclass(frozen=True)
@@ -51,18 +67,52 @@ def packs_weights(dtype: torch.dtype, device: torch.device | str = "cpu") -> boo
         return False
     if dtype == torch.bfloat16:
         return torch.backends.mkldnn.is_available() and bool(cpu_flags() & {"amx_bf16", "avx512_bf16"})
-    if dtype == torch.float32:  # the packed weight lives in an MKL-DNN tensor
-        return torch.backends.mkl.is_available() and torch.backends.mkldnn.is_available()
+    if dtype == torch.float32:  # either layout lives in an MKL-DNN tensor
+        return torch.backends.mkldnn.is_available()
     return False
 
 
-def pack(weight: torch.Tensor) -> Weight:
-    """weight [out, in] -> the packed layout of its dtype (one layout serves every batch size)."""
+def pack(weight: torch.Tensor, fp32_as: str | None = None) -> Weight:
+    """weight [out, in] -> the packed layout of its dtype (one layout serves every batch size).
+    fp32 goes to `fp32_as` ("mkl" or "onednn"), by default the faster here (`fp32_layout`)."""
+    if fp32_as not in (None, "mkl", "onednn"):
+        raise ValueError(f"fp32_as must be 'mkl' or 'onednn', got {fp32_as!r}")
     weight = weight.detach().contiguous()
-    if weight.dtype == torch.float32:
+    if weight.dtype == torch.float32 and (fp32_as or fp32_layout()[0]) == "mkl":
         packed = torch.ops.mkl._mkl_reorder_linear_weight(weight, _MKL_PLAN_ROWS)
         return MklPackedWeight(packed, torch.zeros((), dtype=weight.dtype).expand(weight.shape))
     return torch.ops.mkldnn._reorder_linear_weight(weight, None)
+
+
+def fp32_layout() -> tuple[str, str]:
+    """Where fp32 weights are packed on this CPU, "mkl" or "onednn", and why (for the log).
+    Measured once per process and per intra-op thread count (both libraries plan their threading
+    by it), on a batch-64 matmul of a small model's MLP shape."""
+    if not torch.backends.mkl.is_available():
+        return "onednn", "torch without MKL"
+    return _measure_fp32_layout(torch.get_num_threads())
+
+
+@functools.lru_cache(maxsize=None)
+def _measure_fp32_layout(threads: int) -> tuple[str, str]:
+    g = torch.Generator().manual_seed(0)
+    w, x = torch.randn(2048, 1024, generator=g) * 0.02, torch.randn(64, 1024, generator=g)
+    seconds = {name: _best_time(x, pack(w, name)) for name in ("mkl", "onednn")}
+    speedup = seconds["mkl"] / seconds["onednn"]
+    name = "onednn" if speedup >= ONEDNN_MIN_SPEEDUP else "mkl"
+    return name, f"a batch-64 fp32 matmul on {threads} threads: oneDNN {speedup:.2f}x MKL's speed"
+
+
+def _best_time(x: torch.Tensor, weight: Weight, repeats: int = 5) -> float:
+    with torch.inference_mode():
+        linear(x, weight)  # warm-up: the library picks and caches its kernel
+        best = float("inf")
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            for _ in range(4):
+                linear(x, weight)
+            best = min(best, time.perf_counter() - t0)
+    return best
 
 
 def linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -73,8 +123,29 @@ def linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) ->
         rows = x.numel() // x.shape[-1] if x.numel() else 0
         return torch.ops.mkl._mkl_linear(x, weight.packed, weight.like, bias, rows)
     if weight.is_mkldnn:
-        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+        return _onednn_linear(x, weight, bias)
     return nn.functional.linear(x, weight, bias)
+
+
+def padded_rows(rows: int) -> int:
+    """The row count oneDNN computes `rows` at: exact up to EXACT_ROWS, else rounded up to a step
+    of 1/PADS_PER_OCTAVE of the power of two below it."""
+    if rows <= EXACT_ROWS:
+        return rows
+    step = (1 << (rows.bit_length() - 1)) // PADS_PER_OCTAVE
+    return -(-rows // step) * step
+
+
+def _onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    rows = x.numel() // x.shape[-1] if x.numel() else 0
+    padded = padded_rows(rows)
+    if padded == rows:
+        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    x_padded = x.new_empty(padded, x.shape[-1])
+    x_padded[:rows] = x.reshape(rows, x.shape[-1])
+    x_padded[rows:] = 0  # rows are independent: any finite value would do, zeros never trap
+    out = torch.ops.mkldnn._linear_pointwise(x_padded, weight, bias, "none", [], "")
+    return out[:rows].view(*x.shape[:-1], out.shape[-1])
 
 
 class PackedLinear(nn.Module):

@@ -14,7 +14,7 @@ from tandem.runtime.model.gemm_bound import pick_cpu_dtype
 from tandem.runtime.model.loader import load_config, load_model
 from tandem.runtime.model_files import resolve_model_path
 from tandem.runtime.model.ops import create_ops
-from tandem.runtime.model.packed_linear import packs_weights
+from tandem.runtime.model import packed_linear
 from tandem.runtime.model.tensor_parallel import SINGLE, TensorParallel
 from tandem.runtime.sampling.sampler import SamplingBatchInfo, sample
 from tandem.runtime.server_args import ServerArgs
@@ -72,10 +72,11 @@ class ModelRunner:
         Call it on the thread that runs forward passes, under its intra-op thread count: MKL's fp32
         packs keep the threading plan of the count they were made under (packed with one thread,
         batch-64 matmuls ran on one thread: 2x slower)."""
-        if packs_weights(self.dtype, self.device):
+        if packed_linear.packs_weights(self.dtype, self.device):
             packed = sum(m.pack_weights() for m in (self.model, self.draft_model) if m is not None)
-            logger.info("%d linear weights packed for the CPU GEMM (%s, %d threads)", packed,
-                        "oneDNN, bf16" if self.dtype == torch.bfloat16 else "MKL, fp32", torch.get_num_threads())
+            layout = "oneDNN, bf16" if self.dtype == torch.bfloat16 else "%s, fp32: %s" % packed_linear.fp32_layout()
+            logger.info("%d linear weights packed for the CPU GEMM (%s, %d threads)", packed, layout,
+                        torch.get_num_threads())
 
     def _pick_dtype(self) -> torch.dtype:
         if self.args.dtype != "auto" or self.device.type != "cpu":

@@ -1,9 +1,9 @@
 """Packed linears (runtime/model/packed_linear.py): bf16 weights in oneDNN's blocked layout on CPUs
 with native bf16, where a packed linear equals torch's plain bf16 linear bit for bit (the same
 oneDNN kernels, the weight blocked once instead of per call); fp32 weights in MKL's packed-GEMM
-layout wherever torch has MKL, equal to the plain linear up to float32 summation order. A whole
-model, tied LM head (a packed copy of the embedding) and qkv bias included, gives the plain
-model's tokens.
+layout or oneDNN's blocked one (whichever measures faster; both are tested on every CPU), equal to
+the plain linear up to float32 summation order. A whole model, tied LM head (a packed copy of the
+embedding) and qkv bias included, gives the plain model's tokens.
 """
 from __future__ import annotations
 
@@ -25,12 +25,15 @@ pytestmark = pytest.mark.timeout(300)
 # nothing to compare. fp32 packs wherever torch was built with MKL (every x86 wheel).
 needs_native_bf16 = pytest.mark.skipif(not packs_weights(torch.bfloat16),
                                        reason="this CPU has no native bf16: tandem keeps torch's plain linear")
-needs_mkl = pytest.mark.skipif(not packs_weights(torch.float32),
-                               reason="torch without MKL: tandem keeps torch's plain fp32 linear")
+needs_mkldnn = pytest.mark.skipif(not packs_weights(torch.float32),
+                                  reason="torch without MKL-DNN: tandem keeps torch's plain fp32 linear")
+# MKL's layout needs torch built with MKL (every x86 wheel); oneDNN's needs MKL-DNN alone
+FP32_LAYOUTS = [pytest.param("mkl", marks=pytest.mark.skipif(not torch.backends.mkl.is_available(),
+                                                             reason="torch without MKL")), "onednn"]
 
 
 def test_which_weights_are_packed(monkeypatch):
-    has_mkl = torch.backends.mkl.is_available() and torch.backends.mkldnn.is_available()
+    has_mkl = torch.backends.mkldnn.is_available()  # where both fp32 layouts live
     monkeypatch.setattr(packed_linear, "cpu_flags", lambda: {"avx512f", "amx_bf16"})
     assert packs_weights(torch.bfloat16) == torch.backends.mkldnn.is_available()
     assert packs_weights(torch.float32) == has_mkl
@@ -38,7 +41,7 @@ def test_which_weights_are_packed(monkeypatch):
     assert not packs_weights(torch.bfloat16, "meta") and not packs_weights(torch.float32, "meta")
     monkeypatch.setattr(packed_linear, "cpu_flags", lambda: {"avx512f", "avx2"})
     assert not packs_weights(torch.bfloat16)
-    assert packs_weights(torch.float32) == has_mkl  # MKL's fp32 GEMM needs no bf16 instructions
+    assert packs_weights(torch.float32) == has_mkl  # fp32 GEMMs need no bf16 instructions
     monkeypatch.setattr(packed_linear, "cpu_flags", lambda: {"amx_bf16"})
     monkeypatch.setenv(envs.CPU_PACK_WEIGHTS.name, "0")
     assert not packs_weights(torch.bfloat16) and not packs_weights(torch.float32)
@@ -57,41 +60,97 @@ def test_packed_linear_equals_torch_linear(rows, bias):
     assert torch.equal(layer(x), torch.nn.functional.linear(x, w, b))
 
 
-@needs_mkl
+@needs_mkldnn
+@pytest.mark.parametrize("layout", FP32_LAYOUTS)
 @pytest.mark.parametrize("rows", [0, 1, 7, 64, 300, 2100])  # around the 512 rows MKL's plan is made for
 @pytest.mark.parametrize("bias", [False, True])
-def test_mkl_packed_linear_equals_torch_linear(rows, bias):
+def test_fp32_packed_linear_equals_torch_linear(layout, rows, bias):
     g = torch.Generator().manual_seed(rows)
     w, x = torch.randn(96, 80, generator=g), torch.randn(rows, 80, generator=g)
     b = torch.randn(96, generator=g) if bias else None
-    layer = PackedLinear(w, b)
-    assert isinstance(layer.weight, packed_linear.MklPackedWeight) and tuple(layer.weight.shape) == (96, 80)
-    assert layer.weight.like.untyped_storage().nbytes() == 4  # the plain weight is not kept
-    got, want = layer(x), torch.nn.functional.linear(x, w, b)
+    weight = packed_linear.pack(w, layout)
+    if layout == "mkl":
+        assert isinstance(weight, packed_linear.MklPackedWeight)
+        assert weight.like.untyped_storage().nbytes() == 4  # the plain weight is not kept
+    else:
+        assert weight.is_mkldnn
+    assert tuple(weight.shape) == (96, 80)
+    got, want = packed_linear.linear(x, weight, b), torch.nn.functional.linear(x, w, b)
     assert got.shape == want.shape == (rows, 96)
     # other blocking of the same float32 sums: a few ulps of terms of size ~sqrt(80)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     # batched input (a leading dim) and a non-contiguous one (a slice of a wider activation)
     wide = torch.randn(2, rows, 100, generator=g)
-    torch.testing.assert_close(layer(wide[..., :80]), torch.nn.functional.linear(wide[..., :80], w, b),
-                               rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(packed_linear.linear(wide[..., :80], weight, b),
+                               torch.nn.functional.linear(wide[..., :80], w, b), rtol=1e-5, atol=1e-5)
+
+
+@pytest.fixture
+def fresh_fp32_layout():
+    """The measured layout is cached per process: a test that fakes the timings starts and ends
+    with an empty cache, so later tests measure for real even when it fails."""
+    packed_linear._measure_fp32_layout.cache_clear()
+    yield
+    packed_linear._measure_fp32_layout.cache_clear()
+
+
+@needs_mkldnn
+def test_fp32_layout_is_the_faster_one(monkeypatch, fresh_fp32_layout):
+    """oneDNN only when it measures clearly faster; MKL's layout otherwise, and oneDNN's without MKL."""
+    if torch.backends.mkl.is_available():
+        times = {"mkl": 1.0, "onednn": 1.0 / packed_linear.ONEDNN_MIN_SPEEDUP}
+        monkeypatch.setattr(packed_linear, "_best_time",
+                            lambda x, w: times["mkl" if isinstance(w, packed_linear.MklPackedWeight) else "onednn"])
+        assert packed_linear.fp32_layout()[0] == "onednn"
+        packed_linear._measure_fp32_layout.cache_clear()
+        times["onednn"] = 0.9  # faster, but within the margin
+        name, why = packed_linear.fp32_layout()
+        assert name == "mkl" and "1.11x" in why
+    monkeypatch.setattr(torch.backends.mkl, "is_available", lambda: False)
+    assert packed_linear.fp32_layout()[0] == "onednn"
+    w = packed_linear.pack(torch.randn(8, 4))
+    assert w.is_mkldnn
+    with pytest.raises(ValueError, match="fp32_as"):
+        packed_linear.pack(torch.randn(8, 4), "openblas")
+
+
+def test_onednn_row_counts_are_bounded():
+    """oneDNN keeps a compiled kernel per row count: decode batches keep theirs, longer inputs
+    share one of 16 padded sizes per octave, never more than 1/16 larger."""
+    rows = range(1, 8193)
+    padded = [packed_linear.padded_rows(r) for r in rows]
+    assert padded[:packed_linear.EXACT_ROWS] == list(range(1, packed_linear.EXACT_ROWS + 1))
+    assert all(r <= p <= r * (1 + 1 / packed_linear.PADS_PER_OCTAVE) for r, p in zip(rows, padded))
+    assert padded == sorted(padded)  # more rows never run at fewer
+    octaves = 7  # 64 < rows <= 8192
+    assert len(set(padded)) <= packed_linear.EXACT_ROWS + octaves * packed_linear.PADS_PER_OCTAVE + 1
+    assert packed_linear.padded_rows(0) == 0
+
+
+def _packed_as_the_model_holds_it(weight) -> bool:
+    if weight.dtype == torch.bfloat16 or packed_linear.fp32_layout()[0] == "onednn":
+        return weight.is_mkldnn
+    return isinstance(weight, packed_linear.MklPackedWeight)
 
 
 @pytest.mark.parametrize("dtype", [pytest.param(torch.bfloat16, marks=needs_native_bf16),
-                                   pytest.param(torch.float32, marks=needs_mkl)])
+                                   pytest.param(torch.float32, marks=needs_mkldnn)])
 def test_gemm_bound_times_the_weights_as_the_model_holds_them(dtype):
     layers, head = gemm_bound._weights(ModelConfig(
         arch="LlamaForCausalLM", vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=1, num_heads=4,
         num_kv_heads=2, head_dim=16, rms_norm_eps=1e-5, rope_theta=1e4, max_position=64, tie_word_embeddings=True,
         qkv_bias=False, qk_norm=False), dtype, 1)
-    packed = (lambda w: w.is_mkldnn) if dtype == torch.bfloat16 else (lambda w: isinstance(w, packed_linear.MklPackedWeight))
-    assert all(packed(w) for w in layers[0]) and packed(head)
+    assert all(_packed_as_the_model_holds_it(w) for w in layers[0]) and _packed_as_the_model_holds_it(head)
 
 
 @pytest.mark.parametrize("dtype", [pytest.param("bfloat16", marks=needs_native_bf16),
-                                   pytest.param("float32", marks=needs_mkl)])
+                                   pytest.param("float32/mkl", marks=[needs_mkldnn, FP32_LAYOUTS[0].marks[0]]),
+                                   pytest.param("float32/onednn", marks=needs_mkldnn)])
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])  # tied LM head; untied with qkv bias
 def test_packed_model_equals_the_plain_one(tiny_model_dir, monkeypatch, arch, dtype):
+    dtype, _, layout = dtype.partition("/")
+    if layout:
+        monkeypatch.setattr(packed_linear, "fp32_layout", lambda: (layout, "the test's choice"))
     path, prompts = tiny_model_dir(arch), [list(range(300, 340)), list(range(500, 507))]
     results = []
     for pack in (False, True):
@@ -105,5 +164,5 @@ def test_packed_model_equals_the_plain_one(tiny_model_dir, monkeypatch, arch, dt
     for a, b in zip(plain.step_logits, packed.step_logits):
         if dtype == "bfloat16":  # the same oneDNN kernels
             assert torch.equal(a, b)
-        else:  # MKL's packed GEMM sums in other blocks: float32 rounding, through every layer
+        else:  # MKL's or oneDNN's GEMM sums in other blocks: float32 rounding, through every layer
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
