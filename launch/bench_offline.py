@@ -238,6 +238,13 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return round(a / b, 4) if a and b else None
 
 
+def pair_order(i: int) -> list[tuple[str, bool]]:
+    """The i-th overlap pair's runs, (result key, overlap on), in the order they run: off first in
+    even pairs, on first in odd ones."""
+    order = [("no_overlap", False), ("overlap", True)]
+    return order if i % 2 == 0 else order[::-1]
+
+
 def build_report(args: argparse.Namespace, wl: Workload, res: dict[str, SystemResult],
                  overlap_pairs: list[float]) -> dict[str, Any]:
     """overlap_pairs: off seconds / on seconds of each alternating pair of engine runs."""
@@ -408,10 +415,12 @@ def main(argv: list[str] | None = None) -> int:
     res: dict[str, SystemResult] = {}
     # alternating off/on, the best of --repeats each: on 2 shared cores one run varies by ~5-10%,
     # as much as the difference overlap makes; each on/off pair also gives a ratio of two runs
-    # minutes apart at most, and their median is the overlap figure least moved by that drift
+    # minutes apart at most, and their median is the overlap figure least moved by that drift.
+    # Pairs take turns at going first (off-on, on-off, ...) so a machine that slows or speeds up
+    # over the bench does not always favour the same side.
     overlap_pairs = []
-    for _ in range(args.repeats):
-        pair = {key: run_engine(args, wl, overlap=overlap) for key, overlap in (("no_overlap", False), ("overlap", True))}
+    for i in range(args.repeats):
+        pair = {key: run_engine(args, wl, overlap=overlap) for key, overlap in pair_order(i)}
         overlap_pairs.append(pair["no_overlap"].seconds / pair["overlap"].seconds)
         for key, run in pair.items():
             if key not in res or run.seconds < res[key].seconds:

@@ -4,6 +4,7 @@ Speaks the same wire protocol as SGLang's `bench_serving --backend sglang`: stre
 /generate with cumulative SSE chunks ending in `data: [DONE]`. So it measures a tandem server
 and an SGLang server the same way. Metric definitions live in `bench_metrics`, prompt sets in
 `bench_datasets`. With `--launch` it starts a tandem server itself and always stops it.
+Paired comparisons (through smg or not, overlap schedule on or off) live in `bench_serving_ab`.
 """
 from __future__ import annotations
 
@@ -248,6 +249,9 @@ def build_parser() -> argparse.ArgumentParser:
     a("--via-gateway", action="store_true", help="put the SGLang Model Gateway (smg) in front of the server and "
                                                  "run the same workload straight and through it, alternating")
     a("--gateway-rounds", type=int, default=2, help="with --via-gateway: straight/gateway pairs to run")
+    a("--compare-overlap", action="store_true", help="with --launch: two servers from --server-args, overlap "
+      "schedule on and off, the same rows through each in alternating rounds")
+    a("--overlap-rounds", type=int, default=4, help="with --compare-overlap: on/off pairs to run")
     a("--disable-tqdm", action="store_true")
     a("--output-file", default=None, help="write the result as JSON")
     a("--output-details", action="store_true", help="add per-request lists to the JSON")
@@ -277,6 +281,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
             args.json_schema_text = f.read()
     if args.num_prompts < 1 and args.dataset_name != "generated-shared-prefix":
         raise SystemExit("--num-prompts must be >= 1")
+    if args.compare_overlap and (not args.launch or args.via_gateway or args.json_schema):
+        raise SystemExit("--compare-overlap needs --launch and runs alone (not with --via-gateway or --json-schema)")
+    if min(args.gateway_rounds, args.overlap_rounds) < 1:
+        raise SystemExit("--gateway-rounds and --overlap-rounds must be >= 1")
     return args
 
 
@@ -316,16 +324,23 @@ def report(args: Any, results: list[RequestResult], duration: float, t0: float,
     return result
 
 
-def _run(args: argparse.Namespace, base_url: str) -> dict[str, Any]:
+def _rows(args: argparse.Namespace) -> list[DatasetRow]:
     rows = get_dataset(args, load_tokenizer(args.tokenizer))
     if not rows:
         raise BenchError("the dataset produced no prompts")
     print(f"#Prompts: {len(rows)}  #Input tokens: {sum(r.prompt_len for r in rows)}  "
           f"#Output tokens: {sum(r.output_len for r in rows)}", flush=True)
+    return rows
+
+
+def _run(args: argparse.Namespace, base_url: str) -> dict[str, Any]:
+    rows = _rows(args)
     if args.json_schema_text:
         return _run_guided(args, rows, base_url)
     if args.via_gateway:
-        return _run_via_gateway(args, rows, base_url)
+        from tandem.launch.bench_serving_ab import run_via_gateway  # that module builds on this one
+
+        return run_via_gateway(args, rows, base_url)
     results, duration, t0 = asyncio.run(run_benchmark(args, rows, base_url))
     return report(args, results, duration, t0, server_accept_length(base_url))
 
@@ -362,57 +377,15 @@ def _run_guided(args: argparse.Namespace, rows: list[DatasetRow], base_url: str)
     return guided
 
 
-def _flush(base_url: str) -> None:
-    import requests
-
-    requests.post(base_url + "/flush_cache", json={}, timeout=60).raise_for_status()
-
-
-def _run_via_gateway(args: argparse.Namespace, rows: list[DatasetRow], base_url: str) -> dict[str, Any]:
-    """--via-gateway: the same rows straight to the server and through smg in front of it, in
-    alternating rounds (the server's cache flushed before each), so drift hits both paths alike."""
-    from tandem.launch.managed_gateway import start_gateway
-
-    each = copy.copy(args)
-    each.output_file, each.plot, each.flush_cache = None, None, False
-    runs: dict[str, list[dict[str, Any]]] = {"direct": [], "gateway": []}
-    with start_gateway([base_url]) as gateway_url:
-        for round_no in range(args.gateway_rounds):
-            for path, url in (("direct", base_url), ("gateway", gateway_url)):
-                print(f"\n== round {round_no + 1}: {path} ({url})", flush=True)
-                _flush(base_url)
-                results, duration, t0 = asyncio.run(run_benchmark(each, rows, url))
-                runs[path].append(report(each, results, duration, t0))
-    summary = {path: _pooled(rs) for path, rs in runs.items()}
-    ratio = summary["gateway"]["output_throughput"] / summary["direct"]["output_throughput"]
-    print(f"\n{'path':<10}{'out tok/s':>12}{'req/s':>10}{'mean TTFT ms':>15}{'mean ITL ms':>14}{'failed':>8}")
-    for path, m in summary.items():
-        print(f"{path:<10}{m['output_throughput']:>12.1f}{m['request_throughput']:>10.2f}"
-              f"{m['mean_ttft_ms']:>15.1f}{m['mean_itl_ms']:>14.2f}{m['failed']:>8}")
-    print(f"gateway / direct output throughput: {ratio:.3f}x (cost {100 * (1 - ratio):.1f}%)", flush=True)
-    combined = {**summary, "gateway_over_direct": ratio, "rounds": runs}
-    if args.output_file:
-        with open(args.output_file, "w", encoding="utf-8") as f:
-            json.dump(combined, f, indent=2)
-    return {**summary["gateway"], "completed": min(m["completed"] for m in summary.values())}
-
-
-def _pooled(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """Several runs of one path as one: throughputs over the summed durations, latencies averaged."""
-    duration = sum(r["duration_s"] for r in runs)
-    return {"duration_s": duration, "completed": sum(r["completed"] for r in runs),
-            "failed": sum(r["failed"] for r in runs),
-            "output_throughput": sum(r["total_output_tokens"] for r in runs) / duration,
-            "request_throughput": sum(r["completed"] for r in runs) / duration,
-            "mean_ttft_ms": float(np.mean([r["mean_ttft_ms"] for r in runs])),
-            "mean_itl_ms": float(np.mean([r["mean_itl_ms"] for r in runs]))}
-
-
 def main(argv: list[str] | None = None) -> int:
     """Entry point; returns 0 when at least one request succeeded."""
     args = parse_args(sys.argv[1:] if argv is None else argv)
     try:
-        if args.launch:
+        if args.compare_overlap:
+            from tandem.launch.bench_serving_ab import run_overlap_ab
+
+            result = run_overlap_ab(args, _rows(args))
+        elif args.launch:
             with launched_server(args) as base_url:
                 result = _run(args, base_url)
         else:

@@ -78,3 +78,31 @@ def test_via_gateway_runs_the_workload_both_ways(tiny_model_dir, tmp_path: Path,
         assert r[path]["completed"] == 6 and r[path]["failed"] == 0, r[path]
         assert r["rounds"][path][0]["total_output_tokens"] == 6 * 8
     assert r["gateway_over_direct"] == pytest.approx(r["gateway"]["output_throughput"] / r["direct"]["output_throughput"])
+
+
+@pytest.mark.timeout(300)
+def test_compare_overlap_runs_two_servers_in_alternating_rounds(tiny_model_dir, tmp_path: Path, started) -> None:
+    """--compare-overlap: one server with the overlap schedule, one without, from the same
+    --server-args; rounds alternate which goes first; both servers stopped afterwards."""
+    out = tmp_path / "overlap.json"
+    server_args = f"--model-path {tiny_model_dir('llama')} --max-total-tokens 4000 --log-level warning"
+    rc = bench_serving.main(["--launch", "--server-args", server_args, "--num-prompts", "6",
+                             "--random-input-len", "16", "--random-output-len", "8", "--random-range-ratio", "1.0",
+                             "--compare-overlap", "--overlap-rounds", "2", "--disable-tqdm",
+                             "--output-file", str(out)])
+    assert len(started) == 2 and all(p.poll() is not None for p in started), "a server was left running"
+    assert ["--disable-overlap-schedule" in p.args for p in started] == [True, False]
+    assert rc == 0
+    r = json.loads(out.read_text())
+    for side in ("overlap off", "overlap on"):
+        assert r[side]["completed"] == 2 * 6 and r[side]["failed"] == 0, r[side]
+        assert [run["total_output_tokens"] for run in r["rounds"][side]] == [6 * 8, 6 * 8]
+    assert r["overlap_on_over_off"] == pytest.approx(r["overlap on"]["output_throughput"]
+                                                     / r["overlap off"]["output_throughput"])
+    assert len(r["round_ratios"]) == 2
+
+
+def test_compare_overlap_needs_launch_and_runs_alone() -> None:
+    for extra in ([], ["--launch", "--via-gateway"]):
+        with pytest.raises(SystemExit, match="--compare-overlap"):
+            bench_serving.parse_args(["--compare-overlap", *extra])
