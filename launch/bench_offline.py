@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from tandem.launch.bench_serving_ab import side_order
 from tandem.runtime.server_args import KV_CACHE_DTYPES
 
 FIRST_ORDINARY_ID = 17  # below this SmolLM2 keeps its special tokens; random prompts avoid them
@@ -238,13 +239,6 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return round(a / b, 4) if a and b else None
 
 
-def pair_order(i: int) -> list[tuple[str, bool]]:
-    """The i-th overlap pair's runs, (result key, overlap on), in the order they run: off first in
-    even pairs, on first in odd ones."""
-    order = [("no_overlap", False), ("overlap", True)]
-    return order if i % 2 == 0 else order[::-1]
-
-
 def build_report(args: argparse.Namespace, wl: Workload, res: dict[str, SystemResult],
                  overlap_pairs: list[float]) -> dict[str, Any]:
     """overlap_pairs: off seconds / on seconds of each alternating pair of engine runs."""
@@ -420,7 +414,8 @@ def main(argv: list[str] | None = None) -> int:
     # over the bench does not always favour the same side.
     overlap_pairs = []
     for i in range(args.repeats):
-        pair = {key: run_engine(args, wl, overlap=overlap) for key, overlap in pair_order(i)}
+        pair = {key: run_engine(args, wl, overlap=key == "overlap")
+                for key in side_order(["no_overlap", "overlap"], i)}
         overlap_pairs.append(pair["no_overlap"].seconds / pair["overlap"].seconds)
         for key, run in pair.items():
             if key not in res or run.seconds < res[key].seconds:

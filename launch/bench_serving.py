@@ -24,6 +24,14 @@ import numpy as np
 import orjson
 
 from tandem.launch.bench_datasets import DatasetRow, get_dataset, load_tokenizer
+from tandem.launch.bench_serving_ab import (
+    Measure,
+    flush_cache,
+    overlap_servers,
+    run_rounds,
+    summarize,
+    write_comparison,
+)
 from tandem.launch.managed_server import BenchError, start_server
 from tandem.launch.bench_metrics import (
     RequestResult,
@@ -249,8 +257,9 @@ def build_parser() -> argparse.ArgumentParser:
     a("--via-gateway", action="store_true", help="put the SGLang Model Gateway (smg) in front of the server and "
                                                  "run the same workload straight and through it, alternating")
     a("--gateway-rounds", type=int, default=2, help="with --via-gateway: straight/gateway pairs to run")
-    a("--compare-overlap", action="store_true", help="with --launch: two servers from --server-args, overlap "
-      "schedule on and off, the same rows through each in alternating rounds")
+    a("--compare-overlap", action="store_true", help="with --launch: two servers from --server-args (both "
+      "resident; give --max-total-tokens), overlap schedule on and off, the same rows through each in "
+      "alternating rounds")
     a("--overlap-rounds", type=int, default=4, help="with --compare-overlap: on/off pairs to run")
     a("--disable-tqdm", action="store_true")
     a("--output-file", default=None, help="write the result as JSON")
@@ -283,6 +292,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         raise SystemExit("--num-prompts must be >= 1")
     if args.compare_overlap and (not args.launch or args.via_gateway or args.json_schema):
         raise SystemExit("--compare-overlap needs --launch and runs alone (not with --via-gateway or --json-schema)")
+    if args.compare_overlap and "--disable-overlap-schedule" in args.server_args:
+        raise SystemExit("--compare-overlap starts the server with and without --disable-overlap-schedule: "
+                         "leave it out of --server-args")
     if min(args.gateway_rounds, args.overlap_rounds) < 1:
         raise SystemExit("--gateway-rounds and --overlap-rounds must be >= 1")
     return args
@@ -338,9 +350,7 @@ def _run(args: argparse.Namespace, base_url: str) -> dict[str, Any]:
     if args.json_schema_text:
         return _run_guided(args, rows, base_url)
     if args.via_gateway:
-        from tandem.launch.bench_serving_ab import run_via_gateway  # that module builds on this one
-
-        return run_via_gateway(args, rows, base_url)
+        return _run_via_gateway(args, rows, base_url)
     results, duration, t0 = asyncio.run(run_benchmark(args, rows, base_url))
     return report(args, results, duration, t0, server_accept_length(base_url))
 
@@ -377,14 +387,46 @@ def _run_guided(args: argparse.Namespace, rows: list[DatasetRow], base_url: str)
     return guided
 
 
+def _measure(args: argparse.Namespace, rows: list[DatasetRow], url: str, server_url: str) -> Measure:
+    """One round against `url`: `server_url`'s cache flushed first (the server's, also when `url`
+    is a gateway in front of it), every row sent, the report printed and returned."""
+    each = copy.copy(args)
+    each.output_file, each.plot, each.flush_cache = None, None, False
+
+    def once() -> dict[str, Any]:
+        flush_cache(server_url)
+        results, duration, t0 = asyncio.run(run_benchmark(each, rows, url))
+        return report(each, results, duration, t0)
+    return once
+
+
+def _run_via_gateway(args: argparse.Namespace, rows: list[DatasetRow], base_url: str) -> dict[str, Any]:
+    """--via-gateway: the same rows straight to the server and through smg in front of it."""
+    from tandem.launch.managed_gateway import start_gateway
+
+    with start_gateway([base_url]) as gateway_url:
+        runs = run_rounds({"direct": _measure(args, rows, base_url, base_url),
+                           "gateway": _measure(args, rows, gateway_url, base_url)}, args.gateway_rounds)
+    combined = summarize(runs, "gateway / direct")
+    combined["gateway_over_direct"] = combined.pop("ratio")
+    return write_comparison(args, combined, "gateway")
+
+
+def _run_overlap_ab(args: argparse.Namespace, rows: list[DatasetRow]) -> dict[str, Any]:
+    """--compare-overlap: the same rows through a server with the overlap schedule and one without."""
+    with overlap_servers(args) as urls:
+        runs = run_rounds({side: _measure(args, rows, url, url) for side, url in urls.items()}, args.overlap_rounds)
+    combined = summarize(runs, "overlap on / off")
+    combined["overlap_on_over_off"] = combined.pop("ratio")
+    return write_comparison(args, combined, "overlap on")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point; returns 0 when at least one request succeeded."""
     args = parse_args(sys.argv[1:] if argv is None else argv)
     try:
         if args.compare_overlap:
-            from tandem.launch.bench_serving_ab import run_overlap_ab
-
-            result = run_overlap_ab(args, _rows(args))
+            result = _run_overlap_ab(args, _rows(args))
         elif args.launch:
             with launched_server(args) as base_url:
                 result = _run(args, base_url)

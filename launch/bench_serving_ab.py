@@ -13,19 +13,15 @@ median is printed beside the pooled ratio: on two shared cores single runs vary 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
-import copy
 import json
 import statistics
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
 
-from tandem.launch.bench_datasets import DatasetRow
-from tandem.launch.bench_serving import report, run_benchmark
-from tandem.launch.managed_server import start_server
+from tandem.launch.managed_server import BenchError, start_server
 
 
 def side_order(sides: list[str], round_no: int) -> list[str]:
@@ -33,33 +29,28 @@ def side_order(sides: list[str], round_no: int) -> list[str]:
     return sides if round_no % 2 == 0 else sides[::-1]
 
 
-def run_rounds(args: argparse.Namespace, rows: list[DatasetRow], urls: dict[str, str], rounds: int) -> dict[str, list]:
-    """Every row through each side's URL, `rounds` times, alternating; each side's reports in order."""
-    each = copy.copy(args)
-    each.output_file, each.plot, each.flush_cache = None, None, False
-    runs: dict[str, list[dict[str, Any]]] = {side: [] for side in urls}
+Measure = Callable[[], dict[str, Any]]  # one round of one side: flush the cache, send every row, report
+
+
+def run_rounds(sides: dict[str, Measure], rounds: int) -> dict[str, list[dict[str, Any]]]:
+    """Each side's measurement `rounds` times, alternating; each side's reports in order."""
+    runs: dict[str, list[dict[str, Any]]] = {side: [] for side in sides}
     for round_no in range(rounds):
-        for side in side_order(list(urls), round_no):
-            print(f"\n== round {round_no + 1}: {side} ({urls[side]})", flush=True)
-            _flush_cache(urls[side])
-            results, duration, t0 = asyncio.run(run_benchmark(each, rows, urls[side]))
-            runs[side].append(report(each, results, duration, t0))
+        for side in side_order(list(sides), round_no):
+            print(f"\n== round {round_no + 1}: {side}", flush=True)
+            runs[side].append(sides[side]())
     return runs
-
-
-def _flush_cache(base_url: str) -> None:
-    import requests
-
-    requests.post(base_url + "/flush_cache", json={}, timeout=60).raise_for_status()
 
 
 def summarize(runs: dict[str, list[dict[str, Any]]], label: str) -> dict[str, Any]:
     """Pool each side's rounds, print the table and `label` (second side / first side), return both."""
     first, second = list(runs)
+    for side, rs in runs.items():
+        if not all(r["total_output_tokens"] for r in rs):
+            raise BenchError(f"a round of {side} produced no output tokens: see its errors above")
     summary = {side: pooled(rs) for side, rs in runs.items()}
     ratio = summary[second]["output_throughput"] / summary[first]["output_throughput"]
-    pairs = [b["total_output_tokens"] / b["duration_s"] / (a["total_output_tokens"] / a["duration_s"])
-             for a, b in zip(runs[first], runs[second])]
+    pairs = [b["output_throughput"] / a["output_throughput"] for a, b in zip(runs[first], runs[second])]
     width = max(10, *(len(side) + 2 for side in runs))
     print(f"\n{'side':<{width}}{'out tok/s':>12}{'req/s':>10}{'mean TTFT ms':>15}{'mean ITL ms':>14}{'failed':>8}")
     for side, m in summary.items():
@@ -82,37 +73,39 @@ def pooled(runs: list[dict[str, Any]]) -> dict[str, Any]:
             "mean_itl_ms": float(np.mean([r["mean_itl_ms"] for r in runs]))}
 
 
-def run_via_gateway(args: argparse.Namespace, rows: list[DatasetRow], base_url: str) -> dict[str, Any]:
-    from tandem.launch.managed_gateway import start_gateway
-
-    with start_gateway([base_url]) as gateway_url:
-        runs = run_rounds(args, rows, {"direct": base_url, "gateway": gateway_url}, args.gateway_rounds)
-    combined = summarize(runs, "gateway / direct")
-    combined["gateway_over_direct"] = combined.pop("ratio")
-    return _write(args, combined, "gateway")
-
-
 @contextlib.contextmanager
 def overlap_servers(args: argparse.Namespace) -> Iterator[dict[str, str]]:
-    """Two servers from --server-args, overlap schedule off and on; both stopped afterwards. Only
-    one serves at a time: the other's scheduler sleeps in its receive poll."""
+    """Two servers from --server-args, overlap schedule off and on, with KV pools of one size;
+    both stopped afterwards. Only one serves at a time: the other's scheduler sleeps in its
+    receive poll."""
     off_args = f"{args.server_args} --disable-overlap-schedule"
     with start_server(off_args, args.server_module, args.launch_timeout) as (off_url, _), \
             start_server(args.server_args, args.server_module, args.launch_timeout) as (on_url, _):
-        yield {"overlap off": off_url, "overlap on": on_url}
+        urls = {"overlap off": off_url, "overlap on": on_url}
+        pools = {side: _server_info(url)["max_total_num_tokens"] for side, url in urls.items()}
+        if len(set(pools.values())) > 1:  # sized from free memory, which the first server took
+            raise BenchError(f"the two servers' KV pools differ ({pools}): give --max-total-tokens in --server-args")
+        yield urls
 
 
-def run_overlap_ab(args: argparse.Namespace, rows: list[DatasetRow]) -> dict[str, Any]:
-    with overlap_servers(args) as urls:
-        runs = run_rounds(args, rows, urls, args.overlap_rounds)
-    combined = summarize(runs, "overlap on / off")
-    combined["overlap_on_over_off"] = combined.pop("ratio")
-    return _write(args, combined, "overlap on")
-
-
-def _write(args: argparse.Namespace, combined: dict[str, Any], main_side: str) -> dict[str, Any]:
+def write_comparison(args: argparse.Namespace, combined: dict[str, Any], main_side: str) -> dict[str, Any]:
+    """The comparison as --output-file; returns the main side's pooled result for main's exit status."""
     if args.output_file:
         with open(args.output_file, "w", encoding="utf-8") as f:
             json.dump(combined, f, indent=2)
     sides = [combined[side] for side in combined["rounds"]]
     return {**combined[main_side], "completed": min(m["completed"] for m in sides)}
+
+
+def flush_cache(base_url: str) -> None:
+    import requests
+
+    requests.post(base_url + "/flush_cache", json={}, timeout=60).raise_for_status()
+
+
+def _server_info(base_url: str) -> dict[str, Any]:
+    import requests
+
+    resp = requests.get(base_url + "/server_info", timeout=30)
+    resp.raise_for_status()
+    return resp.json()

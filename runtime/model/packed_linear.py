@@ -9,13 +9,14 @@ torch's plain linear hands the library an [out, in] weight that it re-packs on e
   Packed once (`cblas_sgemm_pack`), a batch-64 decode step's matmuls ran ~1.3x faster on an
   Intel Xeon. On an AMD EPYC, MKL (packed or not) ran 2.3-3.6x slower than oneDNN's fp32 kernels
   on the same blocked layout as bf16 (MKL takes slower paths on CPUs that are not Intel's), so
-  the layout is measured once per process (`fp32_layout`), not assumed from the vendor. Same FMA
-  count, other summation blocking: results match the plain linear to float rounding, not bit
-  for bit.
+  the layout is measured once per process and thread count (`fp32_layout`), not assumed from the
+  vendor. Same FMA count, other summation blocking: results match the plain linear to float
+  rounding, not bit for bit.
 
 Invariant: a packed weight is opaque to everything but `linear`; nothing else (loader, tensor
 parallel sharding, the embedding) ever sees it, and the plain weight is not kept beside it.
-oneDNN only ever sees row counts from `padded_rows`, which bounds the kernels it compiles and keeps.
+Packed linears hand oneDNN only row counts from `padded_rows`, which bounds the kernels it
+compiles and keeps.
 """
 from __future__ import annotations
 
@@ -34,8 +35,9 @@ from tandem.runtime.envs import envs
 # 3% of a pack made for the exact row count at 8, 32, 64 and 128 rows, and as fast as the plain
 # sgemm at 2048; planned for 1 row it lost most of the gain at 8 and 64.
 _MKL_PLAN_ROWS = 512
-# MKL keeps fp32 unless oneDNN is clearly faster: a flip between the two on noise would change
-# the summation order, and so the last bits of the logits, from one start to the next
+# MKL keeps fp32 unless oneDNN is clearly faster: the two sum in other orders, so the layout
+# decides the last bits of the logits, and a margin keeps a CPU where both run alike (Intel's)
+# from taking one or the other from start to start on timing noise
 ONEDNN_MIN_SPEEDUP = 1.2
 # oneDNN compiles a kernel for every input row count it meets and keeps it in two caches (torch's
 # ideep LRU and its own, 1024 entries each), ~1 MB of the process a kernel. Decode batches recur,
@@ -43,7 +45,7 @@ ONEDNN_MIN_SPEEDUP = 1.2
 # 0.5 GB. Past EXACT_ROWS the rows are padded to one of PADS_PER_OCTAVE sizes per power of two
 # (at most 1/16 more rows; ~3% more linear time on prefill chunks, measured on 2 AMD EPYC cores).
 EXACT_ROWS = 64
-PADS_PER_OCTAVE = 16
+PADS_PER_OCTAVE = 16  # at most EXACT_ROWS: the step of the first padded octave must be >= 1
 
 
 @dataclass(frozen=True)
@@ -67,8 +69,9 @@ def packs_weights(dtype: torch.dtype, device: torch.device | str = "cpu") -> boo
         return False
     if dtype == torch.bfloat16:
         return torch.backends.mkldnn.is_available() and bool(cpu_flags() & {"amx_bf16", "avx512_bf16"})
-    if dtype == torch.float32:  # either layout lives in an MKL-DNN tensor
-        return torch.backends.mkldnn.is_available()
+    if dtype == torch.float32:  # both layouts live in MKL-DNN tensors; oneDNN's is taken only
+        # where it measured faster than MKL's, so a torch without MKL keeps the plain linear
+        return torch.backends.mkl.is_available() and torch.backends.mkldnn.is_available()
     return False
 
 
@@ -86,10 +89,8 @@ def pack(weight: torch.Tensor, fp32_as: str | None = None) -> Weight:
 
 def fp32_layout() -> tuple[str, str]:
     """Where fp32 weights are packed on this CPU, "mkl" or "onednn", and why (for the log).
-    Measured once per process and per intra-op thread count (both libraries plan their threading
-    by it), on a batch-64 matmul of a small model's MLP shape."""
-    if not torch.backends.mkl.is_available():
-        return "onednn", "torch without MKL"
+    Measured once per process and intra-op thread count (both libraries plan their threading by
+    it), on a batch-64 matmul of a small model's MLP shape."""
     return _measure_fp32_layout(torch.get_num_threads())
 
 
@@ -100,7 +101,7 @@ def _measure_fp32_layout(threads: int) -> tuple[str, str]:
     seconds = {name: _best_time(x, pack(w, name)) for name in ("mkl", "onednn")}
     speedup = seconds["mkl"] / seconds["onednn"]
     name = "onednn" if speedup >= ONEDNN_MIN_SPEEDUP else "mkl"
-    return name, f"a batch-64 fp32 matmul on {threads} threads: oneDNN {speedup:.2f}x MKL's speed"
+    return name, f"a batch-64 fp32 matmul: oneDNN {speedup:.2f}x MKL's speed"
 
 
 def _best_time(x: torch.Tensor, weight: Weight, repeats: int = 5) -> float:
@@ -120,11 +121,14 @@ def linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) ->
     if isinstance(weight, MklPackedWeight):
         # the last argument is the row count MKL's packed path runs for; any other count would
         # send torch to its plain fallback, which would read `like`
-        rows = x.numel() // x.shape[-1] if x.numel() else 0
-        return torch.ops.mkl._mkl_linear(x, weight.packed, weight.like, bias, rows)
+        return torch.ops.mkl._mkl_linear(x, weight.packed, weight.like, bias, _rows(x))
     if weight.is_mkldnn:
         return _onednn_linear(x, weight, bias)
     return nn.functional.linear(x, weight, bias)
+
+
+def _rows(x: torch.Tensor) -> int:
+    return x.numel() // x.shape[-1] if x.numel() else 0
 
 
 def padded_rows(rows: int) -> int:
@@ -137,7 +141,7 @@ def padded_rows(rows: int) -> int:
 
 
 def _onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    rows = x.numel() // x.shape[-1] if x.numel() else 0
+    rows = _rows(x)
     padded = padded_rows(rows)
     if padded == rows:
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")

@@ -74,7 +74,8 @@ class ModelRunner:
         batch-64 matmuls ran on one thread: 2x slower)."""
         if packed_linear.packs_weights(self.dtype, self.device):
             packed = sum(m.pack_weights() for m in (self.model, self.draft_model) if m is not None)
-            layout = "oneDNN, bf16" if self.dtype == torch.bfloat16 else "%s, fp32: %s" % packed_linear.fp32_layout()
+            layout = ("bf16 on oneDNN" if self.dtype == torch.bfloat16
+                      else "fp32 on %s (%s)" % packed_linear.fp32_layout())
             logger.info("%d linear weights packed for the CPU GEMM (%s, %d threads)", packed, layout,
                         torch.get_num_threads())
 

@@ -1,21 +1,27 @@
 """Paired comparisons of bench serving (launch/bench_serving_ab.py), without servers: the round
-order and the pooled and per-round ratios."""
+order, the pooled and per-round ratios, and a side that produced nothing."""
 from __future__ import annotations
 
 import pytest
 
 from tandem.launch import bench_serving_ab
+from tandem.launch.managed_server import BenchError
 
 
 def test_rounds_take_turns_at_going_first() -> None:
     sides = ["off", "on"]
     assert [bench_serving_ab.side_order(sides, i) for i in range(3)] == [["off", "on"], ["on", "off"], ["off", "on"]]
     assert sides == ["off", "on"]  # the caller's list is left as it was
+    calls: list[str] = []
+    runs = bench_serving_ab.run_rounds({side: (lambda side=side: calls.append(side) or {"n": len(calls)})
+                                        for side in sides}, rounds=3)
+    assert calls == ["off", "on", "on", "off", "off", "on"]
+    assert runs == {"off": [{"n": 1}, {"n": 4}, {"n": 5}], "on": [{"n": 2}, {"n": 3}, {"n": 6}]}
 
 
 def _run(tokens: int, seconds: float, ttft: float = 10.0) -> dict:
     return {"duration_s": seconds, "completed": 4, "failed": 0, "total_output_tokens": tokens,
-            "mean_ttft_ms": ttft, "mean_itl_ms": 1.0}
+            "output_throughput": tokens / seconds, "mean_ttft_ms": ttft, "mean_itl_ms": 1.0}
 
 
 def test_summary_pools_rounds_and_keeps_each_rounds_ratio(capsys) -> None:
@@ -27,3 +33,34 @@ def test_summary_pools_rounds_and_keeps_each_rounds_ratio(capsys) -> None:
     assert s["round_ratios"] == pytest.approx([2.0, 0.8]) and s["round_ratio_median"] == pytest.approx(1.4)
     assert s["off"]["completed"] == 8 and s["rounds"] is runs
     assert "on / off output throughput: 1.000x pooled; rounds 2.000, 0.800 (median 1.400x)" in capsys.readouterr().out
+
+
+def test_a_side_without_output_is_a_bench_error_not_a_division_by_zero() -> None:
+    runs = {"off": [_run(100, 1.0)], "on": [{**_run(1, 1.0), "total_output_tokens": 0, "output_throughput": 0.0}]}
+    with pytest.raises(BenchError, match="on produced no output"):
+        bench_serving_ab.summarize(runs, "on / off")
+
+
+def test_overlap_servers_must_have_one_pool_size(monkeypatch) -> None:
+    """A pool sized from free memory comes out smaller for the second server: refused, not compared."""
+    import argparse
+    import contextlib
+
+    started: list[str] = []
+
+    @contextlib.contextmanager
+    def fake_server(server_args, module, timeout):
+        started.append(server_args)
+        yield f"http://s{len(started)}", None
+
+    pools = {"http://s1": 1000, "http://s2": 900}
+    monkeypatch.setattr(bench_serving_ab, "start_server", fake_server)
+    monkeypatch.setattr(bench_serving_ab, "_server_info", lambda url: {"max_total_num_tokens": pools[url]})
+    args = argparse.Namespace(server_args="--dtype float32", server_module="m", launch_timeout=1.0)
+    with pytest.raises(BenchError, match="--max-total-tokens"):
+        with bench_serving_ab.overlap_servers(args):
+            pass
+    assert started == ["--dtype float32 --disable-overlap-schedule", "--dtype float32"]
+    pools.update({"http://s3": 1000, "http://s4": 1000})  # --max-total-tokens given: one size
+    with bench_serving_ab.overlap_servers(args) as urls:
+        assert urls == {"overlap off": "http://s3", "overlap on": "http://s4"}

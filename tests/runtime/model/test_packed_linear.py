@@ -22,18 +22,16 @@ pytestmark = pytest.mark.timeout(300)
 
 # Packing bf16 is a fast path for CPUs with AMX-BF16 / AVX512-BF16; elsewhere tandem never packs
 # bf16 (asserted below on every CPU) and oneDNN's bf16 linear may not even exist, so there is
-# nothing to compare. fp32 packs wherever torch was built with MKL (every x86 wheel).
+# nothing to compare. fp32 packs wherever torch was built with MKL and MKL-DNN (every x86 wheel),
+# in either layout, and both layouts are tested there.
 needs_native_bf16 = pytest.mark.skipif(not packs_weights(torch.bfloat16),
                                        reason="this CPU has no native bf16: tandem keeps torch's plain linear")
-needs_mkldnn = pytest.mark.skipif(not packs_weights(torch.float32),
-                                  reason="torch without MKL-DNN: tandem keeps torch's plain fp32 linear")
-# MKL's layout needs torch built with MKL (every x86 wheel); oneDNN's needs MKL-DNN alone
-FP32_LAYOUTS = [pytest.param("mkl", marks=pytest.mark.skipif(not torch.backends.mkl.is_available(),
-                                                             reason="torch without MKL")), "onednn"]
+needs_fp32_packing = pytest.mark.skipif(not packs_weights(torch.float32),
+                                        reason="torch without MKL or MKL-DNN: tandem keeps torch's plain fp32 linear")
 
 
 def test_which_weights_are_packed(monkeypatch):
-    has_mkl = torch.backends.mkldnn.is_available()  # where both fp32 layouts live
+    has_mkl = torch.backends.mkl.is_available() and torch.backends.mkldnn.is_available()
     monkeypatch.setattr(packed_linear, "cpu_flags", lambda: {"avx512f", "amx_bf16"})
     assert packs_weights(torch.bfloat16) == torch.backends.mkldnn.is_available()
     assert packs_weights(torch.float32) == has_mkl
@@ -42,6 +40,8 @@ def test_which_weights_are_packed(monkeypatch):
     monkeypatch.setattr(packed_linear, "cpu_flags", lambda: {"avx512f", "avx2"})
     assert not packs_weights(torch.bfloat16)
     assert packs_weights(torch.float32) == has_mkl  # fp32 GEMMs need no bf16 instructions
+    monkeypatch.setattr(torch.backends.mkl, "is_available", lambda: False)
+    assert not packs_weights(torch.float32)  # oneDNN's fp32 only where it was measured against MKL
     monkeypatch.setattr(packed_linear, "cpu_flags", lambda: {"amx_bf16"})
     monkeypatch.setenv(envs.CPU_PACK_WEIGHTS.name, "0")
     assert not packs_weights(torch.bfloat16) and not packs_weights(torch.float32)
@@ -60,8 +60,8 @@ def test_packed_linear_equals_torch_linear(rows, bias):
     assert torch.equal(layer(x), torch.nn.functional.linear(x, w, b))
 
 
-@needs_mkldnn
-@pytest.mark.parametrize("layout", FP32_LAYOUTS)
+@needs_fp32_packing
+@pytest.mark.parametrize("layout", ["mkl", "onednn"])
 @pytest.mark.parametrize("rows", [0, 1, 7, 64, 300, 2100])  # around the 512 rows MKL's plan is made for
 @pytest.mark.parametrize("bias", [False, True])
 def test_fp32_packed_linear_equals_torch_linear(layout, rows, bias):
@@ -94,24 +94,40 @@ def fresh_fp32_layout():
     packed_linear._measure_fp32_layout.cache_clear()
 
 
-@needs_mkldnn
+@needs_fp32_packing
 def test_fp32_layout_is_the_faster_one(monkeypatch, fresh_fp32_layout):
-    """oneDNN only when it measures clearly faster; MKL's layout otherwise, and oneDNN's without MKL."""
-    if torch.backends.mkl.is_available():
-        times = {"mkl": 1.0, "onednn": 1.0 / packed_linear.ONEDNN_MIN_SPEEDUP}
-        monkeypatch.setattr(packed_linear, "_best_time",
-                            lambda x, w: times["mkl" if isinstance(w, packed_linear.MklPackedWeight) else "onednn"])
-        assert packed_linear.fp32_layout()[0] == "onednn"
-        packed_linear._measure_fp32_layout.cache_clear()
-        times["onednn"] = 0.9  # faster, but within the margin
-        name, why = packed_linear.fp32_layout()
-        assert name == "mkl" and "1.11x" in why
-    monkeypatch.setattr(torch.backends.mkl, "is_available", lambda: False)
+    """oneDNN only when it measures clearly faster; MKL's layout otherwise."""
+    times = {"mkl": 1.0, "onednn": 1.0 / packed_linear.ONEDNN_MIN_SPEEDUP}
+    monkeypatch.setattr(packed_linear, "_best_time",
+                        lambda x, w: times["mkl" if isinstance(w, packed_linear.MklPackedWeight) else "onednn"])
     assert packed_linear.fp32_layout()[0] == "onednn"
-    w = packed_linear.pack(torch.randn(8, 4))
-    assert w.is_mkldnn
+    assert packed_linear.pack(torch.randn(8, 4)).is_mkldnn
+    packed_linear._measure_fp32_layout.cache_clear()
+    times["onednn"] = 0.9  # faster, but within the margin
+    name, why = packed_linear.fp32_layout()
+    assert name == "mkl" and "1.11x" in why
+    assert isinstance(packed_linear.pack(torch.randn(8, 4)), packed_linear.MklPackedWeight)
     with pytest.raises(ValueError, match="fp32_as"):
         packed_linear.pack(torch.randn(8, 4), "openblas")
+
+
+@needs_fp32_packing
+def test_onednn_runs_the_padded_row_count(monkeypatch):
+    """What oneDNN receives: the padded rows, and only the real rows come back."""
+    seen: list[int] = []
+    real = torch.ops.mkldnn._linear_pointwise
+    def spy(x, *rest):
+        seen.append(x.numel() // x.shape[-1])
+        return real(x, *rest)
+
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", spy)
+    g = torch.Generator().manual_seed(0)
+    w, x = torch.randn(24, 16, generator=g), torch.randn(3, 50, 16, generator=g)  # 150 rows -> 152
+    out = packed_linear.linear(x, packed_linear.pack(w, "onednn"))
+    assert seen == [152] and out.shape == (3, 50, 24)
+    torch.testing.assert_close(out, torch.nn.functional.linear(x, w), rtol=1e-5, atol=1e-5)
+    packed_linear.linear(x[:, :20], packed_linear.pack(w, "onednn"))  # 60 rows: decode-sized, exact
+    assert seen == [152, 60]
 
 
 def test_onednn_row_counts_are_bounded():
@@ -134,7 +150,7 @@ def _packed_as_the_model_holds_it(weight) -> bool:
 
 
 @pytest.mark.parametrize("dtype", [pytest.param(torch.bfloat16, marks=needs_native_bf16),
-                                   pytest.param(torch.float32, marks=needs_mkldnn)])
+                                   pytest.param(torch.float32, marks=needs_fp32_packing)])
 def test_gemm_bound_times_the_weights_as_the_model_holds_them(dtype):
     layers, head = gemm_bound._weights(ModelConfig(
         arch="LlamaForCausalLM", vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=1, num_heads=4,
@@ -144,18 +160,19 @@ def test_gemm_bound_times_the_weights_as_the_model_holds_them(dtype):
 
 
 @pytest.mark.parametrize("dtype", [pytest.param("bfloat16", marks=needs_native_bf16),
-                                   pytest.param("float32/mkl", marks=[needs_mkldnn, FP32_LAYOUTS[0].marks[0]]),
-                                   pytest.param("float32/onednn", marks=needs_mkldnn)])
+                                   pytest.param("float32/mkl", marks=needs_fp32_packing),
+                                   pytest.param("float32/onednn", marks=needs_fp32_packing)])
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])  # tied LM head; untied with qkv bias
 def test_packed_model_equals_the_plain_one(tiny_model_dir, monkeypatch, arch, dtype):
     dtype, _, layout = dtype.partition("/")
     if layout:
         monkeypatch.setattr(packed_linear, "fp32_layout", lambda: (layout, "the test's choice"))
-    path, prompts = tiny_model_dir(arch), [list(range(300, 340)), list(range(500, 507))]
+    # 40 + 7 + 90 prefill rows: past EXACT_ROWS, so every packed oneDNN linear runs padded
+    path, prompts = tiny_model_dir(arch), [list(range(300, 340)), list(range(500, 507)), list(range(600, 690))]
     results = []
     for pack in (False, True):
         monkeypatch.setenv(envs.CPU_PACK_WEIGHTS.name, str(int(pack)))
-        runner = ModelRunner(ServerArgs(model_path=path, max_total_tokens=400, max_running_requests=2, dtype=dtype))
+        runner = ModelRunner(ServerArgs(model_path=path, max_total_tokens=400, max_running_requests=3, dtype=dtype))
         linears = [m for m in runner.model.modules() if isinstance(m, PackedLinear)]
         assert len(linears) == (4 * runner.config.num_layers + 1 if pack else 0)  # 4 per layer and the LM head
         results.append(BareLoop(runner).generate(prompts, 6, keep_logits=True))
