@@ -16,8 +16,10 @@ pytestmark = pytest.mark.timeout(180)
 
 
 def test_killing_the_scheduler_fails_inflight_requests_and_exits_nonzero(tmp_path, tiny_model_dir):
+    # every step slowed by 10 ms: the request is in flight for ~15 s, whatever the CPU's speed (the
+    # tiny model alone finished its 1500 tokens inside the 1 s before the kill on oneDNN's fp32)
     server = start_server(["--model-path", tiny_model_dir("llama"), "--max-total-tokens", "4000"],
-                          str(tmp_path / "server.log"))
+                          str(tmp_path / "server.log"), env={"TANDEM_TEST_FORWARD_HANG": "0.01"})
     try:
         pids = server.info()
         results: list[requests.Response | Exception] = []
