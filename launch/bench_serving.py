@@ -256,11 +256,11 @@ def build_parser() -> argparse.ArgumentParser:
     a("--flush-cache", action="store_true", help="POST /flush_cache after warmup")
     a("--via-gateway", action="store_true", help="put the SGLang Model Gateway (smg) in front of the server and "
                                                  "run the same workload straight and through it, alternating")
-    a("--gateway-rounds", type=int, default=2, help="with --via-gateway: straight/gateway pairs to run")
+    a("--gateway-rounds", type=int, default=None, help="with --via-gateway: straight/gateway pairs to run (2)")
     a("--compare-overlap", action="store_true", help="with --launch: two servers from --server-args (both "
       "resident; give --max-total-tokens), overlap schedule on and off, the same rows through each in "
       "alternating rounds")
-    a("--overlap-rounds", type=int, default=4, help="with --compare-overlap: on/off pairs to run")
+    a("--overlap-rounds", type=int, default=None, help="with --compare-overlap: on/off pairs to run (4)")
     a("--disable-tqdm", action="store_true")
     a("--output-file", default=None, help="write the result as JSON")
     a("--output-details", action="store_true", help="add per-request lists to the JSON")
@@ -290,14 +290,30 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
             args.json_schema_text = f.read()
     if args.num_prompts < 1 and args.dataset_name != "generated-shared-prefix":
         raise SystemExit("--num-prompts must be >= 1")
-    if args.compare_overlap and (not args.launch or args.via_gateway or args.json_schema):
-        raise SystemExit("--compare-overlap needs --launch and runs alone (not with --via-gateway or --json-schema)")
+    _check_comparison(args)
+    return args
+
+
+def _check_comparison(args: argparse.Namespace) -> None:
+    """At most one comparison a run (--json-schema, --via-gateway, --compare-overlap), with the
+    options it reads and none it would drop; fills in the default round counts."""
+    modes = [flag for flag, on in (("--json-schema", args.json_schema), ("--via-gateway", args.via_gateway),
+                                   ("--compare-overlap", args.compare_overlap)) if on]
+    if len(modes) > 1:
+        raise SystemExit(f"{' and '.join(modes)}: one comparison a run")
+    for flag, rounds, mode_flag, mode in (("--gateway-rounds", args.gateway_rounds, "--via-gateway", args.via_gateway),
+                                          ("--overlap-rounds", args.overlap_rounds, "--compare-overlap",
+                                           args.compare_overlap)):
+        if rounds is not None and (not mode or rounds < 1):
+            raise SystemExit(f"{flag} must be >= 1 and needs {mode_flag}")
+    args.gateway_rounds, args.overlap_rounds = args.gateway_rounds or 2, args.overlap_rounds or 4
+    if args.plot and (args.via_gateway or args.compare_overlap):
+        raise SystemExit("--plot draws one run: not with --via-gateway or --compare-overlap")
+    if args.compare_overlap and not args.launch:
+        raise SystemExit("--compare-overlap needs --launch: it starts the two servers itself")
     if args.compare_overlap and "--disable-overlap-schedule" in args.server_args:
         raise SystemExit("--compare-overlap starts the server with and without --disable-overlap-schedule: "
                          "leave it out of --server-args")
-    if min(args.gateway_rounds, args.overlap_rounds) < 1:
-        raise SystemExit("--gateway-rounds and --overlap-rounds must be >= 1")
-    return args
 
 
 def _finite(value: Any) -> Any:

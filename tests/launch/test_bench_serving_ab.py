@@ -1,6 +1,9 @@
 """Paired comparisons of bench serving (launch/bench_serving_ab.py), without servers: the round
-order, the pooled and per-round ratios, and a side that produced nothing."""
+order, the pooled and per-round ratios, a side that produced nothing, and the CLI's checks of
+which comparison options go together."""
 from __future__ import annotations
+
+import re
 
 import pytest
 
@@ -64,3 +67,23 @@ def test_overlap_servers_must_have_one_pool_size(monkeypatch) -> None:
     pools.update({"http://s3": 1000, "http://s4": 1000})  # --max-total-tokens given: one size
     with bench_serving_ab.overlap_servers(args) as urls:
         assert urls == {"overlap off": "http://s3", "overlap on": "http://s4"}
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--compare-overlap"], "--compare-overlap needs --launch"),
+    (["--launch", "--compare-overlap", "--via-gateway"], "--via-gateway and --compare-overlap: one comparison a run"),
+    (["--via-gateway", "--json-schema", "s.json"], "one comparison a run"),
+    (["--launch", "--compare-overlap", "--server-args", "--disable-overlap-schedule"], "leave it out"),
+    (["--overlap-rounds", "3"], "--overlap-rounds must be >= 1 and needs --compare-overlap"),
+    (["--via-gateway", "--gateway-rounds", "0"], "--gateway-rounds must be >= 1 and needs --via-gateway"),
+    (["--launch", "--compare-overlap", "--plot", "x.png"], "--plot draws one run"),
+])
+def test_comparison_options_are_checked(argv, message, tmp_path, monkeypatch) -> None:
+    from tandem.launch import bench_serving
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "s.json").write_text("{}")
+    with pytest.raises(SystemExit, match=re.escape(message)):
+        bench_serving.parse_args(argv)
+    args = bench_serving.parse_args(["--launch", "--compare-overlap"])
+    assert (args.overlap_rounds, args.gateway_rounds) == (4, 2)

@@ -100,9 +100,3 @@ def test_compare_overlap_runs_two_servers_in_alternating_rounds(tiny_model_dir, 
     assert r["overlap_on_over_off"] == pytest.approx(r["overlap on"]["output_throughput"]
                                                      / r["overlap off"]["output_throughput"])
     assert len(r["round_ratios"]) == 2
-
-
-def test_compare_overlap_needs_launch_and_runs_alone() -> None:
-    for extra in ([], ["--launch", "--via-gateway"]):
-        with pytest.raises(SystemExit, match="--compare-overlap"):
-            bench_serving.parse_args(["--compare-overlap", *extra])
