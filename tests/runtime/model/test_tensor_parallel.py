@@ -31,6 +31,10 @@ RANK_SCRIPT = textwrap.dedent("""
     res = BareLoop(ModelRunner(args, tp)).generate({prompts}, 10, keep_logits=True)
     if rank == 0:
         torch.save({{"ids": res.output_ids, "logits": res.step_logits}}, out)
+    # leave together: a rank that exits while its peer's gloo pair threads still talk to it can
+    # take the peer down at exit ("terminate called without an active exception", seen once in CI)
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
 """)
 
 
