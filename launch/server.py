@@ -68,7 +68,9 @@ def run_server(args: ServerArgs, notes: Sequence[str] = ()) -> int:
                             http=protocol_with_head_timeout(args.http_read_timeout), timeout_keep_alive=5,
                             limit_concurrency=args.max_connections, timeout_graceful_shutdown=5, access_log=False)
     server = DrainingServer(config, app, args.graceful_shutdown_timeout)
-    server.run()
+    # the port is taken now, before the children start: uvicorn would bind only after the startup
+    # (model load, TP rendezvous), and meanwhile gloo's or anyone's ephemeral sockets could take it
+    server.run(sockets=[config.bind_socket()])
     if died:
         logging.error("tandem server stopped: %s", died[0])
         return 1
