@@ -12,6 +12,7 @@ import argparse
 import asyncio
 import contextlib
 import copy
+import functools
 import json
 import math
 import sys
@@ -24,14 +25,7 @@ import numpy as np
 import orjson
 
 from tandem.launch.bench_datasets import DatasetRow, get_dataset, load_tokenizer
-from tandem.launch.bench_serving_ab import (
-    Measure,
-    flush_cache,
-    overlap_servers,
-    run_rounds,
-    summarize,
-    write_comparison,
-)
+from tandem.launch.bench_serving_ab import Measure, check_comparison, compare_overlap, compare_via_gateway, flush_cache
 from tandem.launch.managed_server import BenchError, start_server
 from tandem.launch.bench_metrics import (
     RequestResult,
@@ -290,30 +284,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
             args.json_schema_text = f.read()
     if args.num_prompts < 1 and args.dataset_name != "generated-shared-prefix":
         raise SystemExit("--num-prompts must be >= 1")
-    _check_comparison(args)
+    check_comparison(args)
     return args
-
-
-def _check_comparison(args: argparse.Namespace) -> None:
-    """At most one comparison a run (--json-schema, --via-gateway, --compare-overlap), with the
-    options it reads and none it would drop; fills in the default round counts."""
-    modes = [flag for flag, on in (("--json-schema", args.json_schema), ("--via-gateway", args.via_gateway),
-                                   ("--compare-overlap", args.compare_overlap)) if on]
-    if len(modes) > 1:
-        raise SystemExit(f"{' and '.join(modes)}: one comparison a run")
-    for flag, rounds, mode_flag, mode in (("--gateway-rounds", args.gateway_rounds, "--via-gateway", args.via_gateway),
-                                          ("--overlap-rounds", args.overlap_rounds, "--compare-overlap",
-                                           args.compare_overlap)):
-        if rounds is not None and (not mode or rounds < 1):
-            raise SystemExit(f"{flag} must be >= 1 and needs {mode_flag}")
-    args.gateway_rounds, args.overlap_rounds = args.gateway_rounds or 2, args.overlap_rounds or 4
-    if args.plot and (args.via_gateway or args.compare_overlap):
-        raise SystemExit("--plot draws one run: not with --via-gateway or --compare-overlap")
-    if args.compare_overlap and not args.launch:
-        raise SystemExit("--compare-overlap needs --launch: it starts the two servers itself")
-    if args.compare_overlap and "--disable-overlap-schedule" in args.server_args:
-        raise SystemExit("--compare-overlap starts the server with and without --disable-overlap-schedule: "
-                         "leave it out of --server-args")
 
 
 def _finite(value: Any) -> Any:
@@ -366,7 +338,7 @@ def _run(args: argparse.Namespace, base_url: str) -> dict[str, Any]:
     if args.json_schema_text:
         return _run_guided(args, rows, base_url)
     if args.via_gateway:
-        return _run_via_gateway(args, rows, base_url)
+        return compare_via_gateway(args, base_url, functools.partial(_measure, args, rows))
     results, duration, t0 = asyncio.run(run_benchmark(args, rows, base_url))
     return report(args, results, duration, t0, server_accept_length(base_url))
 
@@ -416,33 +388,12 @@ def _measure(args: argparse.Namespace, rows: list[DatasetRow], url: str, server_
     return once
 
 
-def _run_via_gateway(args: argparse.Namespace, rows: list[DatasetRow], base_url: str) -> dict[str, Any]:
-    """--via-gateway: the same rows straight to the server and through smg in front of it."""
-    from tandem.launch.managed_gateway import start_gateway
-
-    with start_gateway([base_url]) as gateway_url:
-        runs = run_rounds({"direct": _measure(args, rows, base_url, base_url),
-                           "gateway": _measure(args, rows, gateway_url, base_url)}, args.gateway_rounds)
-    combined = summarize(runs, "gateway / direct")
-    combined["gateway_over_direct"] = combined.pop("ratio")
-    return write_comparison(args, combined, "gateway")
-
-
-def _run_overlap_ab(args: argparse.Namespace, rows: list[DatasetRow]) -> dict[str, Any]:
-    """--compare-overlap: the same rows through a server with the overlap schedule and one without."""
-    with overlap_servers(args) as urls:
-        runs = run_rounds({side: _measure(args, rows, url, url) for side, url in urls.items()}, args.overlap_rounds)
-    combined = summarize(runs, "overlap on / off")
-    combined["overlap_on_over_off"] = combined.pop("ratio")
-    return write_comparison(args, combined, "overlap on")
-
-
 def main(argv: list[str] | None = None) -> int:
     """Entry point; returns 0 when at least one request succeeded."""
     args = parse_args(sys.argv[1:] if argv is None else argv)
     try:
         if args.compare_overlap:
-            result = _run_overlap_ab(args, _rows(args))
+            result = compare_overlap(args, functools.partial(_measure, args, _rows(args)))
         elif args.launch:
             with launched_server(args) as base_url:
                 result = _run(args, base_url)

@@ -6,6 +6,10 @@ sides alike.
 - `--compare-overlap` (with `--launch`): two servers from the same `--server-args`, one with the
   overlap schedule (the default) and one with `--disable-overlap-schedule`.
 
+bench_serving hands each comparison a `MeasureAt` (its own client, one round against one URL);
+this module starts what is compared, runs the rounds, checks which options go together, and
+reports.
+
 Rounds take turns at which side goes first (A B, B A, A B, ...): a machine that slows or speeds up
 over the bench then favours neither side. Each round's pair also gives its own ratio, and their
 median is printed beside the pooled ratio: on two shared cores single runs vary by 5-10%.
@@ -30,6 +34,51 @@ def side_order(sides: list[str], round_no: int) -> list[str]:
 
 
 Measure = Callable[[], dict[str, Any]]  # one round of one side: flush the cache, send every row, report
+# (URL to send the rows to, server whose cache to flush first) -> that round's measurement
+MeasureAt = Callable[[str, str], Measure]
+
+
+def check_comparison(args: argparse.Namespace) -> None:
+    """At most one comparison a run (--json-schema, --via-gateway, --compare-overlap), with the
+    options it reads and none it would drop; fills in the default round counts."""
+    modes = [flag for flag, on in (("--json-schema", args.json_schema), ("--via-gateway", args.via_gateway),
+                                   ("--compare-overlap", args.compare_overlap)) if on]
+    if len(modes) > 1:
+        raise SystemExit(f"{' and '.join(modes)}: one comparison a run")
+    for flag, rounds, mode_flag, mode in (("--gateway-rounds", args.gateway_rounds, "--via-gateway", args.via_gateway),
+                                          ("--overlap-rounds", args.overlap_rounds, "--compare-overlap",
+                                           args.compare_overlap)):
+        if rounds is not None and (not mode or rounds < 1):
+            raise SystemExit(f"{flag} must be >= 1 and needs {mode_flag}")
+    args.gateway_rounds, args.overlap_rounds = args.gateway_rounds or 2, args.overlap_rounds or 4
+    if args.plot and (args.via_gateway or args.compare_overlap):
+        raise SystemExit("--plot draws one run: not with --via-gateway or --compare-overlap")
+    if args.compare_overlap and not args.launch:
+        raise SystemExit("--compare-overlap needs --launch: it starts the two servers itself")
+    if args.compare_overlap and "--disable-overlap-schedule" in args.server_args:
+        raise SystemExit("--compare-overlap starts the server with and without --disable-overlap-schedule: "
+                         "leave it out of --server-args")
+
+
+def compare_via_gateway(args: argparse.Namespace, base_url: str, measure_at: MeasureAt) -> dict[str, Any]:
+    """--via-gateway: the same rows straight to the server and through smg in front of it."""
+    from tandem.launch.managed_gateway import start_gateway
+
+    with start_gateway([base_url]) as gateway_url:
+        runs = run_rounds({"direct": measure_at(base_url, base_url),
+                           "gateway": measure_at(gateway_url, base_url)}, args.gateway_rounds)
+    combined = summarize(runs, "gateway / direct")
+    combined["gateway_over_direct"] = combined.pop("ratio")
+    return write_comparison(args, combined, "gateway")
+
+
+def compare_overlap(args: argparse.Namespace, measure_at: MeasureAt) -> dict[str, Any]:
+    """--compare-overlap: the same rows through a server with the overlap schedule and one without."""
+    with overlap_servers(args) as urls:
+        runs = run_rounds({side: measure_at(url, url) for side, url in urls.items()}, args.overlap_rounds)
+    combined = summarize(runs, "overlap on / off")
+    combined["overlap_on_over_off"] = combined.pop("ratio")
+    return write_comparison(args, combined, "overlap on")
 
 
 def run_rounds(sides: dict[str, Measure], rounds: int) -> dict[str, list[dict[str, Any]]]:

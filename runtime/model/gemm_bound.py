@@ -7,14 +7,13 @@ machine it turns into tokens.
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import dataclass
 
 import torch
 
 from tandem.kernels.cpu_ops import cpu_flags
 from tandem.runtime.model.config import ModelConfig
-from tandem.runtime.model.packed_linear import linear, pack, packs_weights
+from tandem.runtime.model.packed_linear import best_seconds, linear, pack, packs_weights
 
 PREFILL_CHUNK = 2048  # tokens per timed prefill matmul pass (tandem's default chunked prefill)
 
@@ -60,14 +59,7 @@ def _time_pass(x: torch.Tensor, layers: list[list[torch.Tensor]], lm_head: torch
         if lm_head is not None:
             linear(x, lm_head)
 
-    with torch.inference_mode():
-        one_pass()  # warm-up: oneDNN/MKL pick and cache their kernels
-        best = float("inf")
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            one_pass()
-            best = min(best, time.perf_counter() - t0)
-    return best
+    return best_seconds(one_pass, repeats)
 
 
 def measure(cfg: ModelConfig, dtype: torch.dtype, decode_batch: int, repeats: int = 3) -> GemmBound:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -104,14 +105,19 @@ def _measure_fp32_layout(threads: int) -> tuple[str, str]:
     return name, f"a batch-64 fp32 matmul: oneDNN {speedup:.2f}x MKL's speed"
 
 
-def _best_time(x: torch.Tensor, weight: Weight, repeats: int = 5) -> float:
+def _best_time(x: torch.Tensor, weight: Weight) -> float:
+    return best_seconds(lambda: [linear(x, weight) for _ in range(4)], repeats=5)
+
+
+def best_seconds(run: Callable[[], object], repeats: int) -> float:
+    """The fastest of `repeats` timed calls of `run`, after one untimed call (the GEMM library
+    picks and caches its kernels on the first)."""
     with torch.inference_mode():
-        linear(x, weight)  # warm-up: the library picks and caches its kernel
+        run()
         best = float("inf")
         for _ in range(repeats):
             t0 = time.perf_counter()
-            for _ in range(4):
-                linear(x, weight)
+            run()
             best = min(best, time.perf_counter() - t0)
     return best
 
@@ -145,9 +151,8 @@ def _onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     padded = padded_rows(rows)
     if padded == rows:
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
-    x_padded = x.new_empty(padded, x.shape[-1])
-    x_padded[:rows] = x.reshape(rows, x.shape[-1])
-    x_padded[rows:] = 0  # rows are independent: any finite value would do, zeros never trap
+    # zero rows: rows are independent, so any finite value would do, and zeros never trap
+    x_padded = nn.functional.pad(x.reshape(rows, x.shape[-1]), (0, 0, 0, padded - rows))
     out = torch.ops.mkldnn._linear_pointwise(x_padded, weight, bias, "none", [], "")
     return out[:rows].view(*x.shape[:-1], out.shape[-1])
 
