@@ -93,12 +93,16 @@ class Engine:
         chunks: queue.Queue = queue.Queue()
 
         async def pump() -> None:
+            stream = None
             try:
-                async for chunk in await tm.generate_stream(body):
+                stream = await tm.generate_stream(body)
+                async for chunk in stream:
                     chunks.put(chunk)
             except BaseException as exc:  # re-raised in the caller's thread
                 chunks.put(exc)
             finally:
+                if stream is not None:
+                    await stream.aclose()
                 chunks.put(_STREAM_END)
 
         fut = self._submit(pump())
@@ -130,12 +134,16 @@ class Engine:
         chunks: asyncio.Queue = asyncio.Queue()
 
         async def pump() -> None:
+            stream = None
             try:
-                async for chunk in await tm.generate_stream(body):
+                stream = await tm.generate_stream(body)
+                async for chunk in stream:
                     caller.call_soon_threadsafe(chunks.put_nowait, chunk)
             except BaseException as exc:
                 caller.call_soon_threadsafe(chunks.put_nowait, exc)
             finally:
+                if stream is not None:
+                    await stream.aclose()
                 caller.call_soon_threadsafe(chunks.put_nowait, _STREAM_END)
 
         fut = self._submit(pump())

@@ -4,7 +4,7 @@ ChoiceState per choice, which also builds that choice's SGLang-shaped response."
 from __future__ import annotations
 
 import asyncio
-import time
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -127,6 +127,7 @@ class Call:
     log_metrics: bool = True  # False: health probes and SGLang's `log_metrics: false` stay out of /metrics
     groups: list[RequestGroup] = field(default_factory=list)
     changed: asyncio.Event = field(default_factory=asyncio.Event)
+    ended: bool = False  # its unfinished choices were aborted and its state dropped
 
     @property
     def choices(self) -> list[ChoiceState]:
@@ -134,3 +135,24 @@ class Call:
 
     def first_error(self) -> RequestError | None:
         return next((err for c in self.choices if (err := c.error()) is not None), None)
+
+
+class CallStream:
+    """A streamed call's cumulative results. Closing it ends the call even when it was never
+    iterated: a client can vanish between the response's start and its first chunk, and an async
+    generator that never started never runs its `finally` (the request would run on, unaborted,
+    its rid held)."""
+
+    def __init__(self, items: AsyncGenerator[dict, None], end: Callable[[], None]) -> None:
+        self._items = items
+        self._end = end
+
+    def __aiter__(self) -> "CallStream":
+        return self
+
+    async def __anext__(self) -> dict:
+        return await self._items.__anext__()
+
+    async def aclose(self) -> None:
+        await self._items.aclose()
+        self._end()

@@ -13,9 +13,10 @@ import asyncio
 import logging
 import secrets
 import time
+from collections.abc import AsyncGenerator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, AsyncIterator, Callable
+from typing import Any
 
 import msgspec
 import numpy as np
@@ -28,7 +29,8 @@ from tandem.ipc.sockets import IPCAddresses, async_recv, bind_pull, connect_push
 from tandem.runtime.envs import envs
 from tandem.runtime.launcher import READY_TIMEOUT_S, dead_child, spawn_children, stop_children
 from tandem.runtime.model_files import chat_sampling_defaults, resolve_model_path
-from tandem.runtime.request_groups import Call, ChoiceState, ClientDisconnected, RequestError, RequestGroup
+from tandem.runtime.request_groups import (Call, CallStream, ChoiceState, ClientDisconnected, RequestError,
+                                            RequestGroup)
 from tandem.runtime.sampling.logprob_format import LogprobFormatOptions, LogprobFormatter
 from tandem.runtime.sampling.params import INT64_MAX, INT64_MIN
 from tandem.runtime.server.validation import (GenerateItem, RequestLimits, check_rids_free,
@@ -104,7 +106,8 @@ class TokenizerManager:
             max_total_tokens=self.model_info["max_total_num_tokens"] or None, max_batch_items=args.max_batch_items,
             max_top_logprobs_num=args.max_top_logprobs_num,
             max_text_chars=self.context_len * max_chars_per_token(self.tokenizer) * TEXT_CHARS_SLACK,
-            guided_decoding=args.grammar_backend != "none", strict_thinking=args.enable_strict_thinking)
+            guided_decoding=args.grammar_backend != "none", strict_thinking=args.enable_strict_thinking,
+            reasoning_parser=args.reasoning_parser is not None)
         self._tasks = [asyncio.ensure_future(self._detok_loop()),
                        asyncio.ensure_future(self._control_loop(self.from_scheduler)),
                        asyncio.ensure_future(self._watch_children())]
@@ -227,15 +230,16 @@ class TokenizerManager:
                 self._validation_pool, lambda: [c.result() for c in call.choices])
         return [c.result() for c in call.choices]
 
-    async def generate_stream(self, body: Any, add_special_tokens: bool = True) -> AsyncIterator[dict]:
+    async def generate_stream(self, body: Any, add_special_tokens: bool = True) -> CallStream:
         """Streaming: cumulative results as they grow; ends when every choice has finished.
         Validation runs now, before any byte of the stream is sent (so bad input is still a 400);
         a failed choice (scheduler-initiated, or a dead child) ends the stream with its last chunk,
         its finish_reason an abort with the status (request_groups.stream_error), as SGLang's, and
         the other choices are aborted."""
-        return self._stream(await self._submit(body, add_special_tokens))
+        call = await self._submit(body, add_special_tokens)
+        return CallStream(self._stream(call), lambda: self._end_call(call))
 
-    async def _stream(self, call: Call) -> AsyncIterator[dict]:
+    async def _stream(self, call: Call) -> AsyncGenerator[dict, None]:
         sent = {id(c): 0 for c in call.choices}  # version 0: nothing received yet
         try:
             while True:
@@ -253,7 +257,10 @@ class TokenizerManager:
             self._end_call(call)  # finished, failed, client gone, or the consumer stopped early
 
     def _end_call(self, call: Call) -> None:
-        """Abort what is unfinished (one message for the whole call) and drop its state."""
+        """Abort what is unfinished (one message for the whole call) and drop its state, once."""
+        if call.ended:
+            return
+        call.ended = True
         unfinished = [g for g in call.groups if not g.finished]
         if unfinished and not self.dead_reason:
             send(self.to_scheduler, AbortReq(group_prefixes=[g.prefix for g in unfinished]))

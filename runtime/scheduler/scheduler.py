@@ -39,6 +39,7 @@ from tandem.runtime.scheduler.result_processor import FinishChecker, apply_new_t
 from tandem.runtime.scheduler.stats import StepStats
 from tandem.runtime.scheduler.tp_sync import ControlSync
 from tandem.runtime.scheduler.watchdog import Watchdog
+from tandem.runtime.server.reasoning import THINK_END
 from tandem.runtime.server_args import ServerArgs
 from tandem.runtime.speculative.drafter import Drafter, NgramDrafter
 from tandem.runtime.speculative.standalone import StandaloneDrafter
@@ -103,7 +104,7 @@ class Scheduler:
         self.kv = KVManager(self.rows, runner.allocator, args.disable_radix_cache)
         self.stats = StepStats()
         self.worker = ForwardWorker(runner, future_map, penalty_counts, self.stats, drafter, intra_op_threads)
-        think_end_ids = tuple(self.tokenizer.encode("</think>", add_special_tokens=False))
+        think_end_ids = tuple(self.tokenizer.encode(THINK_END, add_special_tokens=False))
         self.planner = Planner(planner_config(args, runner), self.kv,
                                BatchContext(runner.config.vocab_size, eos_ids, runner.device, think_end_ids))
         self.checker = FinishChecker(eos_ids, lambda ids: self.tokenizer.decode(ids))

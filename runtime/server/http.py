@@ -13,7 +13,7 @@ from fastapi.responses import PlainTextResponse, Response, StreamingResponse
 
 from tandem.runtime.server.validation import ValidationError
 from tandem.runtime.server_args import ServerArgs
-from tandem.runtime.request_groups import ClientDisconnected, RequestError
+from tandem.runtime.request_groups import CallStream, ClientDisconnected, RequestError
 from tandem.runtime.server import openai
 from tandem.runtime.server.info import VERSION, current_loads, health_generate, model_info, served_model_name, server_info
 from tandem.runtime.server.auth import ApiKeyMiddleware, is_admin
@@ -110,7 +110,8 @@ def create_app(args: ServerArgs, on_child_death: Callable[[str], None] | None = 
         tm = holder["tm"]
         body = await read_json(request)
         if isinstance(body, dict) and body.get("stream"):
-            return StreamingResponse(_sse(await tm.generate_stream(body)), media_type="text/event-stream")
+            stream = await tm.generate_stream(body)
+            return _CallResponse(stream, stream)
         result = await tm.generate(body, request.is_disconnected)
         if isinstance(body, dict) and (body.get("return_logprob") or body.get("return_hidden_states")):
             # encoding a large logprob / hidden-state answer must not stall the event loop
@@ -120,21 +121,24 @@ def create_app(args: ServerArgs, on_child_death: Callable[[str], None] | None = 
     async def openai_call(request: Request, req: openai.OpenAIRequest) -> Response:
         tm = holder["tm"]
         n = req.native["sampling_params"].get("n") or 1
+        def decode(ids: list[int], skip_special_tokens: bool) -> str:
+            return tm.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
         try:
             if req.stream:
-                cumulative = await tm.generate_stream(req.native, req.add_special_tokens)
-                return StreamingResponse(_sse(openai.stream_chunks(req, cumulative, n)),
-                                         media_type="text/event-stream")
+                stream = await tm.generate_stream(req.native, req.add_special_tokens)
+                openai.decode_echo(req, decode)  # the ids passed validation: they are token ids
+                return _CallResponse(openai.stream_chunks(req, stream, n), stream)
             results = await tm.generate({**req.native}, request.is_disconnected, req.add_special_tokens)
         except ValidationError as exc:
             raise req.rename(exc) from None
+        openai.decode_echo(req, decode)
         results = results if isinstance(results, list) else [results]
         return _json(openai.response(req, results, n))
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        req = openai.completion_request(await read_json(request), served_name(),
-                                        lambda ids, skip: holder["tm"].tokenizer.decode(ids, skip_special_tokens=skip))
+        req = openai.completion_request(await read_json(request), served_name())
         return await openai_call(request, req)
 
     @app.post("/v1/chat/completions")
@@ -245,6 +249,21 @@ async def _read_capped(request: Request, cap: int) -> bytes:
             raise ValidationError("body", f"is more than --max-request-bytes ({cap}) bytes")
         chunks.append(chunk)
     return b"".join(chunks)
+
+
+class _CallResponse(StreamingResponse):
+    """Server-sent events of a streamed call, which it ends however the response ends: finished,
+    failed, the client gone mid-stream, or cancelled before the first chunk was asked for."""
+
+    def __init__(self, events: AsyncIterator[dict], stream: CallStream) -> None:
+        super().__init__(_sse(events), media_type="text/event-stream")
+        self._stream = stream
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._stream.aclose()
 
 
 async def _sse(events: AsyncIterator[dict]) -> AsyncIterator[bytes]:

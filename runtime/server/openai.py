@@ -57,6 +57,9 @@ class OpenAIRequest:
     max_tokens_name: str = "max_tokens"
     logprobs: bool = False
     echo_texts: list[str] = field(default_factory=list)  # completions with echo: each prompt's text
+    # echoed token-id prompts: decoded into echo_texts (`decode_echo`) only once the server has
+    # checked the ids, since the tokenizer fails on ids that are not token ids
+    echo_ids: list[list[int]] = field(default_factory=list)
     echo_logprobs: bool = False  # echo with logprobs: the legacy logprobs start at the prompt
     include_usage: bool = False
     continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage on every chunk
@@ -81,25 +84,21 @@ class OpenAIRequest:
 
 
 # -- requests ---------------------------------------------------------------------------------------------
-def completion_request(body: Any, served_model: str, decode: Callable[[list[int], bool], str]) -> OpenAIRequest:
-    """`decode(ids, skip_special_tokens)` gives an echoed token-id prompt its text: without special
-    tokens, as SGLang's; with them when the prompt's logprobs come too, whose tokens must join
-    into the echoed text."""
+def completion_request(body: Any, served_model: str) -> OpenAIRequest:
     _check_object(body)
     prompt = body.get("prompt")
-    skip_special = body.get("logprobs") is None
+    echo = _flag(body, "echo")
     req = OpenAIRequest("completion", _model(body, served_model), _native_base(body), stream=_stream(body))
     _stream_options(body, req)
     native = req.native
     if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt)):
         native["text"] = prompt
-        texts = [prompt] if isinstance(prompt, str) else prompt
-    elif isinstance(prompt, list) and prompt and all(isinstance(t, list) for t in prompt):
-        native["input_ids"] = prompt
-        texts = [decode(p, skip_special) for p in prompt] if body.get("echo") else []
+        if echo:
+            req.echo_texts = [prompt] if isinstance(prompt, str) else prompt
     elif isinstance(prompt, list) and prompt:
         native["input_ids"] = prompt
-        texts = [decode(prompt, skip_special)] if body.get("echo") else []
+        if echo:
+            req.echo_ids = prompt if all(isinstance(t, list) for t in prompt) else [prompt]
     else:
         raise ValidationError("prompt", "must be a string, a list of strings, token ids or lists of token ids")
     native["sampling_params"] = _sampling(body, req, default_max_tokens=16)
@@ -111,12 +110,18 @@ def completion_request(body: Any, served_model: str, decode: Callable[[list[int]
             raise ValidationError("logprobs", f"must be an integer in [0, 20], got {logprobs!r}")
         req.logprobs = True
         native.update(return_logprob=True, top_logprobs_num=logprobs, return_text_in_logprobs=True)
-    if _flag(body, "echo"):
-        req.echo_texts = texts
-        if req.logprobs:  # OpenAI's echo + logprobs: the prompt's tokens are scored too
-            req.echo_logprobs = True
-            native["logprob_start_len"] = 0
+    if echo and req.logprobs:  # OpenAI's echo + logprobs: the prompt's tokens are scored too
+        req.echo_logprobs = True
+        native["logprob_start_len"] = 0
     return req
+
+
+def decode_echo(req: OpenAIRequest, decode: Callable[[list[int], bool], str]) -> None:
+    """Give each echoed token-id prompt its text, `decode(ids, skip_special_tokens)`: without
+    special tokens, as SGLang's; with them when the prompt's logprobs come too, whose tokens must
+    join into the echoed text. Call it once the ids passed validation."""
+    if req.echo_ids:
+        req.echo_texts = [decode(ids, not req.logprobs) for ids in req.echo_ids]
 
 
 def chat_request(body: Any, served_model: str, render: Callable[[list, dict], str],

@@ -101,8 +101,8 @@ def fit_context(
     max_new_tokens is an error; the default (128) and null (fill the context) are clamped to the
     room that is left, in the context and in the KV pool."""
     ctx = limits.context_len
-    if prompt_len > ctx:
-        msg = f"has {prompt_len} tokens, more than the context length ({ctx})"
+    if prompt_len >= ctx:  # SGLang's bound too: a prompt must leave the context room for a token
+        msg = f"has {prompt_len} tokens; a prompt must be shorter than the context length ({ctx})"
         raise ValidationError(field, msg)
     kv = limits.max_total_tokens
     # a prompt that fills the KV pool is the scheduler's 400, not a clamp to an empty answer

@@ -127,12 +127,15 @@ class RequestLimits:
     # longer text cannot fit the context whatever it tokenizes to: refused before tokenizing
     max_text_chars: int | None = None
     guided_decoding: bool = True  # False with --grammar-backend none: constraints are a 400
+    strict_thinking: bool = False  # --enable-strict-thinking: max_thinking_tokens is allowed
+    # --reasoning-parser: the server knows where reasoning ends, so require_reasoning can hold a
+    # grammar back until then (SGLang wraps the grammar only with a parser)
+    reasoning_parser: bool = False
 
     @property
     def max_request_len(self) -> int:
         """Prompt + output tokens one request can hold: the context, or the KV pool when smaller."""
         return min(self.context_len, self.max_total_tokens or self.context_len)
-    strict_thinking: bool = False  # --enable-strict-thinking: max_thinking_tokens is allowed
 
 
 def normalize_generate_request(
@@ -149,6 +152,9 @@ def normalize_generate_request(
     params = _sampling_params(body.get("sampling_params"), n, is_batch, vocab_size, limits.guided_decoding)
     check_batch_items(prompts_, params, limits.max_batch_items)
     reasoning = _per_item(body, "require_reasoning", n, is_batch, False, _bool)
+    for f, required in reasoning:
+        if required and not limits.reasoning_parser:  # the grammar would wait for an end never defined
+            raise ValidationError(f, "needs --reasoning-parser on the server (it defines where the reasoning ends)")
     budget_field = _thinking_budget(body.get("max_thinking_tokens"), params)
     for (f, sp), (_, require_reasoning) in zip(params, reasoning):
         _check_thinking_budget(budget_field or f"{f}.max_thinking_tokens", sp, require_reasoning,

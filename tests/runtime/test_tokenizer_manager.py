@@ -48,3 +48,35 @@ def test_chat_sampling_defaults_follow_the_flag(tmp_path):
     (tmp_path / "generation_config.json").write_text(json.dumps({"top_k": 1, "temperature": 0.7}))
     assert _chat_sampling_defaults(ServerArgs(model_path=str(tmp_path))) == {"top_k": 1, "temperature": 0.7}
     assert _chat_sampling_defaults(ServerArgs(model_path=str(tmp_path), sampling_defaults="openai")) == {}
+
+
+UNSTARTED_STREAM = """
+import asyncio, json, sys
+from tandem.runtime.server_args import ServerArgs
+from tandem.runtime.tokenizer_manager import TokenizerManager
+
+async def main():
+    tm = TokenizerManager(ServerArgs(model_path=sys.argv[1], max_total_tokens=2000, max_running_requests=4))
+    long = {"rid": "r", "input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 1500, "ignore_eos": True}}
+    try:
+        await tm.start()
+        stream = await tm.generate_stream({**long, "stream": True})
+        await stream.aclose()  # never iterated: a client gone before its first chunk
+        held = sorted(tm.groups)
+        again = await tm.generate({**long, "sampling_params": {"max_new_tokens": 2}})  # the rid is free
+        info = await tm.server_info()
+    finally:
+        tm.close()
+    print(json.dumps({"held": held, "tokens": len(again["output_ids"]), "running": info["num_running_reqs"]}))
+
+asyncio.run(main())
+"""
+
+
+def test_a_stream_closed_before_its_first_chunk_ends_its_request(tiny_model_dir, tmp_path):
+    """An async generator that never started never runs its `finally`: closing the stream object
+    must still abort the request (1500 tokens would still be running) and free its rid."""
+    proc = subprocess.run([sys.executable, "-c", UNSTARTED_STREAM, tiny_model_dir("llama")], capture_output=True,
+                          text=True, timeout=240, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == {"held": [], "tokens": 2, "running": 0}

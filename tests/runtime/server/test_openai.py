@@ -10,7 +10,18 @@ from tandem.runtime.server import openai as oa
 
 
 def _completion(body: dict) -> oa.OpenAIRequest:
-    return oa.completion_request(body, "served", lambda ids, skip: "".join(f"<{i}>" for i in ids if not skip or i))
+    req = oa.completion_request(body, "served")
+    oa.decode_echo(req, lambda ids, skip: "".join(f"<{i}>" for i in ids if not skip or i))
+    return req
+
+
+def test_echoed_token_ids_are_decoded_only_after_validation():
+    """The tokenizer raises on ids that are not token ids (-5, 2.5, 2**70): a bad echoed prompt
+    must reach the server's validation (a 400 naming prompt[i][j]) before any decode."""
+    req = oa.completion_request({"prompt": [[1, -5], [2.5]], "echo": True}, "served")
+    assert req.native["input_ids"] == [[1, -5], [2.5]] and req.echo_ids == [[1, -5], [2.5]] and not req.echo_texts
+    assert oa.completion_request({"prompt": [7, 8], "echo": True}, "served").echo_ids == [[7, 8]]
+    assert oa.completion_request({"prompt": [7, 8]}, "served").echo_ids == []
 
 
 def _chat(body: dict) -> oa.OpenAIRequest:

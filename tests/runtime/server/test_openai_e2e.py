@@ -73,6 +73,9 @@ def test_sglang_client_surface(client, smol_server, smol_tokenizer):
     echoed = client.completions.create(model="m", prompt=ids, max_tokens=2, temperature=0, echo=True)
     assert echoed.choices[0].text.startswith(smol_tokenizer.decode(ids, skip_special_tokens=True))
     assert "<|im_start|>" not in echoed.choices[0].text
+    for bad, param in (([[1, -5]], "prompt[0][1]"), ([1, 2.5], "prompt[1]"), ([[1, 2**70]], "prompt[0][1]")):
+        resp = smol_server.post("/v1/completions", {"prompt": bad, "max_tokens": 2, "echo": True})
+        assert resp.status_code == 400 and resp.json()["error"]["param"] == param, (bad, resp.text)
 
 
 def test_streaming_deltas_add_up_and_usage_comes_last(client):

@@ -71,17 +71,28 @@ def test_single_input_ids_and_options() -> None:
 
 def test_require_reasoning_and_the_thinking_budget() -> None:
     assert norm({"text": "ab"}).items[0].require_reasoning is False
-    out = norm({"text": ["ab", "cd"], "require_reasoning": [True, False]})
+    out = norm({"text": ["ab", "cd"], "require_reasoning": [True, False]}, reasoning_parser=True)
     assert [i.require_reasoning for i in out.items] == [True, False]
     with pytest.raises(ValidationError, match="require_reasoning must be a boolean"):
-        norm({"text": "ab", "require_reasoning": 1})
+        norm({"text": "ab", "require_reasoning": 1}, reasoning_parser=True)
     budget = {"max_thinking_tokens": 4, "regex": "a+"}
     with pytest.raises(ValidationError, match="max_thinking_tokens needs --enable-strict-thinking"):
-        norm({"text": "ab", "require_reasoning": True, "sampling_params": budget})
+        norm({"text": "ab", "require_reasoning": True, "sampling_params": budget}, reasoning_parser=True)
     with pytest.raises(ValidationError, match="max_thinking_tokens with a constraint needs require_reasoning"):
         norm({"text": "ab", "sampling_params": budget}, strict_thinking=True)
-    ok = norm({"text": "ab", "require_reasoning": True, "sampling_params": budget}, strict_thinking=True).items[0]
+    ok = norm({"text": "ab", "require_reasoning": True, "sampling_params": budget}, strict_thinking=True,
+              reasoning_parser=True).items[0]
     assert ok.require_reasoning and ok.sampling_params.max_thinking_tokens == 4
+
+
+def test_require_reasoning_needs_a_reasoning_parser() -> None:
+    """Without --reasoning-parser the server knows no end of the reasoning: the grammar would
+    wait for a `</think>` a plain model never writes (a 200 with an unconstrained answer)."""
+    with pytest.raises(ValidationError, match="^require_reasoning needs --reasoning-parser"):
+        norm({"text": "ab", "require_reasoning": True, "sampling_params": {"regex": "a+"}})
+    with pytest.raises(ValidationError, match=r"^require_reasoning\[1\] needs --reasoning-parser"):
+        norm({"text": ["ab", "cd"], "require_reasoning": [False, True]})
+    assert norm({"text": "ab", "require_reasoning": False}).items[0].require_reasoning is False
 
 
 def test_top_level_thinking_budget_as_sglangs_generate_req_input() -> None:
@@ -195,9 +206,11 @@ def test_null_max_new_tokens_takes_the_room_left_in_the_context_and_the_kv_pool(
         norm({"text": "abcd", "sampling_params": {"max_new_tokens": None, "min_new_tokens": 37}}, max_total_tokens=40)
 
 
-def test_context_boundary_is_inclusive() -> None:
+def test_context_boundary() -> None:
+    """prompt + max_new_tokens may fill the context; the prompt alone must leave it a token
+    (SGLang's `input_token_num >= context_len` check; the full prompt is a 400 in the cases above)."""
     norm({"input_ids": [1] * 60, "sampling_params": {"max_new_tokens": 4}})
-    norm({"input_ids": [1] * CTX, "sampling_params": {"max_new_tokens": 0}})
+    norm({"input_ids": [1] * (CTX - 1), "sampling_params": {"max_new_tokens": 0}})
 
 
 @pytest.mark.parametrize("key, value", [("lora_path", "adapter"), ("custom_logit_processor", "x"),
@@ -239,7 +252,9 @@ BAD = [
     ({"input_ids": [1, VOCAB]}, "input_ids[1]", "[0, 100), got 100"),
     ({"input_ids": [[1], [-1]]}, "input_ids[1][0]", "[0, 100), got -1"),
     ({"input_ids": [1] * 65, "sampling_params": {"max_new_tokens": 0}}, "input_ids",
-     "has 65 tokens, more than the context length (64)"),
+     "has 65 tokens; a prompt must be shorter than the context length (64)"),
+    ({"input_ids": [1] * 64, "sampling_params": {"max_new_tokens": 0}}, "input_ids",  # SGLang's >= too
+     "has 64 tokens; a prompt must be shorter than the context length (64)"),
     ({"input_ids": [1] * 60, "sampling_params": {"max_new_tokens": 5}},
      "sampling_params.max_new_tokens", "60-token prompt that is 65 tokens, more than the "
      "context length (64)"),
