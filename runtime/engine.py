@@ -11,7 +11,8 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import threading
-from typing import Any, AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
+from typing import Any
 
 from tandem.runtime.server.info import model_info, server_info
 from tandem.runtime.server_args import ServerArgs
@@ -19,6 +20,23 @@ from tandem.runtime.tokenizer_manager import TokenizerManager
 
 _STREAM_END = object()
 SHUT_DOWN = "the Engine has been shut down"
+
+
+async def _pump(tm: TokenizerManager, body: dict[str, Any], put: Callable[[Any], None]) -> None:
+    """On the engine's loop: every chunk of a streamed call through `put`, then the error that
+    ended it (re-raised on the caller's side), then _STREAM_END. The stream is closed however
+    the pump ends (a cancel when the consumer stopped early aborts the request)."""
+    stream = None
+    try:
+        stream = await tm.generate_stream(body)
+        async for chunk in stream:
+            put(chunk)
+    except BaseException as exc:
+        put(exc)
+    finally:
+        if stream is not None:
+            await stream.aclose()
+        put(_STREAM_END)
 
 
 class Engine:
@@ -91,21 +109,7 @@ class Engine:
         import queue
 
         chunks: queue.Queue = queue.Queue()
-
-        async def pump() -> None:
-            stream = None
-            try:
-                stream = await tm.generate_stream(body)
-                async for chunk in stream:
-                    chunks.put(chunk)
-            except BaseException as exc:  # re-raised in the caller's thread
-                chunks.put(exc)
-            finally:
-                if stream is not None:
-                    await stream.aclose()
-                chunks.put(_STREAM_END)
-
-        fut = self._submit(pump())
+        fut = self._submit(_pump(tm, body, chunks.put))
         fut.add_done_callback(lambda f: f.cancelled() and chunks.put(RuntimeError(SHUT_DOWN)))
         try:
             while (item := chunks.get()) is not _STREAM_END:
@@ -132,21 +136,7 @@ class Engine:
     async def _async_stream(self, tm: TokenizerManager, body: dict[str, Any]) -> AsyncIterator[dict]:
         caller = asyncio.get_running_loop()
         chunks: asyncio.Queue = asyncio.Queue()
-
-        async def pump() -> None:
-            stream = None
-            try:
-                stream = await tm.generate_stream(body)
-                async for chunk in stream:
-                    caller.call_soon_threadsafe(chunks.put_nowait, chunk)
-            except BaseException as exc:
-                caller.call_soon_threadsafe(chunks.put_nowait, exc)
-            finally:
-                if stream is not None:
-                    await stream.aclose()
-                caller.call_soon_threadsafe(chunks.put_nowait, _STREAM_END)
-
-        fut = self._submit(pump())
+        fut = self._submit(_pump(tm, body, lambda item: caller.call_soon_threadsafe(chunks.put_nowait, item)))
         fut.add_done_callback(lambda f: f.cancelled() and caller.call_soon_threadsafe(
             chunks.put_nowait, RuntimeError(SHUT_DOWN)))
         try:

@@ -110,8 +110,7 @@ def create_app(args: ServerArgs, on_child_death: Callable[[str], None] | None = 
         tm = holder["tm"]
         body = await read_json(request)
         if isinstance(body, dict) and body.get("stream"):
-            stream = await tm.generate_stream(body)
-            return _CallResponse(stream, stream)
+            return _CallResponse(await tm.generate_stream(body))
         result = await tm.generate(body, request.is_disconnected)
         if isinstance(body, dict) and (body.get("return_logprob") or body.get("return_hidden_states")):
             # encoding a large logprob / hidden-state answer must not stall the event loop
@@ -121,18 +120,15 @@ def create_app(args: ServerArgs, on_child_death: Callable[[str], None] | None = 
     async def openai_call(request: Request, req: openai.OpenAIRequest) -> Response:
         tm = holder["tm"]
         n = req.native["sampling_params"].get("n") or 1
-        def decode(ids: list[int], skip_special_tokens: bool) -> str:
-            return tm.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
-
         try:
             if req.stream:
                 stream = await tm.generate_stream(req.native, req.add_special_tokens)
-                openai.decode_echo(req, decode)  # the ids passed validation: they are token ids
-                return _CallResponse(openai.stream_chunks(req, stream, n), stream)
+                openai.decode_echo(req, tm.tokenizer)  # the ids passed validation: they are token ids
+                return _CallResponse(stream, openai.stream_chunks(req, stream, n))
             results = await tm.generate({**req.native}, request.is_disconnected, req.add_special_tokens)
         except ValidationError as exc:
             raise req.rename(exc) from None
-        openai.decode_echo(req, decode)
+        openai.decode_echo(req, tm.tokenizer)
         results = results if isinstance(results, list) else [results]
         return _json(openai.response(req, results, n))
 
@@ -255,8 +251,9 @@ class _CallResponse(StreamingResponse):
     """Server-sent events of a streamed call, which it ends however the response ends: finished,
     failed, the client gone mid-stream, or cancelled before the first chunk was asked for."""
 
-    def __init__(self, events: AsyncIterator[dict], stream: CallStream) -> None:
-        super().__init__(_sse(events), media_type="text/event-stream")
+    def __init__(self, stream: CallStream, events: AsyncIterator[dict] | None = None) -> None:
+        """`events`: what is sent, built from `stream` (default: the stream's own chunks)."""
+        super().__init__(_sse(stream if events is None else events), media_type="text/event-stream")
         self._stream = stream
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:

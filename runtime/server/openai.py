@@ -116,12 +116,12 @@ def completion_request(body: Any, served_model: str) -> OpenAIRequest:
     return req
 
 
-def decode_echo(req: OpenAIRequest, decode: Callable[[list[int], bool], str]) -> None:
-    """Give each echoed token-id prompt its text, `decode(ids, skip_special_tokens)`: without
-    special tokens, as SGLang's; with them when the prompt's logprobs come too, whose tokens must
-    join into the echoed text. Call it once the ids passed validation."""
+def decode_echo(req: OpenAIRequest, tokenizer: Any) -> None:
+    """Give each echoed token-id prompt its text: without special tokens, as SGLang's; with them
+    when the prompt's logprobs come too, whose tokens must join into the echoed text. Call it
+    once the ids passed validation."""
     if req.echo_ids:
-        req.echo_texts = [decode(ids, not req.logprobs) for ids in req.echo_ids]
+        req.echo_texts = [tokenizer.decode(ids, skip_special_tokens=not req.logprobs) for ids in req.echo_ids]
 
 
 def chat_request(body: Any, served_model: str, render: Callable[[list, dict], str],

@@ -152,11 +152,11 @@ def normalize_generate_request(
     params = _sampling_params(body.get("sampling_params"), n, is_batch, vocab_size, limits.guided_decoding)
     check_batch_items(prompts_, params, limits.max_batch_items)
     reasoning = _per_item(body, "require_reasoning", n, is_batch, False, _bool)
-    for f, required in reasoning:
-        if required and not limits.reasoning_parser:  # the grammar would wait for an end never defined
-            raise ValidationError(f, "needs --reasoning-parser on the server (it defines where the reasoning ends)")
     budget_field = _thinking_budget(body.get("max_thinking_tokens"), params)
-    for (f, sp), (_, require_reasoning) in zip(params, reasoning):
+    for (f, sp), (reasoning_field, require_reasoning) in zip(params, reasoning):
+        if require_reasoning and not limits.reasoning_parser:  # the grammar would wait for an end never defined
+            msg = "needs --reasoning-parser on the server (it defines where the reasoning ends)"
+            raise ValidationError(reasoning_field, msg)
         _check_thinking_budget(budget_field or f"{f}.max_thinking_tokens", sp, require_reasoning,
                                limits.strict_thinking)
     return_logprob = _per_item(body, "return_logprob", n, is_batch, False, _bool)

@@ -11,8 +11,16 @@ from tandem.runtime.server import openai as oa
 
 def _completion(body: dict) -> oa.OpenAIRequest:
     req = oa.completion_request(body, "served")
-    oa.decode_echo(req, lambda ids, skip: "".join(f"<{i}>" for i in ids if not skip or i))
+    oa.decode_echo(req, _IdTokenizer())
     return req
+
+
+class _IdTokenizer:
+    """Each id as `<id>`; id 0 plays a special token."""
+
+    @staticmethod
+    def decode(ids: list[int], skip_special_tokens: bool) -> str:
+        return "".join(f"<{i}>" for i in ids if not skip_special_tokens or i)
 
 
 def test_echoed_token_ids_are_decoded_only_after_validation():
