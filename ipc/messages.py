@@ -60,6 +60,9 @@ class FinishReason(msgspec.Struct, kw_only=True, gc=False, omit_defaults=True):
     """Why a request finished. Untagged: it only ever appears nested in a message.
 
     type is "stop" | "length" | "abort"; ``matched`` is the stop token id or stop string.
+    A 400 the scheduler decides names the request ``field`` it is about by its native name
+    (``sampling_params.regex``), so each surface can name it as its client sent it; SGLang's
+    JSON carries it only as the start of the message.
     """
 
     type: str
@@ -68,6 +71,11 @@ class FinishReason(msgspec.Struct, kw_only=True, gc=False, omit_defaults=True):
     message: str | None = None
     status_code: int | None = None
     err_type: str | None = None
+    field: str | None = None
+
+    @classmethod
+    def bad_request(cls, field: str, message: str) -> "FinishReason":
+        return cls(type="abort", status_code=400, err_type="BadRequest", field=field, message=message)
 
     def to_json(self) -> dict[str, Any]:
         """The SGLang ``meta_info.finish_reason`` shape for this reason."""
@@ -77,7 +85,7 @@ class FinishReason(msgspec.Struct, kw_only=True, gc=False, omit_defaults=True):
             return {"type": "length", "length": self.length}
         return {
             "type": self.type,
-            "message": self.message,
+            "message": f"{self.field} {self.message}" if self.field else self.message,
             "status_code": self.status_code,
             "err_type": self.err_type,
         }

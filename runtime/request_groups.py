@@ -10,6 +10,7 @@ from typing import Any
 
 from tandem.ipc.messages import FinishReason
 from tandem.runtime.sampling.logprob_format import LogprobFormatter
+from tandem.runtime.sampling.params import ValidationError
 
 WEIGHT_VERSION = "default"  # SGLang's meta_info.weight_version before any weight update
 
@@ -78,16 +79,21 @@ class ChoiceState:
             out["index"] = self.index
         return out
 
-    def error(self) -> RequestError | None:
+    def error(self) -> RequestError | ValidationError | None:
+        """The error this choice failed with: a ValidationError when the scheduler named the field
+        (each surface renames it as for its own validation), else a RequestError."""
         fr = self.finish_reason
-        if fr is not None and fr.type == "abort" and fr.status_code not in (None, 200):
-            return RequestError(fr.status_code, fr.message or "request failed")
-        return None
+        if fr is None or fr.type != "abort" or fr.status_code in (None, 200):
+            return None
+        if fr.field is not None and fr.status_code == 400:
+            return ValidationError(fr.field, fr.message or "is invalid")
+        return RequestError(fr.status_code, fr.message or "request failed")
 
 
 def stream_error(item: dict[str, Any]) -> RequestError | None:
-    """The error a streamed native chunk ends with: SGLang streams a failed request's last chunk
-    in the usual shape, its finish_reason an abort with an error status."""
+    """The error a streamed native chunk ends with, read by a client (the benches): SGLang
+    streams a failed request's last chunk in the usual shape, its finish_reason an abort with an
+    error status."""
     reason = (item.get("meta_info") or {}).get("finish_reason") or {}
     if reason.get("type") == "abort" and reason.get("status_code") not in (None, 200):
         return RequestError(reason["status_code"], reason.get("message") or "request failed")
@@ -133,25 +139,30 @@ class Call:
     def choices(self) -> list[ChoiceState]:
         return [c for g in self.groups for c in g.choices]
 
-    def first_error(self) -> RequestError | None:
+    def first_error(self) -> RequestError | ValidationError | None:
         return next((err for c in self.choices if (err := c.error()) is not None), None)
 
 
 class CallStream:
-    """A streamed call's cumulative results. Closing it ends the call even when it was never
-    iterated: a client can vanish between the response's start and its first chunk, and an async
-    generator that never started never runs its `finally` (the request would run on, unaborted,
-    its rid held)."""
+    """A streamed call's cumulative results, each chunk with the choice it is of. A failed choice
+    ends the stream with its last chunk in the usual shape (SGLang's: finish_reason an abort with
+    the status); `error` holds that choice's error from then on. Closing the stream ends the call
+    even when it was never iterated: a client can vanish between the response's start and its
+    first chunk, and an async generator that never started never runs its `finally` (the request
+    would run on, unaborted, its rid held)."""
 
-    def __init__(self, items: AsyncGenerator[dict, None], end: Callable[[], None]) -> None:
+    def __init__(self, items: AsyncGenerator[tuple[ChoiceState, dict], None], end: Callable[[], None]) -> None:
         self._items = items
         self._end = end
+        self.error: RequestError | ValidationError | None = None
 
     def __aiter__(self) -> "CallStream":
         return self
 
     async def __anext__(self) -> dict:
-        return await self._items.__anext__()
+        choice, item = await self._items.__anext__()
+        self.error = choice.error()
+        return item
 
     async def aclose(self) -> None:
         await self._items.aclose()

@@ -234,19 +234,19 @@ class TokenizerManager:
         """Streaming: cumulative results as they grow; ends when every choice has finished.
         Validation runs now, before any byte of the stream is sent (so bad input is still a 400);
         a failed choice (scheduler-initiated, or a dead child) ends the stream with its last chunk,
-        its finish_reason an abort with the status (request_groups.stream_error), as SGLang's, and
+        its finish_reason an abort with the status (and CallStream.error set), as SGLang's, and
         the other choices are aborted."""
         call = await self._submit(body, add_special_tokens)
         return CallStream(self._stream(call), lambda: self._end_call(call))
 
-    async def _stream(self, call: Call) -> AsyncGenerator[dict, None]:
+    async def _stream(self, call: Call) -> AsyncGenerator[tuple[ChoiceState, dict], None]:
         sent = {id(c): 0 for c in call.choices}  # version 0: nothing received yet
         try:
             while True:
                 for c in call.choices:
                     if sent[id(c)] != c.version:
                         sent[id(c)] = c.version
-                        yield c.result()  # a failure too, as SGLang: finish_reason abort with its status
+                        yield c, c.result()  # a failure too, as SGLang: finish_reason abort with its status
                         if c.error() is not None:
                             return
                 if all(c.finished and sent[id(c)] == c.version for c in call.choices):

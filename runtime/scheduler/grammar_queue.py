@@ -51,11 +51,12 @@ class GrammarQueue:
                     w.req.grammar = self.backend.matcher(w.compiled.result(), think_end)
                     ready.append(w.req)
                 else:
-                    failed.append((w.req, _bad_request(f"sampling_params.{kind} does not compile: "
-                                                       f"{self.backend.error_message(exc)}")))
+                    failed.append((w.req, FinishReason.bad_request(
+                        f"sampling_params.{kind}", f"does not compile: {self.backend.error_message(exc)}")))
             elif now > w.deadline:
-                failed.append((w.req, _bad_request(f"sampling_params.{kind} did not compile within "
-                                                   f"--grammar-compile-timeout ({self.timeout_s:g} s)")))
+                failed.append((w.req, FinishReason.bad_request(
+                    f"sampling_params.{kind}",
+                    f"did not compile within --grammar-compile-timeout ({self.timeout_s:g} s)")))
             else:
                 still.append(w)
         self._waiting = still
@@ -68,7 +69,3 @@ class GrammarQueue:
         taken = [w.req for w in self._waiting if w.req.rid.startswith(prefixes)]
         self._waiting = [w for w in self._waiting if not w.req.rid.startswith(prefixes)]
         return taken
-
-
-def _bad_request(message: str) -> FinishReason:
-    return FinishReason(type="abort", status_code=400, err_type="BadRequest", message=message)

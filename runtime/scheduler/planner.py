@@ -83,13 +83,14 @@ class Planner:
         """Checks that need the scheduler's numbers; the tokenizer manager already did the rest."""
         limit = self.cfg.context_len
         if req.max_total_len() > limit:
-            return FinishReason(type="abort", status_code=400, err_type="BadRequest",
-                                message=f"prompt ({len(req.origin_input_ids)} tokens) + max_new_tokens "
-                                        f"({req.sampling_params.max_new_tokens}) exceeds the context length ({limit})")
+            return FinishReason.bad_request(
+                "sampling_params.max_new_tokens", f"({req.sampling_params.max_new_tokens}) + the prompt "
+                f"({len(req.origin_input_ids)} tokens) exceeds the context length ({limit})")
         if req.max_total_len() > self.cfg.max_total_tokens:
-            return FinishReason(type="abort", status_code=400, err_type="BadRequest",
-                                message=f"request needs {req.max_total_len()} KV slots; the server has "
-                                        f"{self.cfg.max_total_tokens}")
+            return FinishReason.bad_request(
+                "sampling_params.max_new_tokens", f"({req.sampling_params.max_new_tokens}) + the prompt "
+                f"({len(req.origin_input_ids)} tokens) needs more KV slots than the server has "
+                f"({self.cfg.max_total_tokens})")
         return None
 
     def queue_error(self, req: Req) -> FinishReason | None:

@@ -232,10 +232,10 @@ class Scheduler:
         req = Req.from_message(msg, self._arrivals, self._seed_rng.getrandbits(63))
         error = self.planner.admission_error(req)
         if error is None and req.sampling_params.constraint is not None and self.grammar_queue is None:
-            error = FinishReason(type="abort", status_code=400, err_type="BadRequest",
-                                 message="guided decoding is off on this server (--grammar-backend none)"
-                                 if self.args.grammar_backend == "none" else
-                                 "guided decoding is not available with --tp-size > 1")
+            error = FinishReason.bad_request(
+                f"sampling_params.{req.sampling_params.constraint[0]}",
+                "needs guided decoding, which is off on this server (--grammar-backend none)"
+                if self.args.grammar_backend == "none" else "needs guided decoding, which --tp-size > 1 does not have")
         if error is not None:
             self._end(req, error)
         elif req.sampling_params.constraint is not None:

@@ -19,7 +19,7 @@ from typing import Any, AsyncIterator, Callable
 import grpc
 from google.protobuf import message_factory
 
-from tandem.runtime.request_groups import RequestError, stream_error
+from tandem.runtime.request_groups import RequestError
 from tandem.runtime.sampling.params import ValidationError
 from tandem.runtime.server.auth import parse_bearer, token_is_admin, token_may_call
 from tandem.runtime.server.grpc_requests import GrpcRequest
@@ -64,19 +64,23 @@ def status_of(http_status: int) -> grpc.StatusCode:
     return _STATUS.get(http_status, grpc.StatusCode.INTERNAL)
 
 
+def grpc_error(req: GrpcRequest, exc: ValidationError | RequestError) -> GrpcError:
+    if isinstance(exc, ValidationError):
+        return GrpcError(grpc.StatusCode.INVALID_ARGUMENT, str(req.rename(exc)))
+    return GrpcError(status_of(exc.status_code), exc.message)
+
+
 async def native_results(tm: TokenizerManager, req: GrpcRequest) -> AsyncIterator[dict]:
     """The cumulative native results of one request (per choice, as /generate streams them);
     bad input and request errors become GrpcError; closing the iterator aborts the request."""
     try:
         stream = await tm.generate_stream(req.native)
-    except ValidationError as exc:
-        raise GrpcError(grpc.StatusCode.INVALID_ARGUMENT, str(req.rename(exc))) from None
-    except RequestError as exc:
-        raise GrpcError(status_of(exc.status_code), exc.message) from None
+    except (ValidationError, RequestError) as exc:
+        raise grpc_error(req, exc) from None
     try:
         async for item in stream:
-            if (err := stream_error(item)) is not None:
-                raise GrpcError(status_of(err.status_code), err.message)
+            if stream.error is not None:
+                raise grpc_error(req, stream.error)
             yield item
     finally:
         await stream.aclose()  # a cancelled RPC lands here: the request's choices are aborted

@@ -17,7 +17,7 @@ from typing import Any, AsyncIterator, Callable
 
 import orjson
 
-from tandem.runtime.request_groups import stream_error
+from tandem.runtime.request_groups import CallStream, RequestError
 from tandem.runtime.sampling.params import ValidationError
 from tandem.runtime.server.reasoning import ReasoningParser, StreamSplitter
 
@@ -54,7 +54,8 @@ class OpenAIRequest:
     kind: str  # "completion" | "chat"
     model: str
     native: dict[str, Any]
-    max_tokens_name: str = "max_tokens"
+    # native sampling field -> the name this client sent it under, where that differs per request
+    renames: dict[str, str] = field(default_factory=lambda: {"max_new_tokens": "max_tokens"})
     logprobs: bool = False
     echo_texts: list[str] = field(default_factory=list)  # completions with echo: each prompt's text
     # echoed token-id prompts: decoded into echo_texts (`decode_echo`) only once the server has
@@ -72,7 +73,7 @@ class OpenAIRequest:
         name = exc.field
         if m := _SAMPLING_FIELD.match(name):  # sampling_params[.i].<native>[rest]
             native, rest = m.groups()
-            name = (self.max_tokens_name if native == "max_new_tokens" else _NATIVE_TO_OPENAI.get(native, native)) + rest
+            name = (self.renames.get(native) or _NATIVE_TO_OPENAI.get(native, native)) + rest
         elif m := _PROMPT_FIELD.match(name):  # chat: the rendered messages, or the client's input_ids
             if self.kind != "chat":
                 name = "prompt" + m.group(1)
@@ -281,19 +282,21 @@ def _sampling(body: dict, req: OpenAIRequest, default_max_tokens: int | None) ->
             value = body[name]
             if type(value) is int and value <= 0:  # OpenAI and SGLang's protocol refuse it; native 0 stays valid
                 raise ValidationError(name, f"must be positive, got {value}")
-            sp["max_new_tokens"], req.max_tokens_name = value, name
+            sp["max_new_tokens"], req.renames["max_new_tokens"] = value, name
             break
     else:  # chat: None, as many as fit (SGLang's chat sends null); completions: OpenAI's 16
         sp["max_new_tokens"] = default_max_tokens
     fmt = body.get("response_format")
     if fmt is not None:
-        _response_format(fmt, sp)
+        _response_format(fmt, sp, req)
     return sp
 
 
-def _response_format(fmt: Any, sp: dict[str, Any]) -> None:
+def _response_format(fmt: Any, sp: dict[str, Any], req: OpenAIRequest) -> None:
     if not isinstance(fmt, dict) or fmt.get("type") not in ("text", "json_object", "json_schema"):
         raise ValidationError("response_format", "must be {\"type\": \"text\" | \"json_object\" | \"json_schema\"}")
+    if fmt["type"] != "text":
+        req.renames["json_schema"] = "response_format"
     if fmt["type"] == "json_object":
         sp["json_schema"] = '{"type": "object"}'
     elif fmt["type"] == "json_schema":  # SGLang also takes the schema at the top level
@@ -375,7 +378,7 @@ def response(req: OpenAIRequest, results: list[dict], n: int) -> dict[str, Any]:
             "created": int(time.time()), "model": req.model, "choices": choices, "usage": usage(results, n)}
 
 
-async def stream_chunks(req: OpenAIRequest, cumulative: AsyncIterator[dict], n: int) -> AsyncIterator[dict]:
+async def stream_chunks(req: OpenAIRequest, cumulative: CallStream, n: int) -> AsyncIterator[dict]:
     """Native cumulative results -> OpenAI delta chunks (then a usage chunk when asked)."""
     rid, created = _id(req.kind), int(time.time())
     obj = "chat.completion.chunk" if req.kind == "chat" else "text_completion"
@@ -388,8 +391,8 @@ async def stream_chunks(req: OpenAIRequest, cumulative: AsyncIterator[dict], n: 
         return {"id": rid, "object": obj, "created": created, "model": req.model, "choices": [choice]}
 
     async for item in cumulative:
-        if (err := stream_error(item)) is not None:
-            yield error_body(err.status_code, err.message)
+        if cumulative.error is not None:
+            yield error_event(req, cumulative.error)
             return
         i = item.get("index", 0)
         last[i] = item
@@ -427,6 +430,14 @@ async def stream_chunks(req: OpenAIRequest, cumulative: AsyncIterator[dict], n: 
     if req.include_usage and last:
         yield {"id": rid, "object": obj, "created": created, "model": req.model, "choices": [],
                "usage": usage([last[i] for i in sorted(last)], n)}
+
+
+def error_event(req: OpenAIRequest, err: RequestError | ValidationError) -> dict[str, Any]:
+    """The SSE event a stream that failed after its start ends with, as SGLang sends it."""
+    if isinstance(err, ValidationError):
+        err = req.rename(err)
+        return error_body(400, str(err), err.field)
+    return error_body(err.status_code, err.message)
 
 
 def error_body(status: int, message: str, param: str | None = None) -> dict[str, Any]:

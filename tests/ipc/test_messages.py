@@ -117,6 +117,11 @@ def test_str_output_is_not_a_token_output() -> None:
             m.FinishReason(type="abort", message="bad", status_code=400),
             {"type": "abort", "message": "bad", "status_code": 400, "err_type": None},
         ),
+        (  # SGLang's JSON has no field of its own: the message starts with it
+            m.FinishReason.bad_request("sampling_params.regex", "does not compile: x"),
+            {"type": "abort", "message": "sampling_params.regex does not compile: x", "status_code": 400,
+             "err_type": "BadRequest"},
+        ),
     ],
 )
 def test_finish_reason_json(reason: m.FinishReason, expected: dict) -> None:

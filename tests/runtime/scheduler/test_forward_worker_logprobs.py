@@ -11,7 +11,6 @@ from __future__ import annotations
 import math
 
 import numpy as np
-import pytest
 import torch
 
 from tandem.runtime.grammar.mask import GrammarMask

@@ -48,10 +48,12 @@ def test_ready_failed_and_timed_out():
     ready, failed = queue.poll()
     assert ready == [ok] and ok.grammar == "matcher of G"
     assert [(r, f.status_code) for r, f in failed] == [(bad, 400)]
-    assert failed[0][1].message == "sampling_params.regex does not compile: parenthesis is not closed"
+    assert (failed[0][1].field, failed[0][1].message) == ("sampling_params.regex",
+                                                           "does not compile: parenthesis is not closed")
     time.sleep(0.25)
     ready, failed = queue.poll()
-    assert ready == [] and failed[0][0] is slow and "--grammar-compile-timeout (0.2 s)" in failed[0][1].message
+    assert ready == [] and failed[0][0] is slow and failed[0][1].field == "sampling_params.ebnf"
+    assert "--grammar-compile-timeout (0.2 s)" in failed[0][1].message
     assert len(queue) == 0
 
 

@@ -210,7 +210,7 @@ def test_the_last_request_waits_for_in_flight_finishers_instead_of_running_out()
     # 30 slots: a's last token is in flight when b needs its next slot; a's KV comes back a step
     # later, so b waits for it (it was aborted out of memory, while it fits on its own)
     core = make_core(max_total_tokens=30, radix=False)
-    a = core.add("a", 10, max_new_tokens=6)
+    core.add("a", 10, max_new_tokens=6)
     b = core.add("b", 10, max_new_tokens=12)
     core.run(overlap=True)
     assert [(r.rid, r.finished_reason.type) for r in core.finished] == [("a", "length"), ("b", "length")]

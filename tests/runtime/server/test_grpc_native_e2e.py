@@ -146,6 +146,8 @@ def test_reasoning_controls_and_unset_vs_false(channel):
      "sampling_params.guided_decoding.regex"),
     ({"sampling_params": pb.SamplingParams(guided_decoding=pb.GuidedDecoding(json_schema="{nope"))},
      "sampling_params.guided_decoding.json_schema"),
+    ({"sampling_params": pb.SamplingParams(guided_decoding=pb.GuidedDecoding(regex="(unclosed"))},
+     "sampling_params.guided_decoding.regex"),  # found by the scheduler, when the grammar compiles
     ({"sampling_params": pb.SamplingParams(temperature=-1)}, "sampling_params.temperature"),
     ({"max_thinking_tokens": 2, "sampling_params": pb.SamplingParams(regex="a+")}, "max_thinking_tokens"),
 ])

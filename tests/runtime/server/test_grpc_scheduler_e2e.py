@@ -111,6 +111,7 @@ def test_each_guided_kind(stub, smol_tokenizer, constraint, check):
 @pytest.mark.parametrize("kw, field", [
     ({"sampling_params": params(regex="")}, "sampling_params.regex"),
     ({"sampling_params": params(json_schema="{bad")}, "sampling_params.json_schema"),
+    ({"sampling_params": params(ebnf_grammar='root ::= "a" |')}, "sampling_params.ebnf_grammar"),  # the scheduler's
     ({"sampling_params": params(temperature=-2.0)}, "sampling_params.temperature"),
     ({"sampling_params": params(logit_bias={"99999999": 1.0})}, "sampling_params.logit_bias"),
     ({"lora_id": "adapter"}, "lora_id"),

@@ -5,6 +5,7 @@ import asyncio
 
 import pytest
 
+from tandem.runtime.request_groups import CallStream, RequestError
 from tandem.runtime.sampling.params import ValidationError
 from tandem.runtime.server import openai as oa
 
@@ -49,7 +50,7 @@ def test_completion_fields_map_onto_generate():
     assert _completion({"prompt": [0, 1], "echo": True, "logprobs": 0}).echo_texts == ["<0><1>"]
     assert _completion({"prompt": [5, 6], "max_tokens": 3}).native["input_ids"] == [5, 6]
     both = _completion({"prompt": "a", "max_tokens": 3, "max_completion_tokens": 4})
-    assert both.native["sampling_params"]["max_new_tokens"] == 4 and both.max_tokens_name == "max_completion_tokens"
+    assert both.native["sampling_params"]["max_new_tokens"] == 4 and both.renames["max_new_tokens"] == "max_completion_tokens"
 
 
 def test_chat_fields_map_onto_generate():
@@ -206,6 +207,30 @@ def test_native_field_names_in_errors_become_openai_ones():
     assert req.rename(ValidationError("sampling_params[1].temperature", "bad")).field == "temperature"
     assert req.rename(ValidationError("text", "too long")).field == "messages"
     assert _completion({"prompt": "a"}).rename(ValidationError("input_ids[0]", "bad")).field == "prompt[0]"
+    # guided fields: the top-level name, or response_format when that set the schema
+    assert req.rename(ValidationError("sampling_params.regex", "does not compile")).field == "regex"
+    assert req.rename(ValidationError("sampling_params.json_schema", "bad")).field == "json_schema"
+    fmt = _chat({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}})
+    assert fmt.rename(ValidationError("sampling_params.json_schema", "bad")).field == "response_format"
+
+
+class _Choice:
+    """What a CallStream asks of the choice a chunk is of."""
+
+    def __init__(self, err: RequestError | ValidationError | None = None) -> None:
+        self.err = err
+
+    def error(self) -> RequestError | ValidationError | None:
+        return self.err
+
+
+def _stream(*items: dict, error: RequestError | ValidationError | None = None) -> CallStream:
+    """A CallStream of `items`, the last one failing with `error`."""
+    async def pairs():
+        for i, item in enumerate(items):
+            yield _Choice(error if i == len(items) - 1 else None), item
+
+    return CallStream(pairs(), lambda: None)
 
 
 def _result(text: str, index: int, prompt: int = 5, completion: int = 2, cached: int = 1,
@@ -249,9 +274,8 @@ def test_response_shapes_and_usage_count_each_prompt_once():
 
 
 def test_streamed_echo_scores_the_prompt_in_the_first_chunk_only():
-    async def cumulative():
-        yield _result("a", 0, completion=1)
-        yield _result("ab", 0, completion=2, finish={"type": "length"})
+    def cumulative():
+        return _stream(_result("a", 0, completion=1), _result("ab", 0, completion=2, finish={"type": "length"}))
 
     req = _completion({"prompt": "pq", "echo": True, "logprobs": 0, "stream": True})
 
@@ -267,25 +291,29 @@ def test_streamed_echo_scores_the_prompt_in_the_first_chunk_only():
 def test_a_stream_that_fails_ends_with_an_error_chunk():
     """The native stream's last chunk of a failed request is SGLang's usual shape with an abort
     finish_reason carrying the status; the OpenAI stream turns it into an error chunk."""
-    async def cumulative():
-        yield _result("a", 0, completion=1)
-        yield _result("a", 0, completion=1, finish={"type": "abort", "message": "queue full", "status_code": 503,
-                                                     "err_type": "ServiceUnavailable"})
+    def cumulative(error: RequestError | ValidationError):
+        abort = {"type": "abort", "message": str(error), "status_code": 400, "err_type": "BadRequest"}
+        return _stream(_result("a", 0, completion=1), _result("a", 0, completion=1, finish=abort), error=error)
 
-    req = _chat({"messages": [{"role": "user", "content": "x"}], "stream": True})
+    req = _chat({"messages": [{"role": "user", "content": "x"}], "stream": True,
+                 "response_format": {"type": "json_object"}})
 
-    async def collect():
-        return [c async for c in oa.stream_chunks(req, cumulative(), 1)]
+    async def collect(error: RequestError | ValidationError):
+        return [c async for c in oa.stream_chunks(req, cumulative(error), 1)]
 
-    *deltas, last = asyncio.run(collect())
+    *deltas, last = asyncio.run(collect(RequestError(503, "queue full")))
     assert [d["choices"][0]["delta"] for d in deltas] == [{"role": "assistant", "content": "a"}]
     assert last["error"] == {"message": "queue full", "type": "ServiceUnavailableError", "param": None, "code": 503}
+    # a field the scheduler found bad is named as the client sent it
+    *_, last = asyncio.run(collect(ValidationError("sampling_params.json_schema", "does not compile: x")))
+    assert last["error"] == {"message": "response_format does not compile: x", "type": "BadRequestError",
+                             "param": "response_format", "code": 400}
 
 
 def test_stream_chunks_are_deltas_then_usage():
-    async def cumulative():
-        yield _result("a", 0, completion=1)
-        yield _result("ab", 0, completion=2, finish={"type": "stop", "matched": 2})
+    def cumulative():
+        return _stream(_result("a", 0, completion=1),
+                       _result("ab", 0, completion=2, finish={"type": "stop", "matched": 2}))
 
     req = _chat({"messages": [{"role": "user", "content": "x"}], "stream": True,
                  "stream_options": {"include_usage": True}})

@@ -155,12 +155,23 @@ def test_stop_and_response_format(client):
     ({"top_logprobs": 3}, "top_logprobs"),
     ({"extra_body": {"tools": [{"type": "function", "function": {"name": "f"}}]}}, "tools"),
     ({"response_format": {"type": "xml"}}, "response_format"),
+    # found by the scheduler when the grammar compiles, and still named as the client sent it
+    ({"extra_body": {"regex": "(unclosed"}}, "regex"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}},
+     "response_format"),
 ])
 def test_bad_fields_are_openai_errors_naming_the_field(client, kwargs, param):
     with pytest.raises(openai.BadRequestError) as err:
         client.chat.completions.create(model="m", messages=CHAT, **kwargs)
     body = err.value.body
     assert param in body["message"] and body["param"] == param and body["type"] == "BadRequestError"
+
+
+def test_a_stream_whose_grammar_fails_ends_with_an_error_naming_the_field(client):
+    stream = client.chat.completions.create(model="m", messages=CHAT, stream=True, extra_body={"regex": "(unclosed"})
+    with pytest.raises(openai.APIError) as err:
+        list(stream)
+    assert err.value.body["param"] == "regex" and "does not compile" in err.value.body["message"]
 
 
 def test_a_client_timeout_aborts_the_request(smol_server):
