@@ -6,7 +6,9 @@ Order inside `apply_penalties`, chosen so each knob means what its name says:
   2. frequency: `logit -= frequency * count`; presence: `logit -= presence * (count > 0)`
      (OpenAI semantics);
   3. logit bias is added last among the finite terms, so a bias is never scaled by repetition;
-  4. rows still under `min_new_tokens` get -inf on their banned ids (EOS + stop_token_ids).
+  4. rows still under `min_new_tokens` get -inf on their banned ids (EOS + stop_token_ids),
+     except a grammar-masked row the bans would leave with nothing to sample: its grammar has
+     ended and allows only its end, and min_new_tokens cannot outlast the constraint.
 
 Like SGLang, penalties count only *output* tokens (the prompt is not penalized): a penalty
 that also hit the prompt would punish the model for echoing names and code from its input.
@@ -38,12 +40,14 @@ def apply_penalties(
     min_tokens_mask: Tensor | None = None,
     eos_ids: Sequence[int] = (),
     banned_ids: list[list[int]] | Tensor | None = None,
+    grammar_masked: bool = False,
 ) -> Tensor:
     """Return penalized logits [B, V] (a new tensor; the input is not modified).
 
     `output_token_counts` [B, V] counts each token in each row's output so far. `banned_ids`
     is per row (list of lists, or a [B, K] tensor padded with -1 from `ban_index`); `eos_ids`
     are banned in every masked row. Bans apply only where `min_tokens_mask` is True.
+    `grammar_masked`: `logits` carry a grammar mask (-inf), so a ban may empty a row.
     """
     out = logits.clone()
     if output_token_counts is not None:
@@ -60,7 +64,11 @@ def apply_penalties(
     if logit_bias is not None:
         out = out + logit_bias.to(out.dtype)
     if min_tokens_mask is not None:
-        out = _ban(out, min_tokens_mask, eos_ids, banned_ids)
+        banned = _ban(out, min_tokens_mask, eos_ids, banned_ids)
+        if grammar_masked:
+            out = torch.where(torch.isneginf(banned).all(dim=1, keepdim=True), out, banned)
+        else:
+            out = banned
     return out
 
 

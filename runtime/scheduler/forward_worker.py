@@ -294,7 +294,7 @@ class ForwardWorker:
             counts = self.penalty_counts.gather(pool_rows) if pen.counts_active else None
             logits = apply_penalties(logits, counts, pen.frequency, pen.presence, pen.repetition,
                                      logit_bias=pen.logit_bias, min_tokens_mask=pen.min_tokens_mask,
-                                     banned_ids=pen.banned_ids)
+                                     banned_ids=pen.banned_ids, grammar_masked=job.grammar_mask is not None)
         info = job.sampling if per_row is None else job.sampling.take(per_row)  # type: ignore[union-attr]
         sampled = sample(logits, info, positions)  # type: ignore[arg-type]
         if job.forced_ids is not None:  # requests with a forced token never draft: their run is one token

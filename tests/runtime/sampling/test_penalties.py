@@ -88,6 +88,21 @@ def test_min_tokens_bans_eos_and_stop_ids_only_on_masked_rows() -> None:
     assert torch.equal(out[1], _logits()[1])
 
 
+def test_a_grammar_that_allows_only_its_end_outlasts_min_tokens() -> None:
+    """Row 0's grammar has ended (only EOS, token 6, is allowed): banning EOS would leave nothing
+    to sample, so its bans are lifted. Row 1's grammar still allows token 2: its bans hold."""
+    masked = torch.full((2, V), float("-inf"))
+    masked[0, 6] = 3.0
+    masked[1, [2, 6]] = torch.tensor([1.0, 3.0])
+    mask = torch.tensor([True, True])
+    out = apply_penalties(masked, None, None, None, None, min_tokens_mask=mask, eos_ids=[6],
+                          banned_ids=[[], []], grammar_masked=True)
+    assert out[0].argmax() == 6 and out[0, 6] == 3.0
+    assert out[1, 6] == float("-inf") and out[1].argmax() == 2
+    unflagged = apply_penalties(masked, None, None, None, None, min_tokens_mask=mask, eos_ids=[6], banned_ids=[[], []])
+    assert torch.isneginf(unflagged[0]).all()  # without the flag a ban is a ban
+
+
 def test_ban_index_pads_with_minus_one() -> None:
     idx = ban_index([[1], [], [2, 3]], eos_ids=[7])
     assert idx.tolist() == [[7, 1, -1], [7, -1, -1], [7, 2, 3]]

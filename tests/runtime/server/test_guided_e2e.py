@@ -112,6 +112,19 @@ def test_bad_constraints_are_a_400_and_leave_nothing_behind(tiny_server, sp, fie
     assert_no_leaks(tiny_server)
 
 
+@pytest.mark.parametrize("sp, texts", [({"regex": "ab", **GREEDY}, {"ab"}),
+                                      ({"choice": ["yes", "no"], "temperature": 0.7, "seed": 1}, {"yes", "no"})])
+def test_a_grammar_ends_the_request_before_min_new_tokens(tiny_server, sp, texts):
+    """min_new_tokens bans EOS, but a grammar that has ended allows nothing else: the constraint
+    wins and the request stops at its end (before, every token was banned: a 500)."""
+    out = tiny_server.generate({"text": "a b c", "sampling_params": {"max_new_tokens": 20, "min_new_tokens": 6,
+                                                                     "n": 2, **sp}})
+    for choice in out:
+        assert choice["meta_info"]["finish_reason"]["type"] == "stop", choice
+        assert choice["text"] in texts
+    assert_no_leaks(tiny_server)
+
+
 def test_a_slow_compile_does_not_hold_up_other_requests(tiny_server):
     slow = {"type": "object", "properties": {f"f{i}": {"type": "string", "pattern": "[a-z]{2,8}"} for i in range(600)},
             "required": [f"f{i}" for i in range(600)]}  # seconds to compile on a CPU
