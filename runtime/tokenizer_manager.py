@@ -74,6 +74,7 @@ class TokenizerManager:
         self._tasks: list[asyncio.Task] = []
         self.dead_reason: str | None = None
         self.last_output_at = 0.0  # time.monotonic() of the last output from the detokenizer
+        self.num_outputs = 0  # outputs from the detokenizer: one per output the scheduler sent it
         self.draining = False
         self.metrics = ServerMetrics(args.served_model_name or args.model_path or DEFAULT_MODEL_NAME)
 
@@ -305,6 +306,7 @@ class TokenizerManager:
             msg = await async_recv(self.from_detok)
             if isinstance(msg, BatchStrOutput):
                 self.last_output_at = time.monotonic()
+                self.num_outputs += 1
                 self._apply(msg)
 
     def _apply(self, msg: BatchStrOutput) -> None:

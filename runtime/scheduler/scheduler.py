@@ -109,6 +109,7 @@ class Scheduler:
                                BatchContext(runner.config.vocab_size, eos_ids, runner.device, think_end_ids))
         self.checker = FinishChecker(eos_ids, lambda ids: self.tokenizer.decode(ids))
         self.streamer = OutputStreamer(args.stream_interval)
+        self.num_outputs_sent = 0  # to the detokenizer: /health_generate checks they all came through
         self.grammar: GrammarBackend | None = None
         self.grammar_queue: GrammarQueue | None = None
         if args.grammar_backend == "xgrammar" and args.tp_size == 1:  # compile times differ across ranks
@@ -318,6 +319,7 @@ class Scheduler:
         out = self.streamer.build()
         if out is not None and self.is_leader:
             send(self.detok_sock, out)
+            self.num_outputs_sent += 1
 
     def _reply(self, msg) -> None:
         if self.is_leader:
@@ -338,6 +340,7 @@ class Scheduler:
             "num_grammar_queue_reqs": len(self.grammar_queue or ()),
             "overlap_schedule": self.overlap,
             "num_retractions": self.planner.num_retractions,
+            "num_outputs_sent": self.num_outputs_sent,
             **({"tp_size": self.runner.tp.size, "tp_comm_s": round(self.runner.tp.comm_s, 4)}
                if self.runner.tp.size > 1 else {}),
             **self.stats.info(),

@@ -52,7 +52,9 @@ async def health_generate(tm: TokenizerManager, timeout_s: float) -> None:
     """A one-token generation through every process; raises when the server shows no progress
     within `timeout_s`. A busy server gets to the probe late, or refuses it (a full queue), so,
     as SGLang's health check counts any output after it started, progress is also an output
-    reaching this process or a forward step the scheduler completes after the probe started."""
+    reaching this process, or a step the scheduler completed after the probe started while every
+    output it has sent reached this process (a hung detokenizer is no progress: the probe's own
+    step would count otherwise)."""
     started = time.monotonic()
     deadline = started + timeout_s
     steps = (await asyncio.wait_for(tm.server_info(), timeout_s))["num_steps"]
@@ -73,7 +75,8 @@ async def health_generate(tm: TokenizerManager, timeout_s: float) -> None:
                 await asyncio.sleep(min(left, HEALTH_POLL_S))
             else:
                 await asyncio.wait({probe}, timeout=min(left, HEALTH_POLL_S))
-            if (await asyncio.wait_for(tm.server_info(), max(deadline - time.monotonic(), 0.001)))["num_steps"] > steps:
+            info = await asyncio.wait_for(tm.server_info(), max(deadline - time.monotonic(), 0.001))
+            if info["num_steps"] > steps and tm.num_outputs >= info["num_outputs_sent"]:
                 return
     finally:
         probe.cancel()  # a probe still waiting is aborted by its call's cleanup

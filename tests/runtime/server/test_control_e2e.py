@@ -1,5 +1,6 @@
 """Control requests against a frozen scheduler: a clear 503 in bounded time, and afterwards
-every reply answers its own request (none is one call stale)."""
+every reply answers its own request (none is one call stale); /health_generate against a
+frozen detokenizer; and a busy server is healthy."""
 from __future__ import annotations
 
 import os
@@ -34,6 +35,16 @@ def test_a_frozen_scheduler_gets_503s_and_no_reply_is_stale_afterwards(tmp_path,
         assert len(out["output_ids"]) == 6
         assert server.info()["num_steps"] > steps_before + 5  # a stale reply would show the old count
         assert server.post("/flush_cache").status_code == 200
+        assert server.get("/health_generate").status_code == 200
+        # a hung detokenizer: the scheduler still steps (the probe's own prefill), but no output
+        # comes back, and that is no health
+        detokenizer = server.info()["detokenizer_pid"]
+        os.kill(detokenizer, signal.SIGSTOP)
+        try:
+            resp = server.get("/health_generate")
+            assert resp.status_code == 503 and "did not finish within 2 s" in resp.json()["error"]["message"]
+        finally:
+            os.kill(detokenizer, signal.SIGCONT)
         assert server.get("/health_generate").status_code == 200
     finally:
         server.stop()
