@@ -9,15 +9,21 @@ manager on its own event loop thread, so it works from plain scripts and from as
 from __future__ import annotations
 
 import asyncio
+import atexit
 import concurrent.futures
+import logging
+import sys
 import threading
+import weakref
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
+from tandem.runtime import sglang_flags
 from tandem.runtime.server.info import model_info, server_info
 from tandem.runtime.server_args import ServerArgs
 from tandem.runtime.tokenizer_manager import TokenizerManager
 
+logger = logging.getLogger(__name__)
 _STREAM_END = object()
 SHUT_DOWN = "the Engine has been shut down"
 
@@ -41,7 +47,10 @@ async def _pump(tm: TokenizerManager, body: dict[str, Any], put: Callable[[Any],
 
 class Engine:
     def __init__(self, model_path: str | None = None, **server_args: Any) -> None:
+        server_args, notes = sglang_flags.engine_kwargs(server_args)
         self.args = ServerArgs(model_path=model_path, **server_args)
+        for note in notes:
+            logger.info(note)
         if self.args.node_rank > 0:
             raise ValueError(f"node_rank={self.args.node_rank}: nodes other than 0 run scheduler ranks only; "
                              f"start them with `tandem serve`, and the Engine on node 0")
@@ -52,6 +61,12 @@ class Engine:
         except ImportError:  # pragma: no cover - uvloop is a dependency; keep working without it
             self._loop = asyncio.new_event_loop()
         self._pending: set[concurrent.futures.Future] = set()  # calls handed to the loop, until done
+        self._closed = False  # shutdown began: nothing more is handed to the loop
+        self._lock = threading.Lock()  # orders a hand-over against shutdown's cancelling
+        # at exit, while the loop thread still runs (as SGLang's Engine); weakly, so an Engine
+        # dropped earlier is still collected
+        self._at_exit = _shutdown_at_exit(weakref.ref(self))
+        atexit.register(self._at_exit)
         self._thread = threading.Thread(target=self._loop.run_forever, name="tandem-engine", daemon=True)
         self._thread.start()
         self.tm: TokenizerManager | None = None
@@ -71,9 +86,15 @@ class Engine:
         return tm
 
     def _submit(self, coro) -> concurrent.futures.Future:
-        """Hand a coroutine to the loop; shutdown cancels it if it is still pending then."""
-        fut = asyncio.run_coroutine_threadsafe(coro, self._loop)
-        self._pending.add(fut)
+        """Hand a coroutine to the loop; shutdown cancels it if it is still pending then. After
+        shutdown began it is refused: a stopped loop would never run it, and its caller would
+        wait forever (a stream is handed over at its first iteration, perhaps long after)."""
+        with self._lock:
+            if self._closed:
+                coro.close()
+                raise RuntimeError(SHUT_DOWN)
+            fut = asyncio.run_coroutine_threadsafe(coro, self._loop)
+            self._pending.add(fut)
         fut.add_done_callback(self._pending.discard)
         return fut
 
@@ -181,6 +202,9 @@ class Engine:
         """Every call in flight (other threads, streams, async callers) ends with an error first;
         then the processes stop and the loop thread ends. A call handed to the loop too late to
         run is cancelled, so its caller wakes too."""
+        with self._lock:
+            self._closed = True
+        atexit.unregister(self._at_exit)
         tm, self.tm = self.tm, None
         on_loop = threading.current_thread() is self._thread  # never wait on the loop from the loop
         if tm is not None and self._loop.is_running():
@@ -201,10 +225,19 @@ class Engine:
         self.shutdown()
 
     def __del__(self) -> None:  # pragma: no cover - best effort when the user forgot shutdown()
+        if sys.is_finalizing():  # the loop thread cannot run now; the atexit hook ran before
+            return
         try:
             self.shutdown()
         except Exception:
             pass
+
+
+def _shutdown_at_exit(engine: "weakref.ref[Engine]") -> Callable[[], None]:
+    def hook() -> None:
+        if (alive := engine()) is not None:
+            alive.shutdown()
+    return hook
 
 
 async def _close(tm: TokenizerManager) -> None:

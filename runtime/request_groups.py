@@ -15,8 +15,9 @@ from tandem.runtime.sampling.params import ValidationError
 WEIGHT_VERSION = "default"  # SGLang's meta_info.weight_version before any weight update
 
 
-class RequestError(Exception):
-    """A request that ended with an error status (400/500/503) set by the scheduler or a dead child."""
+class RequestError(RuntimeError):
+    """A request that ended with an error status (500/503) set by the scheduler or a dead child.
+    A RuntimeError, as the Engine's own shutdown error, so embedding code catches both alike."""
 
     def __init__(self, status_code: int, message: str) -> None:
         super().__init__(message)

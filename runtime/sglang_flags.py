@@ -1,6 +1,7 @@
 """SGLang's launch flags that tandem takes without a ServerArgs field, so that an SGLang launch
 command (a benchmark harness's, a deployment script's) starts tandem unchanged; also tandem's own
-retired flags. CLI only: a TOML preset names ServerArgs fields.
+retired flags. On the CLI, and as `Engine(**kwargs)` keywords (SGLang's Engine takes its
+ServerArgs fields so); a TOML preset names ServerArgs fields.
 
 Each accepted flag cannot change an answer here: tandem captures no CUDA graphs and compiles
 nothing, runs no code from the checkpoint, always serves /metrics and cached-token counts, and
@@ -54,6 +55,16 @@ def check(ns: argparse.Namespace) -> list[str]:
             why = "; data parallelism is the gateway's job (smg --dp-aware)" if dest == "dp_size" else ""
             raise ValueError(f"{flags[0]}: tandem runs one rank of it, got {value}{why}")
     return [f"{flag} ignored: {why}" for flag, (_, why) in IGNORED.items() if getattr(ns, _dest(flag), None)]
+
+
+def engine_kwargs(kwargs: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """`Engine(**kwargs)`: the ServerArgs keywords, and the log lines of the flags above given
+    by their keyword names (`disable_cuda_graph=True`); a parallelism size above 1 is refused."""
+    keywords = {flag.removeprefix("--").replace("-", "_"): flag for flag in IGNORED}
+    ns = argparse.Namespace(**{_dest(keywords[k]): v for k, v in kwargs.items() if k in keywords},
+                            **{k: v for k, v in kwargs.items() if k in SINGLE_RANK})
+    rest = {k: v for k, v in kwargs.items() if k not in keywords and k not in SINGLE_RANK}
+    return rest, check(ns)
 
 
 def _dest(flag: str) -> str:

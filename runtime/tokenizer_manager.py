@@ -358,7 +358,10 @@ class TokenizerManager:
                     fut.set_result(msg)
 
     async def _control(self, make_request: Callable[[int], Any], timeout: float = CONTROL_TIMEOUT_S):
-        """Send a control request and wait for the reply with its req_id; 503 after `timeout`."""
+        """Send a control request and wait for the reply with its req_id; 503 after `timeout`,
+        at once when a child has died (none would answer)."""
+        if self.dead_reason:
+            raise RequestError(500, self.dead_reason)
         self._control_seq += 1
         req_id = self._control_seq
         fut = self._replies[req_id] = asyncio.get_running_loop().create_future()
@@ -380,6 +383,9 @@ class TokenizerManager:
     def fail_all(self, reason: str) -> None:
         """A child died: every in-flight request ends with an error now, and new ones are refused."""
         self.dead_reason = reason
+        for fut in self._replies.values():  # control requests waiting for the scheduler
+            if not fut.done():
+                fut.set_exception(RequestError(500, reason))
         now = time.perf_counter()
         for c in list(self.choices.values()):
             c.finish_reason = FinishReason(type="abort", status_code=500, err_type="InternalServerError", message=reason)

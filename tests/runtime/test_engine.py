@@ -66,9 +66,16 @@ def test_bad_input_raises_naming_the_field(engine):
     assert engine.flush_cache()
 
 
+async def _collect(stream) -> list:
+    return [chunk async for chunk in stream]
+
+
 def test_shutdown_ends_calls_in_flight_and_refuses_later_ones(tiny_model_dir):
     engine = _engine(tiny_model_dir)
     outcome: dict = {}
+    # streams made before the shutdown and first iterated after it: handed to the loop only then
+    early_sync = engine.generate(input_ids=[1, 2], sampling_params=GREEDY, stream=True)
+    early_async = asyncio.run(engine.async_generate(input_ids=[1, 2], sampling_params=GREEDY, stream=True))
 
     def long_call():
         try:
@@ -91,7 +98,42 @@ def test_shutdown_ends_calls_in_flight_and_refuses_later_ones(tiny_model_dir):
                  engine.server_info, engine.flush_cache):
         with pytest.raises(RuntimeError, match="has been shut down"):
             call()
+    late: list = []
+
+    def iterate_late() -> None:
+        for consume in (lambda: list(early_sync), lambda: asyncio.run(_collect(early_async))):
+            try:
+                late.append(consume())
+            except RuntimeError as exc:
+                late.append(str(exc))
+
+    reader = threading.Thread(target=iterate_late, daemon=True)
+    reader.start()
+    reader.join(30)
+    assert not reader.is_alive(), "a stream first iterated after shutdown() never returned"
+    assert late == ["the Engine has been shut down"] * 2
     engine.shutdown()  # a second shutdown is harmless
+
+
+def test_an_engine_never_shut_down_stops_at_exit(tmp_path, tiny_model_dir):
+    """A script that forgets shutdown(): the Engine stops at interpreter exit, while its loop
+    thread still runs (a finalizer would wait for a loop that can no longer run), and leaves no
+    IPC directory behind. SGLang's no-op flags are taken as keywords, as SGLang's Engine takes them."""
+    import os
+    import subprocess
+    import sys
+
+    script = (f"from tandem.runtime.engine import Engine\n"
+              f"e = Engine({tiny_model_dir('llama')!r}, max_total_tokens=4000, dtype='float32', log_level='warning',"
+              f" disable_cuda_graph=True)\n"
+              f"print(len(e.generate(input_ids=[1, 2], sampling_params={GREEDY!r})['output_ids']))\n")
+    ipc_root = tmp_path / "ipc"
+    ipc_root.mkdir()
+    done = subprocess.run([sys.executable, "-c", script], env={**os.environ, "TMPDIR": str(ipc_root)},
+                          capture_output=True, text=True, timeout=50)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["6"]
+    assert list(ipc_root.iterdir()) == []
 
 
 def test_shutdown_wakes_a_call_still_being_validated(tiny_model_dir, monkeypatch):

@@ -112,6 +112,18 @@ def test_an_sglang_launch_command_starts_tandem():
     assert any("now the default" in n for n in sglang_flags.check(ns))
 
 
+
+def test_sglangs_flags_as_engine_keywords():
+    from tandem.runtime import sglang_flags
+
+    rest, notes = sglang_flags.engine_kwargs({"max_total_tokens": 4000, "disable_cuda_graph": True, "dp_size": 1,
+                                              "enable_torch_compile": False, "cuda_graph_max_bs": 8})
+    assert rest == {"max_total_tokens": 4000}
+    assert [n.split(" ignored")[0] for n in notes] == ["--disable-cuda-graph", "--cuda-graph-max-bs"]
+    with pytest.raises(ValueError, match="^--dp-size: tandem runs one rank of it, got 2"):
+        sglang_flags.engine_kwargs({"dp_size": 2})
+
+
 @pytest.mark.parametrize("bad, fragment", [
     ({"mem_fraction_static": 1.5}, "--mem-fraction-static: invalid value 1.5"),
     ({"mem_fraction_static": 0.0}, "--mem-fraction-static: invalid value 0.0"),

@@ -80,3 +80,30 @@ def test_a_stream_closed_before_its_first_chunk_ends_its_request(tiny_model_dir,
                           text=True, timeout=240, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.loads(proc.stdout.strip().splitlines()[-1]) == {"held": [], "tokens": 2, "running": 0}
+
+
+def test_control_requests_fail_at_once_when_a_child_has_died(tiny_model_dir):
+    """A control request waiting for the scheduler wakes with the death, and later ones are
+    refused at once (an Engine outlives its children; before, each waited the 10 s timeout)."""
+    import asyncio
+
+    from tandem.runtime.request_groups import RequestError
+    from tandem.runtime.server_args import ServerArgs
+    from tandem.runtime.tokenizer_manager import TokenizerManager
+
+    async def main() -> list[str]:
+        tm = TokenizerManager(ServerArgs(model_path=tiny_model_dir("llama"), max_total_tokens=2000))  # no children
+        try:
+            waiting = asyncio.ensure_future(tm.server_info(timeout=60))
+            await asyncio.sleep(0.05)
+            tm.fail_all("tandem-scheduler process died (exit code -9)")
+            errors = []
+            for call in (lambda: waiting, lambda: tm.flush_cache()):
+                with pytest.raises(RequestError) as err:
+                    await asyncio.wait_for(call(), 5)
+                errors.append(f"{err.value.status_code} {err.value.message}")
+            return errors
+        finally:
+            tm.close()
+
+    assert asyncio.run(main()) == ["500 tandem-scheduler process died (exit code -9)"] * 2
