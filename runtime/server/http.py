@@ -65,11 +65,17 @@ def create_app(args: ServerArgs, on_child_death: Callable[[str], None] | None = 
     app = FastAPI(lifespan=lifespan, title="tandem", version=VERSION, **docs)
     app.add_middleware(ApiKeyMiddleware, api_key=args.api_key, admin_api_key=args.admin_api_key)
 
-    def control_request(request: Request, needs_admin: bool) -> None:
-        """Control routes: a JSON content type (no cross-site form can send one) and, for what
-        touches every request, the admin key."""
-        if request.headers.get("content-type", "").split(";")[0].strip().lower() != "application/json":
-            raise RequestError(415, f"{request.url.path} needs Content-Type: application/json")
+    def control_request(request: Request, needs_admin: bool, json_body: bool = True) -> None:
+        """Control routes: no browser's cross-site request (a route with a JSON body takes only
+        that content type, which no cross-site form can send; a bodiless one, SGLang's
+        /flush_cache, refuses what the browser marks as cross-site) and, for what touches every
+        request, the admin key."""
+        if json_body:
+            if request.headers.get("content-type", "").split(";")[0].strip().lower() != "application/json":
+                raise RequestError(415, f"{request.url.path} needs Content-Type: application/json")
+        elif request.headers.get("sec-fetch-site", "same-origin") not in ("same-origin", "none") \
+                or "origin" in request.headers:  # browsers send these; gateways and scripts do not
+            raise RequestError(403, f"{request.url.path} refuses a browser's cross-site request")
         if needs_admin and not is_admin(request.headers, args.api_key, args.admin_api_key):
             raise RequestError(403, f"{request.url.path} needs the admin API key (--admin-api-key)")
 
@@ -195,9 +201,9 @@ def create_app(args: ServerArgs, on_child_death: Callable[[str], None] | None = 
         sections = None if include is None else {s.strip() for s in include.split(",") if s.strip()}
         return await current_loads(holder["tm"], sections or None)
 
-    @app.post("/flush_cache")
+    @app.api_route("/flush_cache", methods=["GET", "POST"])  # SGLang's; its gateway POSTs no body
     async def flush_cache(request: Request) -> Response:
-        control_request(request, needs_admin=True)
+        control_request(request, needs_admin=True, json_body=False)
         reply = await holder["tm"].flush_cache()
         if reply.success:
             return PlainTextResponse("Cache flushed.\n")
