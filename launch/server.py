@@ -2,7 +2,8 @@
 
 SIGTERM (or Ctrl-C) drains: new requests get a 503, running ones have
 `--graceful-shutdown-timeout` seconds to finish, the rest end with an abort that says the
-server is shutting down, then the server exits 0. A second signal exits at once.
+server is shutting down, then the server exits 0. A second signal exits at once. A signal
+during the startup (a model load, a TP rendezvous) ends it at once: the children stop, exit 0.
 """
 from __future__ import annotations
 
@@ -29,11 +30,17 @@ class DrainingServer(uvicorn.Server):
         self.app = app
         self.drain_timeout = drain_timeout
         self.draining = False
+        self.stopped_starting = False
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         # replaces uvicorn's: no re-raise of the signal after a clean drain, so the exit status is 0
         if self.draining or not self.started:
             self.force_exit = self.should_exit = True
+            startup = getattr(self.app.state, "startup", None)
+            if startup is not None:  # uvicorn looks at should_exit only once the startup returns
+                logging.warning("signal %s during the startup: stopping", signal.Signals(sig).name)
+                self.stopped_starting = True
+                asyncio.get_event_loop().call_soon_threadsafe(startup.cancel)
             return
         self.draining = True
         logging.warning("signal %s: draining (up to %g s)", signal.Signals(sig).name, self.drain_timeout)
@@ -70,11 +77,15 @@ def run_server(args: ServerArgs, notes: Sequence[str] = ()) -> int:
     server = DrainingServer(config, app, args.graceful_shutdown_timeout)
     # the port is taken now, before the children start: uvicorn would bind only after the startup
     # (model load, TP rendezvous), and meanwhile gloo's or anyone's ephemeral sockets could take it
-    server.run(sockets=[config.bind_socket()])
+    try:
+        server.run(sockets=[config.bind_socket()])
+    except SystemExit:  # uvicorn's exit when the startup failed; a stop asked for is no failure
+        if not server.stopped_starting:
+            raise
     if died:
         logging.error("tandem server stopped: %s", died[0])
         return 1
-    return 0 if server.started else 1
+    return 0 if server.started or server.stopped_starting else 1
 
 
 def main(argv: list[str] | None = None) -> int:

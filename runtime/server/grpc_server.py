@@ -142,7 +142,9 @@ def _streaming(impl: Callable, auth: GrpcAuth) -> Callable:
     return handler
 
 
-async def start_grpc_server(tm: TokenizerManager, host: str, port: int, auth: GrpcAuth) -> grpc.aio.Server:
+def bind_grpc_server(tm: TokenizerManager, host: str, port: int, auth: GrpcAuth) -> grpc.aio.Server:
+    """Both services on `host:port`, bound now (a taken port fails before any model loads) and
+    serving once started."""
     from smg_grpc_proto import sglang_scheduler_pb2
 
     from tandem.runtime.server.grpc_native import NativeService
@@ -156,8 +158,10 @@ async def start_grpc_server(tm: TokenizerManager, host: str, port: int, auth: Gr
         service_handler(sglang_scheduler_pb2.DESCRIPTOR.services_by_name["SglangScheduler"],
                         SchedulerService(tm, auth), auth),
     ])
-    if server.add_insecure_port(f"{host}:{port}") == 0:
-        raise RuntimeError(f"cannot listen for gRPC on {host}:{port}")
-    await server.start()
-    logger.info("gRPC (sglang.runtime.v1.SglangService, sglang.grpc.scheduler.SglangScheduler) on %s:%d", host, port)
+    try:
+        bound = server.add_insecure_port(f"{host}:{port}")
+    except RuntimeError:  # grpc raises on a taken port, or returns 0
+        bound = 0
+    if bound == 0:
+        raise RuntimeError(f"cannot listen for gRPC on {host}:{port} (--grpc-port): is it taken?")
     return server

@@ -39,19 +39,26 @@ def create_app(args: ServerArgs, on_child_death: Callable[[str], None] | None = 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         tm = TokenizerManager(args, on_child_death)
+        app.state.startup = asyncio.current_task()  # a signal cancels it (launch.server)
+        grpc_server = None
         try:
+            if args.grpc_port is not None:  # bound before the children start: a taken port fails now
+                from tandem.runtime.server.grpc_server import GrpcAuth, bind_grpc_server  # lazy: grpc only when asked
+
+                grpc_server = bind_grpc_server(tm, args.host, args.grpc_port,
+                                               GrpcAuth(args.api_key, args.admin_api_key))
             await tm.start()
+            if grpc_server is not None:
+                await grpc_server.start()
+                logger.info("gRPC (sglang.runtime.v1.SglangService, sglang.grpc.scheduler.SglangScheduler) on %s:%d",
+                            args.host, args.grpc_port)
         except BaseException:
             tm.close()
             raise
+        finally:
+            app.state.startup = None
         holder["tm"] = tm
         app.state.tm = tm
-        grpc_server = None
-        if args.grpc_port is not None:
-            from tandem.runtime.server.grpc_server import GrpcAuth, start_grpc_server  # lazy: grpc only when asked for
-
-            grpc_server = await start_grpc_server(tm, args.host, args.grpc_port,
-                                                  GrpcAuth(args.api_key, args.admin_api_key))
         logger.info("tandem is ready on http://%s:%d (OpenAI API: http://%s:%d/v1)", args.host, args.port,
                     args.host, args.port)
         try:

@@ -205,3 +205,79 @@ def test_watchdog_takes_a_hung_scheduler_down_with_thread_stacks(tmp_path, tiny_
         assert "tandem-forward" in log or "forward_worker.py" in log  # the hung thread's stack
     finally:
         server.stop()
+
+
+def test_a_signal_during_the_startup_stops_it_at_once(tmp_path, tiny_model_dir):
+    """SIGTERM while the children load (frozen here, as a slow load or a stuck TP rendezvous would
+    hold them): the startup ends now, not once it completes; the children stop, the exit is 0,
+    and no IPC directory is left."""
+    import subprocess
+    import sys
+
+    from tandem.runtime.launcher import free_port
+
+    cmd = [sys.executable, "-m", "tandem.launch.server", "--port", str(free_port()), "--log-level", "warning",
+           "--model-path", tiny_model_dir("llama"), "--max-total-tokens", "4000", "--dtype", "float32"]
+    log_path = tmp_path / "server.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=tmp_path)
+    children: list[int] = []
+    try:
+        deadline = time.monotonic() + 60
+        while len(children) < 2 and time.monotonic() < deadline:
+            children = _spawned_children(proc.pid)
+            time.sleep(0.01)
+        for pid in children:
+            os.kill(pid, signal.SIGSTOP)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0, log_path.read_text()[-3000:]
+        assert "SIGTERM during the startup: stopping" in log_path.read_text()
+        assert len(children) == 2 and _gone_within(children, 5.0)
+        assert _ipc_dirs(proc.pid) == []
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        for pid in children:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+def _spawned_children(parent: int) -> list[int]:
+    """The multiprocessing children of `parent` (not its resource tracker)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                spawned = b"spawn_main" in f.read()
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == parent and spawned:
+            found.append(int(entry))
+    return found
+
+
+
+def test_a_taken_grpc_port_ends_the_start_before_any_child_and_leaves_nothing(tmp_path, tiny_model_dir):
+    import socket
+    import subprocess
+    import sys
+
+    from tandem.runtime.launcher import free_port
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        cmd = [sys.executable, "-m", "tandem.launch.server", "--port", str(free_port()), "--log-level", "warning",
+               "--model-path", tiny_model_dir("llama"), "--dtype", "float32",
+               "--grpc-port", str(taken.getsockname()[1])]
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path)
+        try:
+            log, _ = proc.communicate(timeout=120)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    assert proc.returncode != 0
+    assert "cannot listen for gRPC" in log and "--grpc-port" in log, log[-3000:]
+    assert _ipc_dirs(proc.pid) == []  # the IPC directory made for the children is gone with them
