@@ -81,7 +81,8 @@ class OpenAIRequest:
                 name = "messages"
         elif name.startswith("top_logprobs_num"):
             name = "top_logprobs" if self.kind == "chat" else "logprobs"
-        return ValidationError(name, exc.message)
+        # a message that compares with another field names it as this client knows it too
+        return ValidationError(name, exc.message.replace("max_new_tokens", self.renames["max_new_tokens"]))
 
 
 # -- requests ---------------------------------------------------------------------------------------------

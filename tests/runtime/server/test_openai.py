@@ -203,6 +203,8 @@ def test_rid_priority_and_extra_key_reach_generate():
 def test_native_field_names_in_errors_become_openai_ones():
     req = _chat({"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 5})
     assert req.rename(ValidationError("sampling_params.max_new_tokens", "too big")).field == "max_completion_tokens"
+    min_tokens = req.rename(ValidationError("sampling_params.min_new_tokens", "must be <= max_new_tokens (5), got 8"))
+    assert str(min_tokens) == "min_tokens must be <= max_completion_tokens (5), got 8"
     assert req.rename(ValidationError("sampling_params.sampling_seed", "bad")).field == "seed"
     assert req.rename(ValidationError("sampling_params[1].temperature", "bad")).field == "temperature"
     assert req.rename(ValidationError("text", "too long")).field == "messages"
