@@ -54,6 +54,10 @@ def native_service_request(req: Any, *, text: bool) -> GrpcRequest:
         body["return_text_in_logprobs"] = req.return_text_in_logprobs
     if req.HasField("lora_path") and req.lora_path:
         raise ValidationError("lora_path", "is not supported by this server")
+    if req.HasField("disaggregated_params") and req.disaggregated_params.ByteSize():
+        raise ValidationError("disaggregated_params", "prefill/decode disaggregation is not supported by this server")
+    if req.HasField("routed_dp_rank") and req.routed_dp_rank != 0:  # as the gateway service's data_parallel_rank
+        raise ValidationError("routed_dp_rank", f"this server has one rank (0), got {req.routed_dp_rank}")
     if req.HasField("max_thinking_tokens"):
         body.setdefault("sampling_params", {})["max_thinking_tokens"] = req.max_thinking_tokens
         out.renames["max_thinking_tokens"] = "max_thinking_tokens"

@@ -34,7 +34,7 @@ _NATIVE_TO_OPENAI = {"min_new_tokens": "min_tokens", "sampling_seed": "seed"}
 # known OpenAI fields whose meaning this server does not implement: a 400, never ignored
 # (tools and tool_choice: see _check_tools)
 _UNSUPPORTED = ("functions", "function_call", "audio", "modalities", "prediction", "suffix",
-                "web_search_options", "reasoning_effort", "reasoning",
+                "web_search_options", "reasoning",
                 # SGLang's extensions of the OpenAI API that this server does not implement
                 "lora_path", "custom_logit_processor", "custom_params", "stop_regex", "return_hidden_states",
                 "return_routed_experts", "session_params", "session_id", "return_token_ids",
@@ -90,6 +90,9 @@ def completion_request(body: Any, served_model: str) -> OpenAIRequest:
     _check_object(body)
     prompt = body.get("prompt")
     echo = _flag(body, "echo")
+    if body.get("reasoning_effort") is not None:
+        raise ValidationError("reasoning_effort", "is not supported by this server on /v1/completions "
+                                                  "(a chat template's input: /v1/chat/completions takes it)")
     req = OpenAIRequest("completion", _model(body, served_model), _native_base(body), stream=_stream(body))
     _stream_options(body, req)
     native = req.native
@@ -134,9 +137,15 @@ def chat_request(body: Any, served_model: str, render: Callable[[list, dict], st
     if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
         raise ValidationError("messages", "must be a non-empty list of message objects")
     messages = [_flat_message(i, m) for i, m in enumerate(messages)]
-    kwargs = body.get("chat_template_kwargs") or {}
+    kwargs = body.get("chat_template_kwargs")
+    kwargs = {} if kwargs is None else kwargs
     if not isinstance(kwargs, dict):
-        raise ValidationError("chat_template_kwargs", "must be an object")
+        raise ValidationError("chat_template_kwargs", f"must be an object, got {kwargs!r}")
+    effort = body.get("reasoning_effort")
+    if effort is not None:  # as SGLang: for the chat template (a template that ignores it renders alike)
+        if effort not in ("low", "medium", "high"):
+            raise ValidationError("reasoning_effort", f"must be low, medium or high, got {effort!r}")
+        kwargs = {"reasoning_effort": effort, **kwargs}
     req = OpenAIRequest("chat", _model(body, served_model), _native_base(body), stream=_stream(body),
                         add_special_tokens=False)
     _stream_options(body, req)
@@ -189,6 +198,8 @@ def _flat_message(i: int, message: dict) -> dict:
     message = {**message, "role": role.lower()}
     content = message.get("content")
     if content is None:
+        if message["role"] == "user":  # the others may go without (an assistant's tool calls), as SGLang's
+            raise ValidationError(f"messages[{i}].content", "is required for a user message")
         return {**message, "content": ""}
     if isinstance(content, str):
         return message
@@ -351,8 +362,16 @@ def _completion_logprobs(meta: dict, offset: int, start: int = 0, prompt: bool =
             offset += len(text)
             out["tokens"].append(text)
             out["token_logprobs"].append(lp)
-            # tokens that decode alike: the last (least likely) one's logprob, as SGLang's dict
-            out["top_logprobs"].append(None if lp is None else {t: v for v, _, t in top or []})
+            out["top_logprobs"].append(None if lp is None else _top_by_text(top or []))
+    return out
+
+
+def _top_by_text(top: list) -> dict[str, float]:
+    """The legacy top_logprobs dict: tokens that decode alike (byte-fallback pieces all read as
+    U+FFFD) keep the most likely one's logprob, as SGLang's."""
+    out: dict[str, float] = {}
+    for lp, _tid, text in top:
+        out.setdefault(text, lp)
     return out
 
 
@@ -412,10 +431,12 @@ async def stream_chunks(req: OpenAIRequest, cumulative: CallStream, n: int) -> A
                 reasoning_delta, delta_text = splitter.feed(text, final=reason is not None)
                 if reasoning_delta:
                     delta["reasoning_content"] = reasoning_delta
-            if delta_text or not (first or "reasoning_content" in delta):
+            if delta_text:
                 delta["content"] = delta_text
-            choice = {"index": i, "delta": delta,
-                      "logprobs": _chat_logprobs(meta, lp_start) if req.logprobs else None}
+            logprobs = _chat_logprobs(meta, lp_start) if req.logprobs else None
+            if not delta and reason is None and not (logprobs and logprobs["content"]):
+                continue  # text held back (a think tag, a stop string's start): nothing to send, as SGLang
+            choice = {"index": i, "delta": delta, "logprobs": logprobs}
         else:
             echo = req.echo_texts[i // max(n, 1)] if req.echo_texts else ""
             with_prompt = first and req.echo_logprobs

@@ -99,3 +99,14 @@ def test_scheduler_request_refuses_what_the_server_lacks(req, field):
         scheduler_service_request(req, 64)
     assert err.value.field == field
     assert scheduler_service_request(spb.GenerateRequest(data_parallel_rank=0), 64).native  # rank 0 is this one
+
+
+@pytest.mark.parametrize("kw, field", [
+    ({"disaggregated_params": pb.DisaggregatedParams(bootstrap_host="h", bootstrap_room=3)}, "disaggregated_params"),
+    ({"routed_dp_rank": 3}, "routed_dp_rank"),
+])
+def test_native_request_refuses_what_the_gateway_service_refuses(kw, field):
+    with pytest.raises(ValidationError) as err:
+        native_service_request(pb.TextGenerateRequest(text="x", **kw), text=True)
+    assert err.value.field == field
+    assert native_service_request(pb.TextGenerateRequest(text="x", routed_dp_rank=0), text=True).native

@@ -126,6 +126,10 @@ def test_bad_completion_fields(body, field):
     ({"messages": [{"role": "user", "content": [{"type": "text", "text": 3}]}]}, "messages[0].content[0].text"),
     ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
     ({"messages": [{"content": "x"}]}, "messages[0].role"),
+    ({"messages": [{"role": "user"}]}, "messages[0].content"),  # SGLang's user message requires it
+    ({"messages": [{"role": "user", "content": None}]}, "messages[0].content"),
+    ({"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": 0}, "chat_template_kwargs"),
+    ({"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": []}, "chat_template_kwargs"),
     ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
     ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
     ({"messages": [{"role": "user", "content": "x"}], "stream_options": 1}, "stream_options"),
@@ -138,13 +142,26 @@ def test_bad_chat_fields(body, field):
 
 
 @pytest.mark.parametrize("field", ["lora_path", "custom_logit_processor", "stop_regex", "return_hidden_states",
-                                   "reasoning_effort", "reasoning", "session_params", "return_token_ids",
-                                   "return_meta_info"])
+                                   "reasoning", "session_params", "return_token_ids", "return_meta_info"])
 def test_sglang_extensions_this_server_lacks_are_refused_not_ignored(field):
     for make, prompt in ((_chat, {"messages": [{"role": "user", "content": "x"}]}), (_completion, {"prompt": "a"})):
         with pytest.raises(ValidationError) as err:
             make({**prompt, field: "x"})
         assert err.value.field == field and "not supported" in err.value.message
+
+
+def test_reasoning_effort_goes_to_the_chat_template_as_sglangs():
+    seen: list = []
+    render = lambda m, kw: seen.append(kw) or "<prompt>"  # noqa: E731
+    oa.chat_request({"messages": [{"role": "user", "content": "x"}], "reasoning_effort": "high",
+                     "chat_template_kwargs": {"enable_thinking": True}}, "served", render)
+    assert seen == [{"reasoning_effort": "high", "enable_thinking": True}]
+    with pytest.raises(ValidationError) as err:
+        _chat({"messages": [{"role": "user", "content": "x"}], "reasoning_effort": "extreme"})
+    assert err.value.field == "reasoning_effort"
+    with pytest.raises(ValidationError) as err:  # completions render no template: refused, not ignored
+        _completion({"prompt": "a", "reasoning_effort": "low"})
+    assert err.value.field == "reasoning_effort" and "not supported" in err.value.message
 
 
 def test_sglang_extensions_sent_as_their_off_values_pass():
@@ -341,3 +358,26 @@ def test_errors_have_openai_shape():
     # OpenAI's nested error, and SGLang's top-level shape ({"object": "error", "message", ...}) beside it
     assert oa.error_body(400, "max_tokens must be >= 0", "max_tokens") == {"object": "error", **fields, "error": fields}
     assert oa.error_body(503, "draining")["error"]["type"] == "ServiceUnavailableError"
+
+
+def test_tokens_that_decode_alike_keep_the_most_likely_in_legacy_top_logprobs():
+    meta = {"output_token_logprobs": [[-0.1, 10, "\ufffd"]],
+            "output_top_logprobs": [[[-0.1, 10, "\ufffd"], [-5.0, 11, "\ufffd"], [-6.0, 12, "x"]]]}
+    assert oa._completion_logprobs(meta, 0)["top_logprobs"] == [{"\ufffd": -0.1, "x": -6.0}]
+
+
+def test_a_chat_stream_sends_no_empty_delta_while_text_is_held_back():
+    """A step whose text is held back (a stop string's or a think tag's start) has nothing to
+    send: no chunk, as SGLang's (the last chunk still carries the finish reason)."""
+    def cumulative():
+        return _stream(_result("a", 0, completion=1), _result("a", 0, completion=2),
+                       _result("a", 0, completion=3, finish={"type": "stop", "matched": "\n"}))
+
+    req = _chat({"messages": [{"role": "user", "content": "x"}], "stream": True})
+
+    async def collect():
+        return [c["choices"][0] async for c in oa.stream_chunks(req, cumulative(), 1)]
+
+    chunks = asyncio.run(collect())
+    assert [(c["delta"], c["finish_reason"]) for c in chunks] == [({"role": "assistant", "content": "a"}, None),
+                                                                  ({}, "stop")]
