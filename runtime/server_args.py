@@ -107,6 +107,13 @@ class ServerArgs:
             "dist_init_addr": self.dist_init_addr is None or self.dist_init_addr.rpartition(":")[2].isdigit(),
             "max_batch_items": self.max_batch_items >= 1,
             "max_top_logprobs_num": self.max_top_logprobs_num >= 0,
+            # seconds: NaN compares false everywhere, so these refuse it too
+            "request_timeout": self.request_timeout is None or self.request_timeout > 0,
+            "health_generate_timeout": self.health_generate_timeout > 0,
+            "watchdog_timeout": self.watchdog_timeout == self.watchdog_timeout,  # <= 0 is "off"
+            "graceful_shutdown_timeout": self.graceful_shutdown_timeout >= 0,
+            "http_read_timeout": self.http_read_timeout > 0,
+            "grammar_compile_timeout": self.grammar_compile_timeout > 0,
         }
         bad = [name for name, ok in checks.items() if not ok]
         if bad:

@@ -431,6 +431,10 @@ async def stream_chunks(req: OpenAIRequest, cumulative: CallStream, n: int) -> A
                 reasoning_delta, delta_text = splitter.feed(text, final=reason is not None)
                 if reasoning_delta:
                     delta["reasoning_content"] = reasoning_delta
+                    if delta_text:  # the think end inside this step's text: one delta each, as SGLang's
+                        yield chunk({"index": i, "delta": delta, "logprobs": None, "finish_reason": None,
+                                     "matched_stop": None})
+                        delta = {}
             if delta_text:
                 delta["content"] = delta_text
             logprobs = _chat_logprobs(meta, lp_start) if req.logprobs else None

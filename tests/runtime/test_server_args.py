@@ -130,6 +130,11 @@ def test_sglangs_flags_as_engine_keywords():
     ({"context_length": 0}, "--context-length: invalid value 0"),
     ({"max_total_tokens": -1}, "--max-total-tokens: invalid value -1"),
     ({"port": 70000}, "--port: invalid value 70000"),
+    ({"request_timeout": -1.0}, "--request-timeout: invalid value -1.0"),  # every queued request would expire
+    ({"request_timeout": float("nan")}, "--request-timeout: invalid value nan"),  # would be off, unsaid
+    ({"watchdog_timeout": float("nan")}, "--watchdog-timeout: invalid value nan"),
+    ({"health_generate_timeout": 0.0}, "--health-generate-timeout: invalid value 0.0"),
+    ({"grammar_compile_timeout": -5.0}, "--grammar-compile-timeout: invalid value -5.0"),
     ({"log_level": "loud"}, "--log-level: 'loud' is not one of"),
     ({"attention_backend": "flashinfer"}, "--attention-backend: 'flashinfer' is not one of auto, torch, cpu, triton"),
 ])

@@ -381,3 +381,17 @@ def test_a_chat_stream_sends_no_empty_delta_while_text_is_held_back():
     chunks = asyncio.run(collect())
     assert [(c["delta"], c["finish_reason"]) for c in chunks] == [({"role": "assistant", "content": "a"}, None),
                                                                   ({}, "stop")]
+
+
+def test_a_step_that_crosses_the_think_end_streams_reasoning_then_content_as_two_deltas():
+    req = oa.chat_request({"messages": [{"role": "user", "content": "x"}], "stream": True}, "served",
+                          lambda m, kw: "<prompt>", reasoning_parser="deepseek-r1")
+
+    async def collect():
+        stream = _stream(_result("<think>ab</think>cd", 0, completion=1),
+                         _result("<think>ab</think>cde", 0, completion=2, finish={"type": "length"}))
+        return [(c["choices"][0]["delta"], c["choices"][0]["finish_reason"])
+                async for c in oa.stream_chunks(req, stream, 1)]
+
+    assert asyncio.run(collect()) == [({"role": "assistant", "reasoning_content": "ab"}, None),
+                                      ({"content": "cd"}, None), ({"content": "e"}, "length")]
