@@ -1,0 +1,170 @@
+"""Native `/generate` results -> the OpenAI API's response, stream chunk and error shapes
+(the requests: openai)."""
+from __future__ import annotations
+
+import secrets
+import time
+from typing import Any, AsyncIterator
+
+from tandem.runtime.request_groups import CallStream, RequestError
+from tandem.runtime.sampling.params import ValidationError
+from tandem.runtime.server.openai import OpenAIRequest
+from tandem.runtime.server.reasoning import StreamSplitter
+
+_FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
+
+
+def _id(kind: str) -> str:
+    return ("chatcmpl-" if kind == "chat" else "cmpl-") + secrets.token_hex(12)
+
+
+def _finish(meta: dict) -> tuple[str | None, Any]:
+    fr = meta.get("finish_reason")
+    if fr is None:
+        return None, None
+    return _FINISH.get(fr["type"], fr["type"]), fr.get("matched")
+
+
+def usage(results: list[dict], n: int) -> dict[str, Any]:
+    """Prompt tokens once per prompt (not per choice), as OpenAI counts them."""
+    metas = [r["meta_info"] for r in results]
+    prompt = sum(m["prompt_tokens"] for m in metas[::max(n, 1)])
+    completion = sum(m["completion_tokens"] for m in metas)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": sum(m.get("cached_tokens", 0) for m in metas[::max(n, 1)])}}
+
+
+def _chat_logprobs(meta: dict, start: int = 0) -> dict[str, Any]:
+    tops = meta.get("output_top_logprobs") or []
+    content = []
+    for i, (lp, _tid, text) in enumerate(meta["output_token_logprobs"][start:], start):
+        top = [{"token": t, "logprob": v, "bytes": list(t.encode())} for v, _, t in (tops[i] if i < len(tops) else [])]
+        content.append({"token": text, "logprob": lp, "bytes": list(text.encode()), "top_logprobs": top})
+    return {"content": content}
+
+
+def _completion_logprobs(meta: dict, offset: int, start: int = 0, prompt: bool = False) -> dict[str, Any]:
+    """The legacy shape: parallel lists, top_logprobs as {token: logprob} per position. With
+    `prompt` (echo), the prompt's tokens come first; the first has no logprob (null), as OpenAI's."""
+    out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    sides = [("input", 0)] if prompt else []
+    for side, first in [*sides, ("output", start)]:
+        top_rows = meta.get(f"{side}_top_logprobs") or []
+        for i, (lp, _tid, text) in enumerate(meta[f"{side}_token_logprobs"][first:], first):
+            text = text or ""
+            top = top_rows[i] if i < len(top_rows) else []
+            out["text_offset"].append(offset)
+            offset += len(text)
+            out["tokens"].append(text)
+            out["token_logprobs"].append(lp)
+            out["top_logprobs"].append(None if lp is None else _top_by_text(top or []))
+    return out
+
+
+def _top_by_text(top: list) -> dict[str, float]:
+    """The legacy top_logprobs dict: tokens that decode alike (byte-fallback pieces all read as
+    U+FFFD) keep the most likely one's logprob, as SGLang's."""
+    out: dict[str, float] = {}
+    for lp, _tid, text in top:
+        out.setdefault(text, lp)
+    return out
+
+
+def response(req: OpenAIRequest, results: list[dict], n: int) -> dict[str, Any]:
+    choices = []
+    for i, r in enumerate(results):
+        meta = r["meta_info"]
+        reason, matched = _finish(meta)
+        if req.kind == "chat":
+            # SGLang's message always carries these keys (null here): clients read them unguarded
+            message: dict[str, Any] = {"role": "assistant", "content": r["text"], "reasoning_content": None,
+                                       "tool_calls": None}
+            if req.reasoning is not None:
+                reasoning, content = req.reasoning.split(r["text"])
+                message.update(content=content, reasoning_content=reasoning or None)
+            choice = {"index": i, "message": message, "logprobs": _chat_logprobs(meta) if req.logprobs else None}
+        else:
+            echo = req.echo_texts[i // max(n, 1)] if req.echo_texts else ""
+            logprobs = _completion_logprobs(meta, 0, prompt=True) if req.echo_logprobs else (
+                _completion_logprobs(meta, len(echo)) if req.logprobs else None)
+            choice = {"index": i, "text": echo + r["text"], "logprobs": logprobs}
+        choices.append({**choice, "finish_reason": reason, "matched_stop": matched})
+    return {"id": _id(req.kind), "object": "chat.completion" if req.kind == "chat" else "text_completion",
+            "created": int(time.time()), "model": req.model, "choices": choices, "usage": usage(results, n)}
+
+
+async def stream_chunks(req: OpenAIRequest, cumulative: CallStream, n: int) -> AsyncIterator[dict]:
+    """Native cumulative results -> OpenAI delta chunks (then a usage chunk when asked)."""
+    rid, created = _id(req.kind), int(time.time())
+    obj = "chat.completion.chunk" if req.kind == "chat" else "text_completion"
+    sent_text: dict[int, int] = {}
+    sent_lp: dict[int, int] = {}
+    last: dict[int, dict] = {}
+    splitters: dict[int, StreamSplitter] = {}
+
+    def chunk(choice: dict) -> dict:
+        return {"id": rid, "object": obj, "created": created, "model": req.model, "choices": [choice]}
+
+    async for item in cumulative:
+        if cumulative.error is not None:
+            yield error_event(req, cumulative.error)
+            return
+        i = item.get("index", 0)
+        last[i] = item
+        meta = item["meta_info"]
+        text = item["text"]
+        first = i not in sent_text
+        delta_text = text[sent_text.get(i, 0):]
+        sent_text[i] = len(text)
+        reason, matched = _finish(meta)
+        lp_start, text_start = sent_lp.get(i, 0), len(text) - len(delta_text)
+        sent_lp[i] = len(meta.get("output_token_logprobs") or [])
+        if req.kind == "chat":
+            delta: dict[str, Any] = {"role": "assistant"} if first else {}
+            if req.reasoning is not None:
+                splitter = splitters.setdefault(i, StreamSplitter(req.reasoning))
+                reasoning_delta, delta_text = splitter.feed(text, final=reason is not None)
+                if reasoning_delta:
+                    delta["reasoning_content"] = reasoning_delta
+                    if delta_text:  # the think end inside this step's text: one delta each, as SGLang's
+                        yield chunk({"index": i, "delta": delta, "logprobs": None, "finish_reason": None,
+                                     "matched_stop": None})
+                        delta = {}
+            if delta_text:
+                delta["content"] = delta_text
+            logprobs = _chat_logprobs(meta, lp_start) if req.logprobs else None
+            if not delta and reason is None and not (logprobs and logprobs["content"]):
+                continue  # text held back (a think tag, a stop string's start): nothing to send, as SGLang
+            choice = {"index": i, "delta": delta, "logprobs": logprobs}
+        else:
+            echo = req.echo_texts[i // max(n, 1)] if req.echo_texts else ""
+            with_prompt = first and req.echo_logprobs
+            offset = 0 if with_prompt else len(echo) + text_start
+            choice = {"index": i, "text": (echo if first else "") + delta_text,
+                      "logprobs": _completion_logprobs(meta, offset, lp_start, with_prompt) if req.logprobs else None}
+        out = chunk({**choice, "finish_reason": reason, "matched_stop": matched})
+        if req.continuous_usage:  # this choice's counts so far, as SGLang's continuous_usage_stats
+            prompt, completion = meta["prompt_tokens"], meta["completion_tokens"]
+            out["usage"] = {"prompt_tokens": prompt, "completion_tokens": completion,
+                            "total_tokens": prompt + completion}
+        yield out
+    if req.include_usage and last:
+        yield {"id": rid, "object": obj, "created": created, "model": req.model, "choices": [],
+               "usage": usage([last[i] for i in sorted(last)], n)}
+
+
+def error_event(req: OpenAIRequest, err: RequestError | ValidationError) -> dict[str, Any]:
+    """The SSE event a stream that failed after its start ends with, as SGLang sends it."""
+    if isinstance(err, ValidationError):
+        err = req.rename(err)
+        return error_body(400, str(err), err.field)
+    return error_body(err.status_code, err.message)
+
+
+def error_body(status: int, message: str, param: str | None = None) -> dict[str, Any]:
+    kind = {400: "BadRequestError", 401: "AuthenticationError", 403: "PermissionDeniedError", 404: "NotFoundError",
+            408: "RequestTimeoutError", 413: "BadRequestError", 415: "BadRequestError", 429: "RateLimitError",
+            503: "ServiceUnavailableError"}.get(status, "InternalServerError")
+    # OpenAI's nested shape, and SGLang's top-level fields beside it for clients written for SGLang
+    fields = {"message": message, "type": kind, "param": param, "code": status}
+    return {"object": "error", **fields, "error": fields}

@@ -1,0 +1,181 @@
+"""Native /generate results -> OpenAI response, stream chunk and error shapes, without a server."""
+from __future__ import annotations
+
+import asyncio
+
+from tandem.runtime.request_groups import CallStream, RequestError
+from tandem.runtime.sampling.params import ValidationError
+from tandem.runtime.server import openai as oa
+from tandem.runtime.server import openai_responses as oar
+
+
+def _completion(body: dict) -> oa.OpenAIRequest:
+    return oa.completion_request(body, "served")  # text prompts: their echo needs no decode
+
+
+def _chat(body: dict) -> oa.OpenAIRequest:
+    return oa.chat_request(body, "served", lambda messages, kw: "<prompt>")
+
+
+class _Choice:
+    """What a CallStream asks of the choice a chunk is of."""
+
+    def __init__(self, err: RequestError | ValidationError | None = None) -> None:
+        self.err = err
+
+    def error(self) -> RequestError | ValidationError | None:
+        return self.err
+
+
+def _stream(*items: dict, error: RequestError | ValidationError | None = None) -> CallStream:
+    """A CallStream of `items`, the last one failing with `error`."""
+    async def pairs():
+        for i, item in enumerate(items):
+            yield _Choice(error if i == len(items) - 1 else None), item
+
+    return CallStream(pairs(), lambda: None)
+
+
+def _result(text: str, index: int, prompt: int = 5, completion: int = 2, cached: int = 1,
+            finish: dict | None = None) -> dict:
+    return {"text": text, "index": index, "meta_info": {
+        "prompt_tokens": prompt, "completion_tokens": completion, "cached_tokens": cached,
+        "finish_reason": finish, "input_token_logprobs": [[None, 1, "p"], [-3.0, 2, "q"]],
+        "input_top_logprobs": [None, [[-0.1, 4, "r"]]], "output_token_logprobs": [[-0.5, 7, text[:1]], [-1.0, 8, text[1:]]][:completion],
+        "output_top_logprobs": [[[-0.5, 7, text[:1]], [-2.0, 9, "z"]], [[-1.0, 8, text[1:]]]][:completion]}}
+
+
+def test_response_shapes_and_usage_count_each_prompt_once():
+    stop = {"type": "stop", "matched": "\n"}
+    results = [_result("ab", 0, finish=stop), _result("cd", 1, finish=stop), _result("ef", 2, prompt=7,
+                                                                                       finish={"type": "length"})]
+    req = _completion({"prompt": ["p", "q"], "echo": True, "logprobs": 1})
+    # two prompts, n = 2 for the first only in this toy; prompts counted at choices 0 and 2
+    out = oar.response(req, results, 2)
+    assert out["usage"] == {"prompt_tokens": 12, "completion_tokens": 6, "total_tokens": 18,
+                            "prompt_tokens_details": {"cached_tokens": 2}}
+    first = out["choices"][0]
+    assert first["text"] == "pab" and first["finish_reason"] == "stop" and first["matched_stop"] == "\n"
+    # echo + logprobs: the prompt's tokens are scored first (the very first has no logprob)
+    assert first["logprobs"] == {"tokens": ["p", "q", "a", "b"], "token_logprobs": [None, -3.0, -0.5, -1.0],
+                                 "top_logprobs": [None, {"r": -0.1}, {"a": -0.5, "z": -2.0}, {"b": -1.0}],
+                                 "text_offset": [0, 1, 2, 3]}
+    assert _completion({"prompt": "p", "echo": True, "logprobs": 0}).native["logprob_start_len"] == 0
+    plain = oar.response(_completion({"prompt": ["p", "q"], "logprobs": 1}), results, 2)["choices"][0]["logprobs"]
+    assert plain == {"tokens": ["a", "b"], "token_logprobs": [-0.5, -1.0],
+                     "top_logprobs": [{"a": -0.5, "z": -2.0}, {"b": -1.0}], "text_offset": [0, 1]}
+    assert out["choices"][2]["finish_reason"] == "length" and out["choices"][2]["text"] == "qef"
+    chat = oar.response(_chat({"messages": [{"role": "user", "content": "x"}], "logprobs": True}), results[:1], 1)
+    # SGLang's message always has reasoning_content and tool_calls (null): clients read them unguarded
+    assert chat["choices"][0]["message"] == {"role": "assistant", "content": "ab", "reasoning_content": None,
+                                             "tool_calls": None}
+    assert chat["choices"][0]["logprobs"]["content"][0] == {"token": "a", "logprob": -0.5, "bytes": [97],
+                                                            "top_logprobs": [{"token": "a", "logprob": -0.5,
+                                                                              "bytes": [97]},
+                                                                             {"token": "z", "logprob": -2.0,
+                                                                              "bytes": [122]}]}
+
+
+def test_streamed_echo_scores_the_prompt_in_the_first_chunk_only():
+    def cumulative():
+        return _stream(_result("a", 0, completion=1), _result("ab", 0, completion=2, finish={"type": "length"}))
+
+    req = _completion({"prompt": "pq", "echo": True, "logprobs": 0, "stream": True})
+
+    async def collect():
+        return [c["choices"][0] async for c in oar.stream_chunks(req, cumulative(), 1)]
+
+    first, second = asyncio.run(collect())
+    assert first["text"] == "pqa" and first["logprobs"]["tokens"] == ["p", "q", "a"]
+    assert first["logprobs"]["text_offset"] == [0, 1, 2] and first["logprobs"]["token_logprobs"][0] is None
+    assert second["text"] == "b" and second["logprobs"]["tokens"] == ["b"] and second["logprobs"]["text_offset"] == [3]
+
+
+def test_a_stream_that_fails_ends_with_an_error_chunk():
+    """The native stream's last chunk of a failed request is SGLang's usual shape with an abort
+    finish_reason carrying the status; the OpenAI stream turns it into an error chunk."""
+    def cumulative(error: RequestError | ValidationError):
+        abort = {"type": "abort", "message": str(error), "status_code": 400, "err_type": "BadRequest"}
+        return _stream(_result("a", 0, completion=1), _result("a", 0, completion=1, finish=abort), error=error)
+
+    req = _chat({"messages": [{"role": "user", "content": "x"}], "stream": True,
+                 "response_format": {"type": "json_object"}})
+
+    async def collect(error: RequestError | ValidationError):
+        return [c async for c in oar.stream_chunks(req, cumulative(error), 1)]
+
+    *deltas, last = asyncio.run(collect(RequestError(503, "queue full")))
+    assert [d["choices"][0]["delta"] for d in deltas] == [{"role": "assistant", "content": "a"}]
+    assert last["error"] == {"message": "queue full", "type": "ServiceUnavailableError", "param": None, "code": 503}
+    # a field the scheduler found bad is named as the client sent it
+    *_, last = asyncio.run(collect(ValidationError("sampling_params.json_schema", "does not compile: x")))
+    assert last["error"] == {"message": "response_format does not compile: x", "type": "BadRequestError",
+                             "param": "response_format", "code": 400}
+
+
+def test_stream_chunks_are_deltas_then_usage():
+    def cumulative():
+        return _stream(_result("a", 0, completion=1),
+                       _result("ab", 0, completion=2, finish={"type": "stop", "matched": 2}))
+
+    req = _chat({"messages": [{"role": "user", "content": "x"}], "stream": True,
+                 "stream_options": {"include_usage": True}})
+
+    async def collect():
+        return [c async for c in oar.stream_chunks(req, cumulative(), 1)]
+
+    chunks = asyncio.run(collect())
+    deltas = [c["choices"][0]["delta"] for c in chunks[:-1]]
+    assert deltas == [{"role": "assistant", "content": "a"}, {"content": "b"}]
+    assert [c["choices"][0]["finish_reason"] for c in chunks[:-1]] == [None, "stop"]
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 2
+    assert all(c["object"] == "chat.completion.chunk" and c["id"] == chunks[0]["id"] for c in chunks)
+    assert all("usage" not in c for c in chunks[:-1])
+    # continuous_usage_stats: every chunk also carries its choice's counts so far
+    req.continuous_usage = True
+    chunks = asyncio.run(collect())
+    assert [c["usage"]["completion_tokens"] for c in chunks] == [1, 2, 2]
+
+
+def test_errors_have_openai_shape():
+    fields = {"message": "max_tokens must be >= 0", "type": "BadRequestError", "param": "max_tokens", "code": 400}
+    # OpenAI's nested error, and SGLang's top-level shape ({"object": "error", "message", ...}) beside it
+    assert oar.error_body(400, "max_tokens must be >= 0", "max_tokens") == {"object": "error", **fields, "error": fields}
+    assert oar.error_body(503, "draining")["error"]["type"] == "ServiceUnavailableError"
+
+
+def test_tokens_that_decode_alike_keep_the_most_likely_in_legacy_top_logprobs():
+    meta = {"output_token_logprobs": [[-0.1, 10, "\ufffd"]],
+            "output_top_logprobs": [[[-0.1, 10, "\ufffd"], [-5.0, 11, "\ufffd"], [-6.0, 12, "x"]]]}
+    assert oar._completion_logprobs(meta, 0)["top_logprobs"] == [{"\ufffd": -0.1, "x": -6.0}]
+
+
+def test_a_chat_stream_sends_no_empty_delta_while_text_is_held_back():
+    """A step whose text is held back (a stop string's or a think tag's start) has nothing to
+    send: no chunk, as SGLang's (the last chunk still carries the finish reason)."""
+    def cumulative():
+        return _stream(_result("a", 0, completion=1), _result("a", 0, completion=2),
+                       _result("a", 0, completion=3, finish={"type": "stop", "matched": "\n"}))
+
+    req = _chat({"messages": [{"role": "user", "content": "x"}], "stream": True})
+
+    async def collect():
+        return [c["choices"][0] async for c in oar.stream_chunks(req, cumulative(), 1)]
+
+    chunks = asyncio.run(collect())
+    assert [(c["delta"], c["finish_reason"]) for c in chunks] == [({"role": "assistant", "content": "a"}, None),
+                                                                  ({}, "stop")]
+
+
+def test_a_step_that_crosses_the_think_end_streams_reasoning_then_content_as_two_deltas():
+    req = oa.chat_request({"messages": [{"role": "user", "content": "x"}], "stream": True}, "served",
+                          lambda m, kw: "<prompt>", reasoning_parser="deepseek-r1")
+
+    async def collect():
+        stream = _stream(_result("<think>ab</think>cd", 0, completion=1),
+                         _result("<think>ab</think>cde", 0, completion=2, finish={"type": "length"}))
+        return [(c["choices"][0]["delta"], c["choices"][0]["finish_reason"])
+                async for c in oar.stream_chunks(req, stream, 1)]
+
+    assert asyncio.run(collect()) == [({"role": "assistant", "reasoning_content": "ab"}, None),
+                                      ({"content": "cd"}, None), ({"content": "e"}, "length")]
