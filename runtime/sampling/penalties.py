@@ -1,10 +1,12 @@
 """Batched logit penalties, logit bias and min-new-tokens bans (device side, torch).
 
-Order inside `apply_penalties`, chosen so each knob means what its name says:
-  1. repetition (HF/SGLang style, multiplicative): for tokens already in the row's output,
-     positive logits are divided by p and negative ones multiplied by p (p > 1 discourages);
-  2. frequency: `logit -= frequency * count`; presence: `logit -= presence * (count > 0)`
+Order inside `apply_penalties`, SGLang's (additive penalties first, then the scaling one):
+  1. frequency: `logit -= frequency * count`; presence: `logit -= presence * (count > 0)`
      (OpenAI semantics);
+  2. repetition (HF/SGLang style, multiplicative): for tokens already in the row's output,
+     positive logits are divided by p and negative ones multiplied by p (p > 1 discourages),
+     applied to the logits the additive penalties left, so a request that sets both samples
+     what it would on SGLang;
   3. logit bias is added last among the finite terms, so a bias is never scaled by repetition;
   4. rows still under `min_new_tokens` get -inf on their banned ids (EOS + stop_token_ids),
      except a grammar-masked row the bans would leave with nothing to sample: its grammar has
@@ -53,14 +55,14 @@ def apply_penalties(
     if output_token_counts is not None:
         counts = output_token_counts.to(out.dtype)
         seen = counts > 0
-        if repetition is not None:
-            p = repetition.to(out.dtype).unsqueeze(1).expand_as(out)
-            penalized = torch.where(out > 0, out / p, out * p)
-            out = torch.where(seen, penalized, out)
         if frequency is not None:
             out = out - frequency.to(out.dtype).unsqueeze(1) * counts
         if presence is not None:
             out = out - presence.to(out.dtype).unsqueeze(1) * seen.to(out.dtype)
+        if repetition is not None:
+            p = repetition.to(out.dtype).unsqueeze(1).expand_as(out)
+            penalized = torch.where(out > 0, out / p, out * p)
+            out = torch.where(seen, penalized, out)
     if logit_bias is not None:
         out = out + logit_bias.to(out.dtype)
     if min_tokens_mask is not None:

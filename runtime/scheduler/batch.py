@@ -158,8 +158,8 @@ def _penalties(reqs: list[Req], outputs_before: list[int], ctx: BatchContext) ->
         return None
     f32 = dict(dtype=torch.float32, device=ctx.device)
     bias = _logit_bias(reqs, ctx) if has_bias else None
-    # min_new_tokens bans EOS, unless the request ignores EOS anyway
-    banned = [list(p.stop_token_ids) + ([] if p.ignore_eos else list(ctx.eos_ids)) for p in sps]
+    # min_new_tokens bans EOS even under ignore_eos (SGLang's): the first tokens are real ones
+    banned = [list(p.stop_token_ids) + list(ctx.eos_ids) for p in sps]
     return PenaltyInfo(
         frequency=torch.tensor([p.frequency_penalty for p in sps], **f32),
         presence=torch.tensor([p.presence_penalty for p in sps], **f32),

@@ -56,6 +56,14 @@ def test_repetition_below_one_encourages() -> None:
     assert out[0, 0] == 4.0 and out[0, 1] == -1.0
 
 
+def test_repetition_scales_what_frequency_left() -> None:
+    # SGLang's order: additive penalties first, then the scaling one. Token 0 (logit 2, seen
+    # twice) with frequency 1 and repetition 2: (2 - 2) / 2 = 0, not 2 / 2 - 2 = -1.
+    out = _apply(frequency=torch.tensor([1.0, 0.0]), repetition=torch.tensor([2.0, 1.0]))
+    assert out[0, 0] == 0.0
+    assert out[0, 1] == (-2.0 - 1.0) * 2  # token 1 (logit -2, seen once) goes negative, so multiplied
+
+
 def test_frequency_scales_with_count() -> None:
     out = _apply(frequency=torch.tensor([0.5, 0.0]))
     assert out[0, 0] == 2.0 - 0.5 * 2 and out[0, 1] == -2.0 - 0.5 * 1

@@ -57,17 +57,19 @@ def test_penalties_min_new_tokens_bans_and_logit_bias():
     pen = batch.job.penalties
     assert pen is not None and pen.counts_active
     assert pen.min_tokens_mask.tolist() == [True, False, False]
-    # ignore_eos (the test core's default) keeps EOS allowed; stop ids are banned until min_new_tokens
-    assert pen.banned_ids == [[9], [], []]
+    # stop ids and EOS are banned until min_new_tokens, even under ignore_eos (the test core's default)
+    assert pen.banned_ids == [[9, EOS], [EOS], [EOS]]
     assert pen.logit_bias[1, 5] == 1.5 and pen.logit_bias[0].abs().sum() == 0
     assert pen.frequency.tolist() == [0.0, 0.5, 0.0]
     assert [a.req_pool_idx, b.req_pool_idx, c.req_pool_idx] == batch.job.rows
 
 
-def test_min_new_tokens_bans_eos_unless_ignore_eos():
+def test_min_new_tokens_bans_eos_with_or_without_ignore_eos():
+    # SGLang's min_new_tokens penalizer never looks at ignore_eos: the first tokens are not EOS
     core = make_core()
     core.add("eos", 3, min_new_tokens=1, ignore_eos=False)
-    assert core.plan().job.penalties.banned_ids == [[EOS]]
+    core.add("ignoring", 3, min_new_tokens=1, ignore_eos=True)
+    assert core.plan().job.penalties.banned_ids == [[EOS], [EOS]]
 
 
 def test_plain_requests_build_no_penalty_or_logprob_work():
