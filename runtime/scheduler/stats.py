@@ -47,10 +47,15 @@ class StepStats:
             self._recent.popleft()
 
     def gen_throughput(self) -> float:
-        """Generated tokens per second over the last window (0 when nothing ran in it)."""
-        now = time.monotonic()
-        tokens = sum(n for t, n in self._recent if now - t <= _THROUGHPUT_WINDOW_S)
-        return tokens / _THROUGHPUT_WINDOW_S
+        """Generated tokens per second over the steps of the last window, kept while the server
+        is idle (SGLang's last_gen_throughput holds until the next decode log): the tokens after
+        the window's first step over the time since it, so a burst shorter than the window is
+        not diluted by it. 0 until two steps have run."""
+        if len(self._recent) < 2:
+            return 0.0
+        span = self._recent[-1][0] - self._recent[0][0]
+        tokens = sum(n for _, n in self._recent) - self._recent[0][1]
+        return tokens / span if span > 0 else 0.0
 
     def record_verify(self, num_drafts: list[int], runs: list[list[int]]) -> None:
         """One verify pass: drafts checked and tokens kept per request (before finish trimming)."""
