@@ -14,6 +14,7 @@ from typing import Any
 import orjson
 
 from tandem.runtime.grammar.matcher import RequestGrammar
+from tandem.runtime.sampling.params import ANY_JSON
 
 _CACHE_SIZE = 1024  # distinct grammars kept compiled
 _XGRAMMAR_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:\d+: ")  # "[19:49:01] /project/cpp/x.cc:83: "
@@ -73,6 +74,8 @@ class GrammarBackend:
     def _compile(self, kind: str, text: str) -> Any:
         c = self._compiler
         if kind == "json_schema":
+            if text == ANY_JSON:
+                return c.compile_builtin_json_grammar()
             if self._any_whitespace:
                 return c.compile_json_schema(text)
             return c.compile_json_schema(text, any_whitespace=False, separators=(",", ":"))

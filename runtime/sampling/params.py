@@ -155,6 +155,7 @@ _BOOL_FIELDS = (
     "no_stop_trim",
 )
 GRAMMAR_KINDS = ("json_schema", "regex", "ebnf", "structural_tag")
+ANY_JSON = "$$ANY$$"  # SGLang's json_schema for "any JSON value" (xgrammar's built-in JSON grammar)
 GUIDED_FIELDS = (*GRAMMAR_KINDS, "choice")  # SGLang's names; choice becomes a regex
 _ALIASES = {"seed": "sampling_seed"}
 # custom_params only reach a custom logit processor, which this server refuses: with none they
@@ -363,6 +364,8 @@ class _Checker:
                 raise self.fail(name, f"cannot be encoded as JSON: {exc}") from None
         if not isinstance(v, str):
             raise self.fail(name, f"must be a JSON string, got {type_name(v)}")
+        if name == "json_schema" and v == ANY_JSON:
+            return v
         if not v.strip():
             raise self.fail(name, "is an empty constraint")
         try:

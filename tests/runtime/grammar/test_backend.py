@@ -62,6 +62,17 @@ def test_a_matcher_walks_to_the_end_and_the_mask_allows_only_the_grammar(backend
     assert matcher.is_terminated()
 
 
+def test_sglangs_any_json_schema_takes_any_json_value(backend, smol_tokenizer):
+    """json_schema "$$ANY$$" (sglang.test.send_one --json sends it): xgrammar's built-in JSON
+    grammar, so a bare array is allowed, where a schema would have wanted an object."""
+    grammar = backend.compile("json_schema", "$$ANY$$").result(timeout=60)
+    matcher = backend.matcher(grammar).constraining
+    for tok in smol_tokenizer.encode("[1, 2]", add_special_tokens=False):
+        assert matcher.accept_token(tok)
+    assert matcher.accept_token(smol_tokenizer.eos_token_id) and matcher.is_terminated()
+    assert not backend.matcher(grammar).constraining.accept_token(smol_tokenizer.encode("x", add_special_tokens=False)[0])
+
+
 def test_a_failed_fill_never_leaves_the_worker_waiting(backend):
     mask = GrammarMask([0])
 

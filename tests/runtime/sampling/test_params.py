@@ -86,6 +86,7 @@ def test_one_constraint_per_request() -> None:
     assert parse({"regex": "a+"}).constraint == ("regex", "a+")
     assert parse({"json_schema": {"type": "object"}}).constraint == ("json_schema", '{"type":"object"}')
     assert parse({"json_schema": None, "regex": None}) == SamplingParams()  # null means "not given"
+    assert parse({"json_schema": "$$ANY$$"}).constraint == ("json_schema", "$$ANY$$")  # SGLang's "any JSON"
     with pytest.raises(ValidationError, match=r"sampling_params.regex cannot be combined with json_schema"):
         parse({"json_schema": '{"type": "object"}', "regex": "a+"})
 
