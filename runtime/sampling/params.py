@@ -49,6 +49,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     presence_penalty: float = 0.0
     repetition_penalty: float = 1.0
     stop: list[str] = msgspec.field(default_factory=list)
+    stop_regex: list[str] = msgspec.field(default_factory=list)  # Python `re` patterns, searched in the output's tail
     stop_token_ids: list[int] = msgspec.field(default_factory=list)
     ignore_eos: bool = False
     skip_special_tokens: bool = True
@@ -265,6 +266,8 @@ class _Checker:
     def _stop(self) -> None:
         if self._present("stop"):
             self.out["stop"] = self._stop_strings(self.d["stop"])
+        if self._present("stop_regex"):
+            self.out["stop_regex"] = self._stop_regexes(self.d["stop_regex"])
         if self._present("stop_token_ids"):
             ids = self.d["stop_token_ids"]
             if not isinstance(ids, list):
@@ -287,6 +290,25 @@ class _Checker:
                 raise self.fail(f"stop[{i}]", f"must be a string, got {type_name(s)}")
             if not s:  # an empty stop string would match before the first token
                 raise self.fail(f"stop[{i}]", "must not be empty")
+        return list(items)
+
+    def _stop_regexes(self, stop_regex: Any) -> list[str]:
+        """SGLang's stop_regex: a pattern or a list, Python `re` syntax (the scheduler searches
+        with `re`), compiled here so a bad one is a 400 naming it."""
+        items = [stop_regex] if isinstance(stop_regex, str) else stop_regex
+        if not isinstance(items, list):
+            raise self.fail("stop_regex", f"must be a string or a list of strings, got {type_name(stop_regex)}")
+        if len(items) > MAX_STOP_STRINGS:
+            raise self.fail("stop_regex", f"has {len(items)} entries, at most {MAX_STOP_STRINGS} allowed")
+        for i, pattern in enumerate(items):
+            if not isinstance(pattern, str):
+                raise self.fail(f"stop_regex[{i}]", f"must be a string, got {type_name(pattern)}")
+            try:
+                matches_empty = re.compile(pattern).search("") is not None
+            except (re.error, RecursionError, OverflowError) as exc:
+                raise self.fail(f"stop_regex[{i}]", f"is not a valid regular expression: {exc}") from None
+            if matches_empty:  # would stop before the first token, as an empty stop string would
+                raise self.fail(f"stop_regex[{i}]", "matches the empty string")
         return list(items)
 
     def _token_id(self, name: str, t: Any) -> int:

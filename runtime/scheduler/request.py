@@ -39,6 +39,7 @@ class Req:
     logit_bias: tuple[np.ndarray, np.ndarray] | None = None
     # output tokens the stop-string check decodes, worked out once (result_processor; 0: not yet)
     stop_window: int = 0
+    stop_regex_window: int = 0  # the same for stop_regex
 
     output_ids: list[int] = field(default_factory=list)
     finished_reason: FinishReason | None = None

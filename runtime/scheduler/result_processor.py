@@ -2,6 +2,7 @@
 speculation), appended with `extend`, and finish-checked with trimming (`finished_len`)."""
 from __future__ import annotations
 
+import re
 from typing import Callable, Sequence
 
 import numpy as np
@@ -10,6 +11,7 @@ from tandem.ipc.messages import FinishReason, LogprobArrays
 from tandem.runtime.scheduler.request import Req
 
 _STOP_TAIL_TOKENS = 2  # extra tokens decoded around a stop string so one split across tokens is seen
+_UNBOUNDED = 1 << 30  # a stop_regex window past any output: the whole output is searched
 
 
 class FinishChecker:
@@ -35,6 +37,8 @@ class FinishChecker:
                 return i + 1, FinishReason(type="stop", matched=tok)
             if sp.stop and (hit := self._stop_string(req, new_tokens[:i + 1])) is not None:
                 return i + 1, FinishReason(type="stop", matched=hit)
+            if sp.stop_regex and (hit := self._stop_regex(req, new_tokens[:i + 1])) is not None:
+                return i + 1, FinishReason(type="stop", matched=hit)
             if req.grammar is not None:
                 if not req.grammar.accept_token(tok):  # the mask allowed it, so this is a bug
                     return i, FinishReason(type="abort", status_code=500, err_type="InternalServerError",
@@ -52,6 +56,26 @@ class FinishChecker:
             req.stop_window = max(len(s.encode()) for s in req.sampling_params.stop) + _STOP_TAIL_TOKENS
         tail = self.decode((req.output_ids + new_tokens)[-req.stop_window:])
         return next((stop for stop in req.sampling_params.stop if stop in tail), None)
+
+
+    def _stop_regex(self, req: Req, new_tokens: list[int]) -> str | None:
+        """The first stop_regex found in the output's tail (`re.search`, as SGLang); `matched` is
+        the pattern, as SGLang reports it. The tail covers the longest text a pattern can match
+        (the whole output for an unbounded one such as `\\d+`, as in SGLang)."""
+        if not req.stop_regex_window:
+            req.stop_regex_window = max(map(regex_token_bound, req.sampling_params.stop_regex)) + _STOP_TAIL_TOKENS
+        tail = self.decode((req.output_ids + new_tokens)[-req.stop_regex_window:])
+        return next((p for p in req.sampling_params.stop_regex if re.search(p, tail)), None)
+
+
+def regex_token_bound(pattern: str) -> int:
+    """Most output tokens a match of `pattern` can span: every token carries at least one byte
+    and a character at most four. Unbounded (or unknown to `re`'s parser): _UNBOUNDED."""
+    try:
+        most_chars = re._parser.parse(pattern).getwidth()[1]  # type: ignore[attr-defined]
+    except Exception:  # the private parser moved or changed: scan the whole output
+        return _UNBOUNDED
+    return _UNBOUNDED if most_chars >= _UNBOUNDED else 4 * most_chars
 
 
 def apply_new_tokens(req: Req, new_tokens: list[int], logprobs: list[LogprobArrays] | None,

@@ -5,7 +5,7 @@ A request becomes a native body (so every field is validated exactly as `/genera
 it; a native field name in an error is mapped back to the OpenAI one), runs through the
 tokenizer manager, and the native results become OpenAI's response, chunk or error shapes.
 Unknown fields are ignored, as OpenAI-compatible servers do; known fields this server cannot
-honour (OpenAI's tools, audio, ...; SGLang's extensions lora_path, stop_regex, ...) are a 400
+honour (OpenAI's tools, audio, ...; SGLang's extensions lora_path, session_params, ...) are a 400
 rather than a silently different answer. SGLang's rid, priority and extra_key pass through.
 """
 from __future__ import annotations
@@ -25,7 +25,7 @@ _SAMPLING = {
     "presence_penalty": None, "frequency_penalty": None, "repetition_penalty": None, "logit_bias": None,
     "ignore_eos": None, "skip_special_tokens": None, "spaces_between_special_tokens": None, "no_stop_trim": None,
     "stop_token_ids": None, "min_tokens": "min_new_tokens", "regex": None, "ebnf": None, "json_schema": None,
-    "max_thinking_tokens": None,
+    "max_thinking_tokens": None, "stop_regex": None,
 }
 _CONSTRAINTS = ("regex", "ebnf", "json_schema")
 _NATIVE_TO_OPENAI = {"min_new_tokens": "min_tokens", "sampling_seed": "seed"}
@@ -34,7 +34,7 @@ _NATIVE_TO_OPENAI = {"min_new_tokens": "min_tokens", "sampling_seed": "seed"}
 _UNSUPPORTED = ("functions", "function_call", "audio", "modalities", "prediction", "suffix",
                 "web_search_options", "reasoning",
                 # SGLang's extensions of the OpenAI API that this server does not implement
-                "lora_path", "custom_logit_processor", "custom_params", "stop_regex", "return_hidden_states",
+                "lora_path", "custom_logit_processor", "custom_params", "return_hidden_states",
                 "return_routed_experts", "session_params", "session_id", "return_token_ids",
                 "return_prompt_token_ids", "return_meta_info", "return_cached_tokens_details")
 # the roles SGLang's protocol accepts (after lowercasing)

@@ -80,6 +80,7 @@ def test_logit_bias_string_keys_become_ints() -> None:
 def test_stop_string_becomes_list() -> None:
     assert parse({"stop": "###"}).stop == ["###"]
     assert parse({"stop": ["a", "b"]}).stop == ["a", "b"]
+    assert parse({"stop_regex": r"\d+"}).stop_regex == [r"\d+"]  # SGLang's: a pattern or a list
 
 
 def test_one_constraint_per_request() -> None:
@@ -180,6 +181,9 @@ BAD = [
     ({"stop": ["a", 1]}, "sampling_params.stop[1]", "must be a string"),
     ({"stop": ["a", ""]}, "sampling_params.stop[1]", "must not be empty"),
     ({"stop": ["x"] * 33}, "sampling_params.stop", "33 entries, at most 32"),
+    ({"stop_regex": 5}, "sampling_params.stop_regex", "string or a list of strings"),
+    ({"stop_regex": ["a", "(x"]}, "sampling_params.stop_regex[1]", "not a valid regular expression: missing )"),
+    ({"stop_regex": ["a", "x*"]}, "sampling_params.stop_regex[1]", "matches the empty string"),
     ({"stop_token_ids": 3}, "sampling_params.stop_token_ids", "list of integers"),
     ({"stop_token_ids": [1, VOCAB]}, "sampling_params.stop_token_ids[1]", "[0, 1000), got 1000"),
     ({"stop_token_ids": [-1]}, "sampling_params.stop_token_ids[0]", "[0, 1000)"),

@@ -65,6 +65,20 @@ def test_stop_strings_count_inside_min_new_tokens_and_ignore_eos_silences_stop_i
     assert apply_new_tokens(r, [5, 7, 9], None, None, checker) and r.finished_reason.matched == 7
 
 
+def test_stop_regex_ends_at_the_token_that_completes_a_match_and_names_the_pattern():
+    """SGLang's stop_regex: re.search over the output's tail each token; `matched` is the pattern.
+    An unbounded pattern searches the whole output; a bounded one only the tail it can span."""
+    checker = FinishChecker([2], lambda ids: "".join(chr(97 + i % 26) for i in ids))
+    r = _req(9, max_new_tokens=20, ignore_eos=True, stop_regex=["z", "c+d"])
+    assert not apply_new_tokens(r, [0, 1, 2], None, None, checker)  # "abc": no d yet
+    assert apply_new_tokens(r, [2, 3, 4], None, None, checker)  # "abccde": "ccd" ends at the d
+    assert r.output_ids == [0, 1, 2, 2, 3] and r.finished_reason.matched == "c+d"
+    r = _req(10, max_new_tokens=20, ignore_eos=True, stop_regex=["a.*f"])
+    assert apply_new_tokens(r, list(range(6)), None, None, checker) and r.output_ids == list(range(6))
+    r = _req(11, max_new_tokens=10, ignore_eos=True, stop_regex=["q"])
+    assert not apply_new_tokens(r, [0, 1, 2], None, None, checker) and r.finished_reason is None
+
+
 def test_the_last_allowed_token_ends_by_length_even_when_it_is_a_stop():
     # SGLang checks the length first: EOS, a stop token or a stop string at max_new_tokens is a length finish
     checker = FinishChecker([2], lambda ids: "".join(chr(97 + i % 26) for i in ids))

@@ -36,9 +36,11 @@ def _chat(body: dict) -> oa.OpenAIRequest:
 
 def test_completion_fields_map_onto_generate():
     req = _completion({"prompt": "hi", "temperature": 0.5, "seed": 3, "stop": "x", "min_tokens": 2, "logprobs": 2,
-                       "response_format": {"type": "json_object"}, "user": "ignored", "unknown_field": 1})
+                       "response_format": {"type": "json_object"}, "user": "ignored", "unknown_field": 1,
+                       "stop_regex": "y+"})
     assert req.native == {"text": "hi", "return_logprob": True, "top_logprobs_num": 2, "return_text_in_logprobs": True,
                           "sampling_params": {"temperature": 0.5, "seed": 3, "stop": "x", "min_new_tokens": 2,
+                                              "stop_regex": "y+",
                                               "max_new_tokens": 16, "json_schema": '{"type": "object"}'}}
     assert req.model == "served" and req.logprobs
     assert _completion({"prompt": [[1, 2], [3]], "echo": True}).echo_texts == ["<1><2>", "<3>"]
@@ -138,7 +140,7 @@ def test_bad_chat_fields(body, field):
     assert err.value.field == field
 
 
-@pytest.mark.parametrize("field", ["lora_path", "custom_logit_processor", "stop_regex", "return_hidden_states",
+@pytest.mark.parametrize("field", ["lora_path", "custom_logit_processor", "return_hidden_states",
                                    "reasoning", "session_params", "return_token_ids", "return_meta_info"])
 def test_sglang_extensions_this_server_lacks_are_refused_not_ignored(field):
     for make, prompt in ((_chat, {"messages": [{"role": "user", "content": "x"}]}), (_completion, {"prompt": "a"})):

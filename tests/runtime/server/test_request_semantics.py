@@ -1,6 +1,7 @@
 """Sampling parameters, seeds, n>1, abort and disconnects, end to end."""
 from __future__ import annotations
 
+import re
 import socket
 import threading
 import time
@@ -73,6 +74,16 @@ def test_stop_string_across_tokens_is_trimmed(smol_server):
     kept = _gen(smol_server, {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True, "stop": stop,
                               "no_stop_trim": True})
     assert kept["text"].endswith(stop)
+
+
+def test_stop_regex_ends_where_the_pattern_first_matches_untrimmed(smol_server):
+    full = _gen(smol_server, {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True})
+    word = full["text"].split()[3]
+    pattern = r"\s" + re.escape(word)  # not a literal of itself: SGLang trims nothing
+    out = _gen(smol_server, {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True, "stop_regex": [pattern]})
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": pattern}
+    assert out["text"].endswith(word) and full["text"].startswith(out["text"])
+    assert len(out["output_ids"]) < 24
 
 
 def test_stop_token_ids_and_ignore_eos_and_min_new_tokens(smol_server):
