@@ -27,6 +27,15 @@ HQ, HKV, HEAD_DIM, HIDDEN, INTERMEDIATE = 32, 8, 128, 4096, 14336  # Llama-3-8B-
 
 
 @dataclass
+class Check:
+    """One --check-only comparison of a kernel with its reference."""
+    kernel: str
+    dtype: str
+    max_abs_err: float
+    ok: bool
+
+
+@dataclass
 class Row:
     kernel: str
     shape: str
@@ -39,15 +48,15 @@ class Row:
 
 # ---------------------------------------------------------------- correctness (--check-only)
 
-def _close(name: str, got: torch.Tensor, want: torch.Tensor, tol: float) -> bool:
+def _close(name: str, got: torch.Tensor, want: torch.Tensor, tol: float) -> Check:
     err = (got.float() - want.float()).abs().max().item() if got.numel() else 0.0
     scale = 1.0 + (want.float().abs().max().item() if want.numel() else 0.0)
     ok = err <= tol * scale  # relative to the output's magnitude
     print(f"  {'ok  ' if ok else 'FAIL'} {name:<34} max abs err {err:.2e}")
-    return ok
+    return Check(name, str(got.dtype).removeprefix("torch."), err, ok)
 
 
-def _check_small_ops(dtype: torch.dtype, dev: str, tol: float) -> list[bool]:
+def _check_small_ops(dtype: torch.dtype, dev: str, tol: float) -> list[Check]:
     from tandem.kernels import activation, kv_store, norm, rotary
 
     x, r, w = (torch.randn(5, 96, dtype=dtype, device=dev) for _ in range(3))
@@ -70,7 +79,7 @@ def _check_small_ops(dtype: torch.dtype, dev: str, tol: float) -> list[bool]:
             _close("store_kv", torch.cat(bufs[:2]), torch.cat(bufs[2:]), 0.0)]
 
 
-def _check_attention(dtype: torch.dtype, dev: str, tol: float) -> list[bool]:
+def _check_attention(dtype: torch.dtype, dev: str, tol: float) -> list[Check]:
     from tandem.kernels.decode_attention import decode_attention_fwd, decode_attention_ref, num_kv_splits
     from tandem.kernels.extend_attention import extend_attention_fwd, extend_attention_ref
 
@@ -96,7 +105,7 @@ def _check_attention(dtype: torch.dtype, dev: str, tol: float) -> list[bool]:
     return ok
 
 
-def run_checks() -> bool:
+def run_checks() -> list[Check]:
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     dtypes = [torch.float32, torch.float16] + ([torch.bfloat16] if dev == "cuda" else [])  # bf16: no interpreter
     tols = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
@@ -105,8 +114,8 @@ def run_checks() -> bool:
         print(f"{dtype} on {dev}{' (Triton interpreter)' if dev == 'cpu' else ''}:")
         torch.manual_seed(0)
         results += _check_small_ops(dtype, dev, tols[dtype]) + _check_attention(dtype, dev, tols[dtype])
-    print(f"{sum(results)}/{len(results)} checks passed")
-    return all(results)
+    print(f"{sum(c.ok for c in results)}/{len(results)} checks passed")
+    return results
 
 
 # ---------------------------------------------------------------- timing (GPU)
@@ -144,7 +153,7 @@ def _bench_decode(bs: int, ctx: int) -> Row | None:
     qd = q.view(bs, HKV, HQ // HKV, HEAD_DIM)
     sdpa = torch.nn.functional.scaled_dot_product_attention
     t_sdpa = _time_us(lambda: sdpa(qd, kd, vd, scale=scale))
-    del kd, vd
+    kd = vd = None  # frees the dense copies (a `del` would leave the lambda a name pyflakes calls undefined)
     t_torch = None
     if _fits(kv_bytes):  # the torch backend path: gather pages, then SDPA
         slots = kv_indices.view(bs, ctx)
@@ -260,21 +269,29 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 16, 64, 256])
     parser.add_argument("--ctx", type=int, nargs="+", default=[1024, 8192, 32768])
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 256, 8192], help="token counts for small ops")
-    parser.add_argument("--json", default=None, help="also write the rows to this file")
+    parser.add_argument("--output-file", "--json", dest="output_file", default=None,
+                        help="also write the rows (or, with --check-only, the checks) to this JSON file")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         # must precede the first import of a kernel module: triton.jit reads it then
         os.environ.setdefault("TRITON_INTERPRET", "1")
     if args.check_only:
-        return 0 if run_checks() else 1
+        checks = run_checks()
+        _write_json(args.output_file, "checks", checks)
+        return 0 if all(c.ok for c in checks) else 1
     if not torch.cuda.is_available():
         print("timing needs a CUDA GPU; use --check-only on CPU", file=sys.stderr)
         return 2
-    rows = run_bench(args)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(0), "rows": [asdict(r) for r in rows]}, f, indent=1)
+    _write_json(args.output_file, "rows", run_bench(args))
     return 0
+
+
+def _write_json(path: str | None, key: str, items: list[Check] | list[Row]) -> None:
+    if path is None:
+        return
+    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu (Triton interpreter)"
+    with open(path, "w") as f:
+        json.dump({"device": device, key: [asdict(item) for item in items]}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -167,9 +167,15 @@ async def _drive(url: str, cfg: SoakConfig, pids: dict[str, int]) -> tuple[Tally
     return tally, rss, time.monotonic() - t0
 
 
-def _quarters(samples: list[int]) -> list[float]:
+def _quarter_means(samples: list[int]) -> list[float]:
+    """Mean of each quarter of the samples, q = len // 4 each: [0, q), [q, 2q), [2q, 3q), [3q, 4q)
+    (the last len % 4 samples are in none). The table, the JSON and the drift all read these."""
     q = len(samples) // 4
-    return [round(statistics.mean(samples[i * q:(i + 1) * q]) / 2**20, 1) for i in range(4)]
+    return [statistics.mean(samples[i * q:(i + 1) * q]) for i in range(4)]
+
+
+def _quarters(samples: list[int]) -> list[float]:
+    return [round(mean / 2**20, 1) for mean in _quarter_means(samples)]
 
 
 def _drift(samples: list[int]) -> float:
@@ -177,8 +183,8 @@ def _drift(samples: list[int]) -> float:
     quarter: 653, 694, 698, 693 MB), and on a loaded CI machine warm-up alone once passed 1.25x."""
     if len(samples) < 4:
         return 1.0
-    q = len(samples) // 4
-    return statistics.mean(samples[-q:]) / statistics.mean(samples[q:2 * q])
+    means = _quarter_means(samples)
+    return means[3] / means[1]
 
 
 def run(cfg: SoakConfig) -> dict[str, Any]:

@@ -19,6 +19,8 @@ import uvicorn
 from fastapi import FastAPI
 
 from tandem.runtime import sglang_flags
+from tandem.runtime.launcher import resolve_random_seed, run_scheduler_node
+from tandem.runtime.model_files import check_model_paths
 from tandem.runtime.server.http import create_app
 from tandem.runtime.server.protocol import protocol_with_head_timeout
 from tandem.runtime.server_args import ServerArgs
@@ -58,9 +60,8 @@ def run_server(args: ServerArgs, notes: Sequence[str] = ()) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="[%(asctime)s] %(message)s")
     for note in notes:
         logging.info(note)
+    args = resolve_random_seed(args)  # before anything reads it: /server_info reports the drawn seed
     if args.node_rank > 0:  # schedulers only: node 0 serves HTTP, tokenizes and detokenizes
-        from tandem.runtime.launcher import run_scheduler_node
-
         return run_scheduler_node(args)
     died: list[str] = []
     server: uvicorn.Server | None = None
@@ -95,7 +96,8 @@ def main(argv: list[str] | None = None) -> int:
     try:  # a bad value exits as argparse's errors do (usage, the flag and why; status 2), no traceback
         notes = sglang_flags.check(ns)
         args = ServerArgs.from_cli_args(ns)
-    except ValueError as exc:
+        check_model_paths(args.model_path, args.tokenizer_path, args.speculative_draft_model_path)
+    except (ValueError, FileNotFoundError) as exc:
         parser.error(str(exc))
     return run_server(args, notes)
 

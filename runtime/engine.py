@@ -19,6 +19,8 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 from tandem.runtime import sglang_flags
+from tandem.runtime.launcher import resolve_random_seed
+from tandem.runtime.model_files import check_model_paths
 from tandem.runtime.server.info import model_info, server_info
 from tandem.runtime.server_args import ServerArgs
 from tandem.runtime.tokenizer_manager import TokenizerManager
@@ -48,9 +50,11 @@ async def _pump(tm: TokenizerManager, body: dict[str, Any], put: Callable[[Any],
 class Engine:
     def __init__(self, model_path: str | None = None, **server_args: Any) -> None:
         server_args, notes = sglang_flags.engine_kwargs(server_args)
-        self.args = ServerArgs(model_path=model_path, **server_args)
+        args = ServerArgs(model_path=model_path, **server_args)
+        check_model_paths(args.model_path, args.tokenizer_path, args.speculative_draft_model_path)
         for note in notes:
             logger.info(note)
+        self.args = resolve_random_seed(args)  # once, before the schedulers start
         if self.args.node_rank > 0:
             raise ValueError(f"node_rank={self.args.node_rank}: nodes other than 0 run scheduler ranks only; "
                              f"start them with `tandem serve`, and the Engine on node 0")

@@ -11,6 +11,7 @@ import ctypes
 import logging
 import multiprocessing as mp
 import os
+import random
 import signal
 import socket
 import sys
@@ -65,6 +66,19 @@ def _detokenizer_main(args: ServerArgs, addrs: IPCAddresses, parent_pid: int) ->
     run_detokenizer_process(args, addrs, watch)
 
 
+def resolve_random_seed(args: ServerArgs) -> ServerArgs:
+    """`args` with the seed drawn when none was given, as SGLang's random.randint(0, 1 << 30), so
+    seedless sampling differs from launch to launch. Drawn once, in the main process, before the
+    schedulers start: every TP rank samples the same token with it. Each node of a multi-node job
+    would draw its own, so there it stays 0 unless --random-seed sets it."""
+    if args.random_seed is not None:
+        return args
+    seed = 0 if args.nnodes > 1 else random.randint(0, 1 << 30)
+    logging.info("random seed: %d (%s; --random-seed sets it)", seed,
+                 "the nodes must agree" if args.nnodes > 1 else "drawn for this launch")
+    return args.replace(random_seed=seed)
+
+
 def node_tp_ranks(args: ServerArgs) -> range:
     """The tensor-parallel ranks this node runs: tp_size / nnodes consecutive ones."""
     per_node = args.tp_size // args.nnodes
@@ -75,6 +89,7 @@ def spawn_children(args: ServerArgs, addrs: IPCAddresses) -> list[BaseProcess]:
     """A scheduler per tensor-parallel rank of this node; node 0 also runs the detokenizer."""
     ctx = mp.get_context("spawn")
     me = os.getpid()
+    args = resolve_random_seed(args)  # the front ends resolved it already; this is for direct callers
     if args.tp_size > 1 and args.dist_init_addr is None:  # one node: rendezvous on a free local port
         args = args.replace(dist_init_addr=f"127.0.0.1:{free_port()}")
     procs = [ctx.Process(target=_scheduler_main, args=(args, addrs, me, rank), daemon=True,

@@ -29,17 +29,28 @@ def default_model_path() -> str:
     return str(path)
 
 
-def resolve_model_path(model_path: str | None) -> str:
+def resolve_model_path(model_path: str | None, flag: str = "--model-path") -> str:
+    """`flag`: the option the path came from, which the errors name."""
     if model_path is None:
         return default_model_path()
     path = Path(model_path)
     if not path.exists():
-        raise FileNotFoundError(f"--model-path {model_path!r} does not exist (give a Hugging Face folder or a .gguf file)")
+        raise FileNotFoundError(f"{flag} {model_path!r} does not exist (give a Hugging Face folder or a .gguf file)")
     if path.is_file() and path.suffix != ".gguf":
-        raise ValueError(f"--model-path {model_path!r} is a file but not a .gguf file")
+        raise ValueError(f"{flag} {model_path!r} is a file but not a .gguf file")
     if path.is_dir() and not (path / "config.json").is_file():
-        raise FileNotFoundError(f"--model-path {model_path!r} has no config.json")
+        raise FileNotFoundError(f"{flag} {model_path!r} has no config.json")
     return str(path)
+
+
+def check_model_paths(model_path: str | None, tokenizer_path: str | None = None,
+                      draft_model_path: str | None = None) -> None:
+    """Every checkpoint path of a launch, checked in the main process before the children start,
+    so a bad one is refused naming its own flag (the tokenizer and draft loaders only see a path)."""
+    resolve_model_path(model_path)
+    for flag, path in (("--tokenizer-path", tokenizer_path), ("--speculative-draft-model-path", draft_model_path)):
+        if path is not None:
+            resolve_model_path(path, flag)
 
 
 def is_gguf(model_path: str) -> bool:

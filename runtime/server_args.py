@@ -2,8 +2,12 @@
 from __future__ import annotations
 
 import argparse
+import ctypes
 import dataclasses
+import os
 import tomllib
+import types
+import typing
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -81,7 +85,7 @@ class ServerArgs:
     enable_strict_thinking: bool = False  # allow max_thinking_tokens (a forced end of the reasoning)
     stream_interval: int = 1
     log_level: str = "info"
-    random_seed: int = 0
+    random_seed: int | None = None  # None: drawn once per launch (launcher.resolve_random_seed), as SGLang's
     served_model_name: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -101,6 +105,8 @@ class ServerArgs:
             "max_total_tokens": self.max_total_tokens is None or self.max_total_tokens >= 1,
             "port": 0 <= self.port < 65536,  # 0: any free port
             "max_running_requests": self.max_running_requests > 0,
+            "max_prefill_tokens": self.max_prefill_tokens >= 1,  # 0 admits no prompt: a healthy server serving nothing
+            "max_connections": self.max_connections >= 1,  # 0: uvicorn refuses every connection
             "tp_size": self.tp_size >= 1,
             "nnodes": self.nnodes >= 1,
             "node_rank": 0 <= self.node_rank < self.nnodes,
@@ -124,6 +130,17 @@ class ServerArgs:
         if self.nnodes > 1 and self.dist_init_addr is None:
             raise ValueError("dist_init_addr (HOST:PORT on node 0) is needed with nnodes > 1")
         self._check_speculative()
+        self._check_triton()
+
+    def _check_triton(self) -> None:
+        """Triton's kernels need CUDA tensors (or its CPU interpreter): refused now rather than by
+        the first request, which would kill the scheduler."""
+        if self.attention_backend != "triton" or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+            return
+        if self.device.startswith("cuda") or (self.device == "auto" and cuda_available()):
+            return
+        raise ValueError(f"--attention-backend triton needs a CUDA device (--device {self.device}"
+                         f"{'' if self.device != 'auto' else ': none found'}), or TRITON_INTERPRET=1 to run it on CPU")
 
     def _check_speculative(self) -> None:
         algo = self.speculative_algorithm
@@ -175,8 +192,18 @@ class ServerArgs:
     # -- construction ---------------------------------------------------------------------------
     @staticmethod
     def from_toml(path: str | Path, **overrides: Any) -> "ServerArgs":
-        data = tomllib.loads(Path(path).read_text())
+        try:
+            data = tomllib.loads(Path(path).read_text())
+        except OSError as exc:
+            raise ValueError(f"--config {str(path)!r}: {exc.strerror or exc}") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ValueError(f"--config {str(path)!r} is not valid TOML: {exc}") from None
+        unknown = sorted(k for k, v in data.items() if isinstance(v, dict) and k not in _TOML_TABLES)
+        if unknown:
+            raise ValueError(f"--config {str(path)!r}: unknown table(s) {', '.join(f'[{k}]' for k in unknown)} "
+                             f"(the tables are {', '.join(f'[{t}]' for t in _TOML_TABLES)})")
         flat = {**data.get("model", {}), **data.get("server", {}), **{k: v for k, v in data.items() if not isinstance(v, dict)}}
+        _check_types(flat)  # TOML has its own types: "false" is a string, 1.5 a float
         return ServerArgs.from_dict({**flat, **overrides})
 
     @staticmethod
@@ -217,6 +244,44 @@ class ServerArgs:
 # becomes ambiguous once another flag shares it)
 _FLAG_ALIASES = {"model_path": ("--model",), "tp_size": ("--tp", "--tensor-parallel-size"),
                  "speculative_draft_model_path": ("--speculative-draft-model",)}
+
+
+_TOML_TABLES = ("model", "server")
+
+
+def _check_types(values: dict[str, Any]) -> None:
+    """Each value has its field's type (a bool is no int, and "false" no bool): a ValueError
+    naming the key, the value and the type."""
+    hints = typing.get_type_hints(ServerArgs)
+    for key, value in values.items():
+        hint = hints.get(key.replace("-", "_"))
+        if hint is not None and not _has_type(value, hint):
+            shown = str(hint).replace("typing.", "") if not isinstance(hint, type) else hint.__name__
+            raise ValueError(f"{key} = {value!r}: expected {shown}, got {type(value).__name__}")
+
+
+def _has_type(value: Any, hint: Any) -> bool:
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        return any(_has_type(value, arg) for arg in typing.get_args(hint))
+    hint = typing.get_origin(hint) or hint  # dict[str, Any] -> dict
+    if hint is type(None):
+        return value is None
+    if hint is float:  # an int is a float too (TOML writes 30 for 30.0)
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return hint is Any or isinstance(value, hint)
+
+
+def cuda_available() -> bool:
+    """torch.cuda.is_available() without importing torch (the main process stays torch-free):
+    the CUDA driver initializes and sees a device (CUDA_VISIBLE_DEVICES applies)."""
+    try:
+        libcuda = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return False
+    count = ctypes.c_int(0)
+    return libcuda.cuInit(0) == 0 and libcuda.cuDeviceGetCount(ctypes.byref(count)) == 0 and count.value > 0
 
 
 def _flag(name: str) -> str:

@@ -39,7 +39,7 @@ class ModelRunner:
         self.model_path = resolve_model_path(args.model_path)
         self.dtype = self._pick_dtype()
         self.kv_dtype = self._kv_dtype()
-        torch.manual_seed(args.random_seed)
+        torch.manual_seed(0 if args.random_seed is None else args.random_seed)  # None: built directly, not launched
         self.model = load_model(self.model_path, self.dtype, self.device, tp)
         self.config = self.model.cfg
         self.draft_model = self._load_draft_model()

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator, Callable
 
@@ -207,6 +208,14 @@ def create_app(args: ServerArgs, on_child_death: Callable[[str], None] | None = 
         include = request.query_params.get("include")
         sections = None if include is None else {s.strip() for s in include.split(",") if s.strip()}
         return await current_loads(holder["tm"], sections or None)
+
+    @app.get("/get_load")
+    async def get_load() -> list[dict[str, Any]]:
+        """SGLang's legacy load route (deprecated there for /v1/loads, which it is a view of):
+        one entry per DP rank in its old field names, which older routers still poll."""
+        loads = (await current_loads(holder["tm"], {"core"}))["loads"]
+        return [{"dp_rank": x["dp_rank"], "num_reqs": x["num_total_reqs"], "num_waiting_reqs": x["num_waiting_reqs"],
+                 "num_tokens": x["num_used_tokens"], "ts_tic": time.perf_counter()} for x in loads]
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])  # SGLang's; its gateway POSTs no body
     async def flush_cache(request: Request) -> Response:

@@ -39,3 +39,15 @@ def test_table_reports_fraction_of_peak(capsys: pytest.CaptureFixture[str]) -> N
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU exit path; on a GPU the timing runs instead")
 def test_timing_without_gpu_exits_2() -> None:
     assert bench_kernels.main([]) == 2
+
+
+@pytest.mark.parametrize("flag", ["--output-file", "--json"])
+def test_check_only_writes_its_rows_to_the_output_file(tmp_path, flag: str) -> None:
+    """The README's `--output-file FILE.json` for every bench; --check-only wrote nothing."""
+    import json
+
+    out = tmp_path / "kernels.json"
+    assert bench_kernels.main(["--check-only", flag, str(out)]) == 0
+    checks = json.loads(out.read_text())["checks"]
+    assert {"rmsnorm", "decode_attention", "extend_attention"} <= {c["kernel"] for c in checks}
+    assert all(c["ok"] and c["max_abs_err"] >= 0 for c in checks) and {"float32", "float16"} <= {c["dtype"] for c in checks}

@@ -5,7 +5,7 @@ from __future__ import annotations
 import orjson
 import pytest
 
-from tandem.launch.bench_soak import _drift, main
+from tandem.launch.bench_soak import _drift, _quarters, main
 
 pytestmark = pytest.mark.timeout(400)
 
@@ -31,3 +31,14 @@ def test_drift_skips_warm_up_and_catches_steady_growth():
     assert _drift(leaking) == pytest.approx(760 / 600)
     assert _drift(leaking) > 1.25
     assert _drift([1, 2, 3]) == 1.0  # too few samples to judge
+
+
+def test_the_printed_drift_and_the_json_quarters_use_the_same_windows():
+    """9 samples: the quarters are [0:2], [2:4], [4:6], [6:8]; the drift took [-2:] = [7:9] as
+    its last quarter, so the printed drift disagreed with the JSON's quarters."""
+    samples = [100 * 2**20] * 8 + [900 * 2**20]  # a spike in the one sample no quarter holds
+    assert _quarters(samples) == [100.0] * 4
+    assert _drift(samples) == pytest.approx(1.0)
+    rising = [(100 + 10 * i) * 2**20 for i in range(11)]
+    quarters = _quarters(rising)
+    assert _drift(rising) == pytest.approx(quarters[3] / quarters[1])

@@ -62,3 +62,15 @@ def test_no_generation_config_no_defaults(tmp_path):
 def test_bad_generation_config_is_a_clear_error(tmp_path, text, match):
     with pytest.raises(ValueError, match=match):
         model_files.chat_sampling_defaults(_folder(tmp_path, text))
+
+
+def test_each_checkpoint_path_is_checked_naming_its_own_flag(tiny_model_dir):
+    """A bad --tokenizer-path was reported as `--model-path '/nonexistent' does not exist`."""
+    model = tiny_model_dir("llama")
+    model_files.check_model_paths(model, model, model)
+    with pytest.raises(FileNotFoundError, match="^--tokenizer-path '/nonexistent' does not exist"):
+        model_files.check_model_paths(model, "/nonexistent")
+    with pytest.raises(FileNotFoundError, match="^--speculative-draft-model-path '/nonexistent' does not exist"):
+        model_files.check_model_paths(model, None, "/nonexistent")
+    with pytest.raises(FileNotFoundError, match="^--model-path '/nonexistent' does not exist"):
+        model_files.check_model_paths("/nonexistent", model)

@@ -6,6 +6,7 @@ import dataclasses
 
 import pytest
 
+from tandem.runtime import server_args as server_args_module
 from tandem.runtime.server_args import DEFAULT_CONFIG, ServerArgs
 
 
@@ -137,6 +138,9 @@ def test_sglangs_flags_as_engine_keywords():
     ({"grammar_compile_timeout": -5.0}, "--grammar-compile-timeout: invalid value -5.0"),
     ({"log_level": "loud"}, "--log-level: 'loud' is not one of"),
     ({"attention_backend": "flashinfer"}, "--attention-backend: 'flashinfer' is not one of auto, torch, cpu, triton"),
+    ({"max_prefill_tokens": 0}, "--max-prefill-tokens: invalid value 0"),  # admitted no prompt, looked healthy
+    ({"max_prefill_tokens": -8}, "--max-prefill-tokens: invalid value -8"),
+    ({"max_connections": 0}, "--max-connections: invalid value 0"),  # refused every connection
 ])
 def test_bad_values_name_the_flag(bad, fragment):
     with pytest.raises(ValueError, match="^" + fragment):
@@ -146,3 +150,63 @@ def test_bad_values_name_the_flag(bad, fragment):
 def test_priority_scheduling_preempts_unless_disabled_as_sglang():
     assert not ServerArgs(enable_priority_scheduling=True).disable_priority_preemption
     assert _cli(["--enable-priority-scheduling", "--disable-priority-preemption"]).disable_priority_preemption
+
+
+@pytest.mark.parametrize("toml, fragment", [
+    ('[server]\ndisable_radix_cache = "false"\n', "disable_radix_cache = 'false': expected bool, got str"),
+    ("[server]\nmax_running_requests = 1.5\n", "max_running_requests = 1.5: expected int, got float"),
+    ('[server]\nport = "30125"\n', "port = '30125': expected int, got str"),
+    ("[server]\nport = true\n", "port = True: expected int, got bool"),
+    ("[model]\nmodel_path = 3\n", "model_path = 3: expected str | None, got int"),
+    ("[sever]\nport = 1\n", r"unknown table\(s\) \[sever\]"),
+])
+def test_toml_values_must_have_the_fields_type(tmp_path, toml, fragment):
+    """TOML has its own types: "false" is a truthy string (it switched the radix cache off), 1.5
+    crashed the scheduler later, and a misspelt table was dropped without a word."""
+    path = tmp_path / "preset.toml"
+    path.write_text(toml)
+    with pytest.raises(ValueError, match=fragment):
+        ServerArgs.from_toml(path)
+
+
+def test_toml_floats_take_ints_and_a_missing_preset_names_config(tmp_path):
+    path = tmp_path / "preset.toml"
+    path.write_text("[server]\nwatchdog_timeout = 60\nrequest_timeout = 5\n")
+    assert ServerArgs.from_toml(path) == ServerArgs(watchdog_timeout=60.0, request_timeout=5.0)
+    with pytest.raises(ValueError, match="^--config '/nonexistent.toml': No such file"):
+        ServerArgs.from_toml("/nonexistent.toml")
+    path.write_text("[server\n")
+    with pytest.raises(ValueError, match="is not valid TOML"):
+        ServerArgs.from_toml(path)
+
+
+def test_triton_needs_cuda_or_the_interpreter(monkeypatch):
+    """Without CUDA the first request killed the scheduler (Triton needs CUDA tensors)."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(server_args_module, "cuda_available", lambda: False)
+    for device in ("auto", "cpu"):
+        with pytest.raises(ValueError, match="^--attention-backend triton needs a CUDA device"):
+            ServerArgs(attention_backend="triton", device=device)
+    assert ServerArgs(attention_backend="triton", device="cuda").attention_backend == "triton"
+    assert ServerArgs(attention_backend="cpu").attention_backend == "cpu"
+    monkeypatch.setattr(server_args_module, "cuda_available", lambda: True)
+    assert ServerArgs(attention_backend="triton").attention_backend == "triton"
+    monkeypatch.setattr(server_args_module, "cuda_available", lambda: False)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert ServerArgs(attention_backend="triton", device="cpu").attention_backend == "triton"
+
+
+def test_the_random_seed_is_drawn_once_per_launch_unless_given(caplog):
+    """SGLang's: seedless sampling must not repeat from launch to launch (the default was 0)."""
+    from tandem.runtime.launcher import resolve_random_seed
+
+    assert ServerArgs().random_seed is None and _cli([]) == ServerArgs.from_toml(DEFAULT_CONFIG)
+    with caplog.at_level("INFO"):
+        drawn = [resolve_random_seed(ServerArgs()).random_seed for _ in range(3)]
+    assert all(0 <= seed <= 1 << 30 for seed in drawn) and len(set(drawn)) > 1
+    assert f"random seed: {drawn[0]} (drawn for this launch" in caplog.text
+    assert resolve_random_seed(_cli(["--random-seed", "7"])).random_seed == 7
+    assert resolve_random_seed(ServerArgs(random_seed=0)).random_seed == 0
+    # every node of a multi-node job draws alone, and the TP ranks must agree: 0 unless given
+    multi = ServerArgs(tp_size=2, nnodes=2, dist_init_addr="h:1")
+    assert resolve_random_seed(multi).random_seed == 0

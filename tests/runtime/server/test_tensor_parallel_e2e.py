@@ -34,7 +34,8 @@ def _serve_all(server) -> list[dict]:
 @pytest.fixture(scope="module")
 def tp_servers(tiny_model_dir, tmp_path_factory):
     logs = tmp_path_factory.mktemp("tp")
-    common = ["--model-path", tiny_model_dir("llama"), "--max-total-tokens", "4000"]
+    # one --random-seed for both: without it each launch draws its own, and seedless sampling differs
+    common = ["--model-path", tiny_model_dir("llama"), "--max-total-tokens", "4000", "--random-seed", "0"]
     started = []
     try:
         for tp in (1, 2):
