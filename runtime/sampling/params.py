@@ -277,39 +277,38 @@ class _Checker:
                 self._token_id(f"stop_token_ids[{i}]", t)
             self.out["stop_token_ids"] = list(ids)
 
-    def _stop_strings(self, stop: Any) -> list[str]:
-        # SGLang accepts a bare string as a one-element list.
-        items = [stop] if isinstance(stop, str) else stop
+    def _string_list(self, name: str, v: Any) -> list[str]:
+        """A string or a list of at most MAX_STOP_STRINGS strings (SGLang takes a bare string as
+        a one-element list)."""
+        items = [v] if isinstance(v, str) else v
         if not isinstance(items, list):
-            got = type_name(stop)
-            raise self.fail("stop", f"must be a string or a list of strings, got {got}")
+            raise self.fail(name, f"must be a string or a list of strings, got {type_name(v)}")
         if len(items) > MAX_STOP_STRINGS:
-            raise self.fail("stop", f"has {len(items)} entries, at most {MAX_STOP_STRINGS} allowed")
+            raise self.fail(name, f"has {len(items)} entries, at most {MAX_STOP_STRINGS} allowed")
         for i, s in enumerate(items):
             if not isinstance(s, str):
-                raise self.fail(f"stop[{i}]", f"must be a string, got {type_name(s)}")
-            if not s:  # an empty stop string would match before the first token
-                raise self.fail(f"stop[{i}]", "must not be empty")
+                raise self.fail(f"{name}[{i}]", f"must be a string, got {type_name(s)}")
         return list(items)
 
+    def _stop_strings(self, stop: Any) -> list[str]:
+        items = self._string_list("stop", stop)
+        for i, s in enumerate(items):
+            if not s:  # an empty stop string would match before the first token
+                raise self.fail(f"stop[{i}]", "must not be empty")
+        return items
+
     def _stop_regexes(self, stop_regex: Any) -> list[str]:
-        """SGLang's stop_regex: a pattern or a list, Python `re` syntax (the scheduler searches
-        with `re`), compiled here so a bad one is a 400 naming it."""
-        items = [stop_regex] if isinstance(stop_regex, str) else stop_regex
-        if not isinstance(items, list):
-            raise self.fail("stop_regex", f"must be a string or a list of strings, got {type_name(stop_regex)}")
-        if len(items) > MAX_STOP_STRINGS:
-            raise self.fail("stop_regex", f"has {len(items)} entries, at most {MAX_STOP_STRINGS} allowed")
+        """SGLang's stop_regex: Python `re` syntax (the scheduler searches with `re`), compiled
+        here so a bad pattern is a 400 naming it."""
+        items = self._string_list("stop_regex", stop_regex)
         for i, pattern in enumerate(items):
-            if not isinstance(pattern, str):
-                raise self.fail(f"stop_regex[{i}]", f"must be a string, got {type_name(pattern)}")
             try:
                 matches_empty = re.compile(pattern).search("") is not None
             except (re.error, RecursionError, OverflowError) as exc:
                 raise self.fail(f"stop_regex[{i}]", f"is not a valid regular expression: {exc}") from None
             if matches_empty:  # would stop before the first token, as an empty stop string would
                 raise self.fail(f"stop_regex[{i}]", "matches the empty string")
-        return list(items)
+        return items
 
     def _token_id(self, name: str, t: Any) -> int:
         if not is_int(t):
