@@ -11,6 +11,7 @@ Prints the status histogram and writes JSON; exits 1 when a check fails.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import sys
 import time
@@ -156,9 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--server-args", default="--max-total-tokens 8000 --max-running-requests 16")
     p.add_argument("--output-file", default=None)
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
-    try:
-        import hypothesis  # noqa: F401
-    except ImportError:
+    if importlib.util.find_spec("hypothesis") is None:
         print("error: tandem bench fuzz needs hypothesis: pip install hypothesis", file=sys.stderr)
         return 1
     return run_checked(lambda server_args: run(args.cases, args.seed, server_args), print_report, "server_errors",

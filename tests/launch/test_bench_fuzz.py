@@ -24,3 +24,12 @@ def test_fuzz_500_cases(tiny_model_dir, tmp_path, monkeypatch):
 def test_bodies_keep_nan_and_bad_utf8_on_purpose():
     assert _encode("json", {"t": float("nan")}) == b'{"t": NaN}'
     assert _encode("raw", b"\xff") == b"\xff"
+
+
+def test_without_hypothesis_it_says_what_to_install(monkeypatch, capsys):
+    import importlib.util
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "hypothesis" else real_find_spec(name, *a))
+    assert main(["--cases", "1"]) == 1
+    assert "pip install hypothesis" in capsys.readouterr().err
