@@ -33,6 +33,9 @@ class DrainingServer(uvicorn.Server):
         self.drain_timeout = drain_timeout
         self.draining = False
         self.stopped_starting = False
+        # uvicorn reports a cancelled startup as a failure (the CancelledError's traceback, then
+        # "Application startup failed"): a stop the operator asked for is neither
+        logging.getLogger("uvicorn.error").addFilter(lambda record: not self.stopped_starting)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         # replaces uvicorn's: no re-raise of the signal after a clean drain, so the exit status is 0

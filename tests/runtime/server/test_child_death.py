@@ -231,7 +231,9 @@ def test_a_signal_during_the_startup_stops_it_at_once(tmp_path, tiny_model_dir):
             os.kill(pid, signal.SIGSTOP)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0, log_path.read_text()[-3000:]
-        assert "SIGTERM during the startup: stopping" in log_path.read_text()
+        log_text = log_path.read_text()
+        assert "SIGTERM during the startup: stopping" in log_text
+        assert "startup failed" not in log_text and "Traceback" not in log_text, log_text[-3000:]
         assert len(children) == 2 and _gone_within(children, 5.0)
         assert _ipc_dirs(proc.pid) == []
     finally:
