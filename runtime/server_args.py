@@ -129,6 +129,9 @@ class ServerArgs:
                              f"every node runs tp_size / nnodes ranks")
         if self.nnodes > 1 and self.dist_init_addr is None:
             raise ValueError("dist_init_addr (HOST:PORT on node 0) is needed with nnodes > 1")
+        if self.chat_template is not None and not os.path.isfile(self.chat_template):
+            raise ValueError(f"--chat-template: {self.chat_template!r} is not a Jinja template file "
+                             f"(SGLang's built-in conversation template names are not served here)")
         self._check_speculative()
         self._check_triton()
 

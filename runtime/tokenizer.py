@@ -12,6 +12,8 @@ import os
 from functools import lru_cache
 from pathlib import Path
 
+import jinja2
+import jinja2.nodes
 from transformers.tokenization_utils_tokenizers import PreTrainedTokenizerFast
 
 from tandem.runtime.model_files import cache_dir, file_cache_key, is_gguf, resolve_model_path
@@ -55,3 +57,37 @@ def max_chars_per_token(tokenizer: PreTrainedTokenizerFast) -> int:
     """The longest text one token stands for (its vocabulary string: bytes for byte-level BPE,
     which is at least the characters): a text longer than context x this cannot fit."""
     return max(len(token) for token in tokenizer.get_vocab())
+
+
+def read_chat_template(path: str) -> str:
+    """A `--chat-template` Jinja file as SGLang loads one: literal `\\n` escapes become newlines
+    (a template copied out of a tokenizer_config.json keeps them, and the prompt would hold a
+    backslash and an n), and blank lines before it (printed before the prompt) are dropped."""
+    return Path(path).read_text().strip("\n").replace("\\n", "\n")
+
+
+# the names templates give a message in `{% for part in message.content %}` (SGLang's detection)
+_MESSAGE_NAMES = ("message", "msg", "m")
+
+
+def template_content_format(template: str | None) -> str:
+    """SGLang's detection: "openai" when the chat template loops over a message's content (it
+    takes the list of parts), else "string" (parts are joined into one string for it)."""
+    try:
+        loops = jinja2.Environment().parse(template or "").find_all(jinja2.nodes.For)
+    except jinja2.TemplateSyntaxError:
+        return "string"
+    return "openai" if any(_is_content(loop.iter) for loop in loops) else "string"
+
+
+def _is_content(node: jinja2.nodes.Node) -> bool:
+    """`message.content` or `message['content']`, also under a filter (`| selectattr(...)`)."""
+    while isinstance(node, jinja2.nodes.Filter):
+        node = node.node
+    if isinstance(node, jinja2.nodes.Getattr):
+        name, target = node.attr, node.node
+    elif isinstance(node, jinja2.nodes.Getitem) and isinstance(node.arg, jinja2.nodes.Const):
+        name, target = node.arg.value, node.node
+    else:
+        return False
+    return name == "content" and isinstance(target, jinja2.nodes.Name) and target.name in _MESSAGE_NAMES

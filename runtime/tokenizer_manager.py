@@ -15,7 +15,6 @@ import secrets
 import time
 from collections.abc import AsyncGenerator, Callable
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -37,7 +36,7 @@ from tandem.runtime.server.validation import (GenerateItem, RequestLimits, check
                                               normalize_generate_request)
 from tandem.runtime.server.metrics import ServerMetrics
 from tandem.runtime.server_args import ServerArgs
-from tandem.runtime.tokenizer import load_tokenizer, max_chars_per_token
+from tandem.runtime.tokenizer import load_tokenizer, max_chars_per_token, read_chat_template, template_content_format
 
 logger = logging.getLogger("tandem.tokenizer_manager")
 DISCONNECT_POLL_S = 0.5
@@ -55,7 +54,8 @@ class TokenizerManager:
         self.args = args
         self.on_child_death = on_child_death
         self.tokenizer = load_tokenizer(args.tokenizer_path or args.model_path)
-        self.chat_template = Path(args.chat_template).read_text() if args.chat_template else None
+        self.chat_template = read_chat_template(args.chat_template) if args.chat_template else None
+        self.chat_content_format = template_content_format(self._default_chat_template())
         self.chat_sampling_defaults = _chat_sampling_defaults(args)
         self.addrs = IPCAddresses.fresh()
         self.ctx = zmq.asyncio.Context()
@@ -125,6 +125,11 @@ class TokenizerManager:
                 if self.on_child_death is not None:
                     self.on_child_death(reason)
                 return
+
+    def _default_chat_template(self) -> str | None:
+        """The template render_chat uses (a tokenizer may name several: transformers takes "default")."""
+        template = self.chat_template or self.tokenizer.chat_template
+        return template.get("default") if isinstance(template, dict) else template
 
     def render_chat(self, messages: list[dict], template_kwargs: dict) -> str:
         """The prompt text of a chat: the tokenizer's chat template (or --chat-template's)."""

@@ -155,7 +155,7 @@ def create_app(args: ServerArgs, on_child_death: Callable[[str], None] | None = 
     async def chat_completions(request: Request) -> Response:
         tm = holder["tm"]
         req = openai.chat_request(await read_json(request), served_name(), tm.render_chat, args.reasoning_parser,
-                                  tm.chat_sampling_defaults)
+                                  tm.chat_sampling_defaults, tm.chat_content_format)
         return await openai_call(request, req)
 
     @app.get("/health")

@@ -37,6 +37,8 @@ _UNSUPPORTED = ("functions", "function_call", "audio", "modalities", "prediction
                 "lora_path", "custom_logit_processor", "custom_params", "return_hidden_states",
                 "return_routed_experts", "session_params", "session_id", "return_token_ids",
                 "return_prompt_token_ids", "return_meta_info", "return_cached_tokens_details")
+# OpenAI's reasoning effort tiers, as SGLang's protocol accepts them
+_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
 # the roles SGLang's protocol accepts (after lowercasing)
 _ROLES = ("system", "user", "assistant", "tool", "function", "developer", "latest_reminder")
 _NATIVE_TOP = ("rid", "priority", "extra_key", "cache_salt")  # SGLang's extensions /generate takes as they are
@@ -127,22 +129,20 @@ def decode_echo(req: OpenAIRequest, tokenizer: Any) -> None:
 
 
 def chat_request(body: Any, served_model: str, render: Callable[[list, dict], str],
-                 reasoning_parser: str | None = None, sampling_defaults: dict[str, Any] | None = None) -> OpenAIRequest:
-    """`sampling_defaults`: the model's recommended sampling, for the fields the request leaves out."""
+                 reasoning_parser: str | None = None, sampling_defaults: dict[str, Any] | None = None,
+                 content_format: str = "string") -> OpenAIRequest:
+    """`sampling_defaults`: the model's recommended sampling, for the fields the request leaves out.
+    `content_format`: the chat template's (`tokenizer.template_content_format`)."""
     _check_object(body)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
         raise ValidationError("messages", "must be a non-empty list of message objects")
-    messages = [_flat_message(i, m) for i, m in enumerate(messages)]
+    messages = [_flat_message(i, m, content_format) for i, m in enumerate(messages)]
     kwargs = body.get("chat_template_kwargs")
     kwargs = {} if kwargs is None else kwargs
     if not isinstance(kwargs, dict):
         raise ValidationError("chat_template_kwargs", f"must be an object, got {kwargs!r}")
-    effort = body.get("reasoning_effort")
-    if effort is not None:  # as SGLang: for the chat template (a template that ignores it renders alike)
-        if effort not in ("low", "medium", "high"):
-            raise ValidationError("reasoning_effort", f"must be low, medium or high, got {effort!r}")
-        kwargs = {"reasoning_effort": effort, **kwargs}
+    kwargs = _with_effort(body.get("reasoning_effort"), kwargs)
     req = OpenAIRequest("chat", _model(body, served_model), _native_base(body), stream=_stream(body),
                         add_special_tokens=False)
     _stream_options(body, req)
@@ -169,12 +169,27 @@ def chat_request(body: Any, served_model: str, render: Callable[[list, dict], st
     return req
 
 
+def _with_effort(effort: Any, kwargs: dict) -> dict:
+    """As SGLang: the effort, a tier or SGLang's fine-grained number, goes to the chat template (one
+    that ignores it renders alike), and "none" switches thinking off unless chat_template_kwargs
+    says otherwise."""
+    if effort is None:
+        return kwargs
+    fine_grained = isinstance(effort, (int, float)) and not isinstance(effort, bool) and 0 <= effort <= 0.99
+    if not fine_grained and effort not in _EFFORTS:
+        msg = f"must be one of {', '.join(_EFFORTS)} or a number in [0, 0.99] (SGLang's), got {effort!r}"
+        raise ValidationError("reasoning_effort", msg)
+    off = {"thinking": False, "enable_thinking": False} if effort == "none" else {}
+    return {"reasoning_effort": effort, **off, **kwargs}
+
+
 def _render(messages: list[dict], kwargs: dict, render: Callable[[list, dict], str], continue_final: bool) -> str:
     """The prompt text, with SGLang's handling of a final assistant message: with
     `continue_final_message` the answer continues it (its text follows the generation prompt);
-    otherwise it is rendered as a user message, so the prompt always ends on the user's side."""
+    otherwise it is rendered as a user message, so the prompt always ends on the user's side. A
+    list of parts (a template that loops over them) stays as it is, as SGLang's."""
     prefix = ""
-    if messages[-1]["role"] == "assistant":
+    if messages[-1]["role"] == "assistant" and isinstance(messages[-1]["content"], str):
         if continue_final:
             prefix, messages = messages[-1]["content"], messages[:-1]
         else:
@@ -185,14 +200,17 @@ def _render(messages: list[dict], kwargs: dict, render: Callable[[list, dict], s
         raise ValidationError("messages", f"cannot be rendered by the chat template: {exc}") from None
 
 
-def _flat_message(i: int, message: dict) -> dict:
+def _flat_message(i: int, message: dict, content_format: str = "string") -> dict:
     """Roles lowercased, as SGLang's protocol does; a null content is empty (an assistant turn that
-    only called tools); text content parts joined by spaces, as SGLang does for the templates of
-    text-only models, which take a string."""
+    only called tools); text content parts joined by spaces for a template that takes a string, as
+    SGLang does, and kept as the list for one that loops over them (but a tool result's, as SGLang's
+    normalize_tool_content)."""
     role = message.get("role")
     if not isinstance(role, str) or role.lower() not in _ROLES:
         raise ValidationError(f"messages[{i}].role", f"must be one of {', '.join(_ROLES)}, got {role!r}")
     message = {**message, "role": role.lower()}
+    if message.get("tool_calls") is not None:
+        message["tool_calls"] = _tool_calls(i, message["tool_calls"])
     content = message.get("content")
     if content is None:
         if message["role"] == "user":  # the others may go without (an assistant's tool calls), as SGLang's
@@ -211,7 +229,38 @@ def _flat_message(i: int, message: dict) -> dict:
         if not isinstance(part.get("text"), str):
             raise ValidationError(f"{where}.text", "must be a string")
         texts.append(part["text"])
+    if content_format == "openai" and message["role"] != "tool":
+        return message
     return {**message, "content": " ".join(texts)}
+
+
+def _tool_calls(i: int, calls: Any) -> list:
+    """An earlier turn's tool calls, their `function.arguments` parsed from the JSON string OpenAI
+    clients send into an object, as SGLang hands them to the template: templates write them with
+    `| tojson`, which would quote the string a second time."""
+    if not isinstance(calls, list):
+        raise ValidationError(f"messages[{i}].tool_calls", "must be a list of tool calls")
+    parsed = []
+    for j, call in enumerate(calls):
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict):
+            raise ValidationError(f"messages[{i}].tool_calls[{j}].function", "is required: an object")
+        args = function.get("arguments")
+        if isinstance(args, str):
+            args = _arguments_object(f"messages[{i}].tool_calls[{j}].function.arguments", args)
+            call = {**call, "function": {**function, "arguments": args}}
+        parsed.append(call)
+    return parsed
+
+
+def _arguments_object(where: str, arguments: str) -> dict:
+    try:
+        value = orjson.loads(arguments)
+    except orjson.JSONDecodeError:
+        raise ValidationError(where, f"must be valid JSON, got {arguments[:50]!r}") from None
+    if not isinstance(value, dict):
+        raise ValidationError(where, f"must be a JSON object, got {arguments[:50]!r}")
+    return value
 
 
 def _require_reasoning(body: dict, native: dict[str, Any], parser: ReasoningParser | None) -> None:

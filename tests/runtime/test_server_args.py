@@ -210,3 +210,12 @@ def test_the_random_seed_is_drawn_once_per_launch_unless_given(caplog):
     # every node of a multi-node job draws alone, and the TP ranks must agree: 0 unless given
     multi = ServerArgs(tp_size=2, nnodes=2, dist_init_addr="h:1")
     assert resolve_random_seed(multi).random_seed == 0
+
+
+def test_chat_template_must_be_a_file(tmp_path):
+    """SGLang's built-in template names (chatml, llama-2, ...) are not served: a clear error naming
+    the flag at start-up, not a traceback."""
+    with pytest.raises(ValueError, match="--chat-template: 'chatml' is not a Jinja template file"):
+        ServerArgs(chat_template="chatml")
+    (tmp_path / "t.jinja").write_text("{{ messages }}")
+    assert ServerArgs(chat_template=str(tmp_path / "t.jinja")).chat_template == str(tmp_path / "t.jinja")

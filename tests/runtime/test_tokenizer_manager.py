@@ -50,6 +50,24 @@ def test_chat_sampling_defaults_follow_the_flag(tmp_path):
     assert _chat_sampling_defaults(ServerArgs(model_path=str(tmp_path), sampling_defaults="openai")) == {}
 
 
+def test_a_chat_template_file_sets_the_content_format(tiny_model_dir, tmp_path):
+    """--chat-template is read as SGLang reads it, and the format of message content (a list of
+    parts or one string) follows the template in use."""
+    from tandem.runtime.server_args import ServerArgs
+    from tandem.runtime.tokenizer_manager import TokenizerManager
+
+    looping = tmp_path / "parts.jinja"
+    looping.write_text("{% for m in messages %}{% for p in m.content %}{{ p.text }}{% endfor %}!\\n{% endfor %}\n")
+    for template, content_format in ((str(looping), "openai"), (None, "string")):
+        tm = TokenizerManager(ServerArgs(model_path=tiny_model_dir("llama"), chat_template=template))
+        try:
+            assert tm.chat_content_format == content_format
+            if template:
+                assert tm.render_chat([{"role": "user", "content": [{"type": "text", "text": "a"}]}], {}) == "a!\n"
+        finally:
+            tm.close()
+
+
 UNSTARTED_STREAM = """
 import asyncio, json, sys
 from tandem.runtime.server_args import ServerArgs

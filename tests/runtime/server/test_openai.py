@@ -5,6 +5,7 @@ import pytest
 
 from tandem.runtime.sampling.params import ValidationError
 from tandem.runtime.server import openai as oa
+from tandem.runtime.tokenizer import template_content_format
 
 
 def _completion(body: dict) -> oa.OpenAIRequest:
@@ -158,6 +159,16 @@ def test_reasoning_effort_goes_to_the_chat_template_as_sglangs():
     with pytest.raises(ValidationError) as err:
         _chat({"messages": [{"role": "user", "content": "x"}], "reasoning_effort": "extreme"})
     assert err.value.field == "reasoning_effort"
+    # every tier of SGLang's protocol passes; "none" switches thinking off unless the kwargs say otherwise
+    for bad in (1.5, True, -0.1):
+        with pytest.raises(ValidationError, match="reasoning_effort"):
+            _chat({"messages": [{"role": "user", "content": "x"}], "reasoning_effort": bad})
+    for effort in ("minimal", "xhigh", "max", 0.5, 0):
+        oa.chat_request({"messages": [{"role": "user", "content": "x"}], "reasoning_effort": effort}, "served", render)
+        assert seen.pop() == {"reasoning_effort": effort}
+    oa.chat_request({"messages": [{"role": "user", "content": "x"}], "reasoning_effort": "none",
+                     "chat_template_kwargs": {"thinking": True}}, "served", render)
+    assert seen.pop() == {"reasoning_effort": "none", "thinking": True, "enable_thinking": False}
     with pytest.raises(ValidationError) as err:  # completions render no template: refused, not ignored
         _completion({"prompt": "a", "reasoning_effort": "low"})
     assert err.value.field == "reasoning_effort" and "not supported" in err.value.message
@@ -230,3 +241,55 @@ def test_native_field_names_in_errors_become_openai_ones():
     assert req.rename(ValidationError("sampling_params.json_schema", "bad")).field == "json_schema"
     fmt = _chat({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}})
     assert fmt.rename(ValidationError("sampling_params.json_schema", "bad")).field == "response_format"
+
+
+# a template that renders earlier tool calls with `| tojson` and loops over content parts, as
+# Qwen2.5's and Llama 3's do
+_TOOL_TEMPLATE = (
+    "{% for message in messages %}{{ message.role }}:"
+    "{% if message.content is string %}{{ message.content }}"
+    "{% else %}{% for part in message.content %}{{ part.text }}{% endfor %}{% endif %}"
+    "{% for call in message.tool_calls or [] %}{{ call.function.arguments | tojson }}{% endfor %}|"
+    "{% endfor %}"
+)
+
+
+def _jinja(messages: list, kw: dict) -> str:
+    import jinja2
+
+    return jinja2.Environment().from_string(_TOOL_TEMPLATE).render(messages=messages, **kw)
+
+
+def test_tool_call_arguments_reach_the_template_as_an_object_as_sglangs():
+    """SGLang's normalize_assistant_tool_call_arguments: the JSON string OpenAI clients send is
+    parsed, so `| tojson` writes the object once, not a quoted string; a bad one is a 400."""
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"city": "Paris"}'}}
+    history = [{"role": "user", "content": "w?"}, {"role": "assistant", "content": None, "tool_calls": [call]},
+               {"role": "tool", "tool_call_id": "c1", "content": "22C"}]
+    text = oa.chat_request({"messages": history}, "served", _jinja).native["text"]
+    assert text == 'user:w?|assistant:{"city": "Paris"}|tool:22C|'
+    for args, problem in (("{not json", "valid JSON"), ("[1]", "a JSON object")):
+        bad = {**call, "function": {"name": "f", "arguments": args}}
+        with pytest.raises(ValidationError) as err:
+            _chat({"messages": [history[0], {**history[1], "tool_calls": [bad]}]})
+        assert err.value.field == "messages[1].tool_calls[0].function.arguments" and problem in err.value.message
+    with pytest.raises(ValidationError) as err:
+        _chat({"messages": [history[0], {**history[1], "tool_calls": [{"id": "c1"}]}]})
+    assert err.value.field == "messages[1].tool_calls[0].function"
+
+
+def test_content_parts_stay_a_list_for_a_template_that_loops_over_them():
+    """SGLang's process_content_for_template_format: a template that loops over message.content
+    gets the parts ("openai"); one that takes a string gets them joined by spaces ("string"), as a
+    tool result always is."""
+    assert template_content_format(_TOOL_TEMPLATE) == "openai"
+    parts = [{"type": "text", "text": "Hello"}, {"type": "text", "text": "world"}]
+    messages = [{"role": "user", "content": parts}, {"role": "tool", "content": parts}]
+    chat = lambda fmt: oa.chat_request({"messages": messages}, "served", _jinja,  # noqa: E731
+                                       content_format=fmt).native["text"]
+    assert chat("openai") == "user:Helloworld|tool:Hello world|"
+    assert chat("string") == "user:Hello world|tool:Hello world|"
+    # a final assistant turn given as parts is neither a prefix nor turned into the user's, as SGLang's
+    last = oa.chat_request({"messages": [messages[0], {"role": "assistant", "content": parts}],
+                            "continue_final_message": True}, "served", _jinja, content_format="openai")
+    assert last.native["text"] == "user:Helloworld|assistant:Helloworld|"
