@@ -37,6 +37,8 @@ _UNSUPPORTED = ("functions", "function_call", "audio", "modalities", "prediction
                 "lora_path", "custom_logit_processor", "custom_params", "return_hidden_states",
                 "return_routed_experts", "session_params", "session_id", "return_token_ids",
                 "return_prompt_token_ids", "return_meta_info", "return_cached_tokens_details")
+# apply_chat_template's own arguments, which the server sets when it renders a chat
+_RENDER_ARGS = frozenset(("tokenize", "add_generation_prompt", "chat_template", "continue_final_message"))
 # OpenAI's reasoning effort tiers, as SGLang's protocol accepts them
 _EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
 # the roles SGLang's protocol accepts (after lowercasing)
@@ -142,6 +144,9 @@ def chat_request(body: Any, served_model: str, render: Callable[[list, dict], st
     kwargs = {} if kwargs is None else kwargs
     if not isinstance(kwargs, dict):
         raise ValidationError("chat_template_kwargs", f"must be an object, got {kwargs!r}")
+    for key in _RENDER_ARGS.intersection(kwargs):  # apply_chat_template would fail on a second value
+        raise ValidationError(f"chat_template_kwargs.{key}", "is set by the server (continue a final assistant "
+                              "message with the request's continue_final_message)")
     kwargs = _with_effort(body.get("reasoning_effort"), kwargs)
     req = OpenAIRequest("chat", _model(body, served_model), _native_base(body), stream=_stream(body),
                         add_special_tokens=False)

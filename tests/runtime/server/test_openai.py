@@ -293,3 +293,10 @@ def test_content_parts_stay_a_list_for_a_template_that_loops_over_them():
     last = oa.chat_request({"messages": [messages[0], {"role": "assistant", "content": parts}],
                             "continue_final_message": True}, "served", _jinja, content_format="openai")
     assert last.native["text"] == "user:Helloworld|assistant:Helloworld|"
+
+
+@pytest.mark.parametrize("key", ["add_generation_prompt", "tokenize", "continue_final_message", "chat_template"])
+def test_chat_template_kwargs_cannot_set_the_renderers_own_arguments(key):
+    with pytest.raises(ValidationError) as err:
+        _chat({"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": {key: True}})
+    assert err.value.field == f"chat_template_kwargs.{key}"
