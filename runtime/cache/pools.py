@@ -9,6 +9,9 @@ import torch
 _HUGE_PAGE = 2 << 20
 _MADV_HUGEPAGE = 14
 _E4M3_MAX = 448.0
+# freed slot runs kept apart before they join the free list: without a bound, a server whose frees
+# never exhaust the free list (a large pool, --disable-radix-cache) piles up one tensor per release
+_MAX_PENDING_FREES = 1024
 
 
 class ReqToTokenPool:
@@ -51,9 +54,10 @@ class TokenAllocator:
         self._is_free = torch.ones(self.size + 1, dtype=torch.bool)
         self._is_free[0] = False
         self._pending: list[torch.Tensor] = []
+        self._pending_len = 0  # slots in _pending: available_size() runs several times a step
 
     def available_size(self) -> int:
-        return len(self._free) + sum(len(p) for p in self._pending)
+        return len(self._free) + self._pending_len
 
     def alloc(self, need: int) -> torch.Tensor | None:
         if need > len(self._free) and self._pending:
@@ -76,10 +80,13 @@ class TokenAllocator:
                 raise RuntimeError("KV slot freed twice")
             self._is_free[slots] = True
         self._pending.append(slots)
+        self._pending_len += len(slots)
+        if len(self._pending) >= _MAX_PENDING_FREES:
+            self._merge_pending()
 
     def _merge_pending(self) -> None:
         self._free = torch.cat([self._free, *self._pending])
-        self._pending = []
+        self._pending, self._pending_len = [], 0
 
 
 class KVPool:
