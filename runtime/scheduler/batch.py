@@ -71,10 +71,6 @@ class ScheduleBatch:
         for s in self.spans:
             s.req.outputs_in_flight -= s.max_new_tokens
 
-    @property
-    def cached_tokens(self) -> int:
-        return sum(s.prefix_len for s in self.spans)
-
 
 def build_batch(mode: ForwardMode, spans: list[ExtendSpan], ctx: BatchContext,
                 spec: SpecInfo | None = None) -> ScheduleBatch:

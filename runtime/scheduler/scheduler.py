@@ -144,6 +144,7 @@ class Scheduler:
             if self.watch is not None and self.watch.parent_gone():
                 self.watch.exit_orphaned()  # never keep generating for a main process that is gone
             t0 = time.perf_counter()
+            continued = self.planner.chunked  # a prompt split by the last prefill step
             batch = self._plan()
             if batch is not None:
                 self._launch(batch, follows_busy=busy)
@@ -160,7 +161,7 @@ class Scheduler:
             self._stream()
             if batch is not None:  # CPU time of this iteration, not counting waits for the device
                 self.stats.record_step(time.perf_counter() - t0 - waited)
-                self._log(batch)
+                self._log(batch, continued.req if continued is not None else None)
 
     def _plan(self) -> ScheduleBatch | None:
         plan = self.planner.next_batch()
@@ -221,8 +222,8 @@ class Scheduler:
             for req in taken:
                 self._end(req, reason)
         elif isinstance(msg, FlushCacheReq):
-            if self.planner.has_work():
-                self._reply(FlushCacheReply(req_id=msg.req_id, success=False, message="requests are still running"))
+            if (busy := self._pending_requests()) is not None:
+                self._reply(FlushCacheReply(req_id=msg.req_id, success=False, message=busy))
             else:
                 self._flush_pending.append(msg.req_id)  # done once no step is in flight
         elif isinstance(msg, GetServerInfoReq):
@@ -256,11 +257,20 @@ class Scheduler:
 
     def _flush_cache(self) -> None:
         req_ids, self._flush_pending = self._flush_pending, []
-        ok = not self.planner.has_work()  # requests may have arrived since the flush was asked for
-        if ok:
+        busy = self._pending_requests()  # requests may have arrived since the flush was asked for
+        if busy is None:
             self.kv.flush()
         for req_id in req_ids:
-            self._reply(FlushCacheReply(req_id=req_id, success=ok, message="" if ok else "requests are still running"))
+            self._reply(FlushCacheReply(req_id=req_id, success=busy is None, message=busy or ""))
+
+    def _pending_requests(self) -> str | None:
+        """Why the cache may not be flushed now, or None when no request is anywhere. As SGLang's
+        is_fully_idle, a request whose grammar is still compiling counts: it is queued, and a
+        flush that reports success while requests are queued would not be what SGLang does."""
+        queued = len(self.planner.waiting) + len(self.grammar_queue or ())
+        if not queued and not self.planner.has_work():
+            return None
+        return f"there are pending requests. #queue-req: {queued}, #running-req: {self.planner.num_running}"
 
     # -- results ---------------------------------------------------------------------------------------
     def _process(self, batch: ScheduleBatch) -> float:
@@ -346,11 +356,15 @@ class Scheduler:
             **self.stats.info(),
         }
 
-    def _log(self, batch: ScheduleBatch) -> None:
+    def _log(self, batch: ScheduleBatch, continued: Req | None) -> None:
+        """`continued`: the split prompt whose next chunk this step may run."""
         used = self.runner.max_total_tokens - self.kv.available_tokens()
         usage = used / self.runner.max_total_tokens
         if batch.mode == ForwardMode.EXTEND:
-            self.stats.log_prefill(len(batch.spans), batch.num_tokens, batch.cached_tokens, usage,
+            # #cached-token as SGLang's PrefillAdder counts it: prefix-cache hits of the requests this
+            # step admits; a continued chunk's prefix is its own earlier chunks, not a hit (add_chunked_req)
+            hits = sum(s.prefix_len for s in batch.spans if s.req is not continued)
+            self.stats.log_prefill(len(batch.spans), batch.num_tokens, hits, usage,
                                    len(self.planner.running), len(self.planner.waiting))
         else:
             self.stats.maybe_log_decode(len(self.planner.running), used, usage, len(self.planner.waiting), self.overlap)
