@@ -54,6 +54,8 @@ class ServerArgs:
     schedule_policy: str = "fcfs"
     enable_priority_scheduling: bool = False
     disable_priority_preemption: bool = False  # SGLang's: with priority scheduling, urgent arrivals preempt unless set
+    schedule_low_priority_values_first: bool = False  # SGLang's: smaller priority values run first
+    priority_scheduling_preemption_threshold: int = 10  # SGLang's: preempt only above this priority gap
     disable_radix_cache: bool = False
     disable_overlap_schedule: bool = False
     request_timeout: float | None = None

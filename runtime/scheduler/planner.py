@@ -19,11 +19,10 @@ from tandem.runtime.scheduler.batch import BatchContext, ExtendSpan, ScheduleBat
 from tandem.runtime.scheduler.forward_worker import SpecInfo
 from tandem.runtime.scheduler.kv_manager import KVManager
 from tandem.runtime.scheduler.policy import SchedulePolicy
-from tandem.runtime.scheduler.prefill_adder import ChunkedReq, PrefillAdder
+from tandem.runtime.scheduler.prefill_adder import ChunkedReq, PrefillAdder, decode_reserve
 from tandem.runtime.scheduler.request import Req
 
 logger = logging.getLogger("tandem.scheduler")
-PREEMPTION_THRESHOLD = 10  # priority gap that lets an arrival preempt a running request (SGLang's default)
 
 
 @dataclass(frozen=True)
@@ -37,7 +36,10 @@ class PlannerConfig:
     request_timeout: float | None = None
     schedule_policy: str = "fcfs"
     enable_priority_scheduling: bool = False
+    schedule_low_priority_values_first: bool = False  # SGLang's flag: smaller priority values run first
     priority_preemption: bool = False
+    # an arrival preempts a running request only when more urgent by MORE than this (SGLang's default)
+    priority_scheduling_preemption_threshold: int = 10
     force_retract_every: int = 0  # TANDEM_TEST_RETRACT: retract one request every N decode steps
     speculative_num_drafts: int = 0  # drafts per verify; 0: plain decoding
     speculative_disable_batch_size: int | None = None  # more running requests than this: no drafts
@@ -60,7 +62,8 @@ class Planner:
         self.cfg = cfg
         self.kv = kv
         self.ctx = ctx
-        self.policy = SchedulePolicy(cfg.schedule_policy, cfg.enable_priority_scheduling, kv.tree)
+        self.policy = SchedulePolicy(cfg.schedule_policy, cfg.enable_priority_scheduling, kv.tree,
+                                     cfg.schedule_low_priority_values_first)
         self.waiting: list[Req] = []
         self.running: list[Req] = []
         self.chunked: ChunkedReq | None = None
@@ -100,18 +103,19 @@ class Planner:
         cap = self.cfg.max_queued_requests
         if cap is not None and len(self.waiting) >= cap and self.queue_victim(req) is None:
             return FinishReason(type="abort", status_code=503, err_type="ServiceUnavailable",
-                                message=f"the waiting queue is full ({cap} requests)")
+                                message="The request queue is full.")  # SGLang's words
         return None
 
     def queue_victim(self, req: Req) -> Req | None:
         """The waiting request `req` displaces from a full queue: under --enable-priority-scheduling
-        the least urgent one (lowest priority, newest) when `req` is strictly more urgent, as
+        the least urgent one (SchedulePolicy.urgency, then newest) when `req` is strictly more urgent, as
         SGLang's _abort_on_queued_limit. None when the queue has room or `req` outranks nobody."""
         cap = self.cfg.max_queued_requests
         if cap is None or len(self.waiting) < cap or not self.cfg.enable_priority_scheduling or not self.waiting:
             return None
-        victim = min(self.waiting, key=lambda r: (r.priority, -r.arrival_seq))
-        return victim if req.priority > victim.priority else None
+        urgency = self.policy.urgency
+        victim = min(self.waiting, key=lambda r: (urgency(r), -r.arrival_seq))
+        return victim if urgency(req) > urgency(victim) else None
 
     def take(self, group_prefixes: list[str], abort_all: bool) -> list[Req]:
         """Remove and return every choice of the given groups (internal group prefixes), or
@@ -166,7 +170,7 @@ class Planner:
         for req in list(self.waiting):
             if adder.closed:
                 break
-            if self.num_running + len(adder.admitted) >= self.cfg.max_running_requests and not self._preempt_for(req):
+            if self.num_running + len(adder.admitted) >= self.cfg.max_running_requests and not self._preempt_for(req, adder):
                 break
             if not adder.add(req):
                 break
@@ -271,17 +275,36 @@ class Planner:
         return not (sp.has_penalties or req.grammar is not None or req.return_hidden_states
                     or sp.max_thinking_tokens is not None)
 
-    def _preempt_for(self, req: Req) -> bool:
-        """With priority scheduling (unless --disable-priority-preemption), a much more urgent arrival
-        retracts the least urgent running request, as SGLang's."""
+    def _preempt_for(self, req: Req, adder: PrefillAdder) -> bool:
+        """With priority scheduling (unless --disable-priority-preemption), an arrival more urgent
+        than running requests by more than --priority-scheduling-preemption-threshold retracts the
+        least urgent of them, as many as it needs to fit, as SGLang's preempt_to_schedule; none
+        when even those would not make room (a retraction that admits nobody only costs work)."""
         cfg = self.cfg
         if not (cfg.priority_preemption and cfg.enable_priority_scheduling and self.running):
             return False
-        victim = self.policy.retract_order(self.running)[0]
-        if req.priority - victim.priority < PREEMPTION_THRESHOLD:
+        urgency = self.policy.urgency
+        short = self._shortfall(req, adder)
+        victims: list[Req] = []
+        for victim in self.policy.retract_order(self.running):
+            if urgency(req) - urgency(victim) <= cfg.priority_scheduling_preemption_threshold:
+                break  # strictly more than the threshold, as SGLang's
+            victims.append(victim)
+            short -= victim.kv_alloc_len + decode_reserve([victim])
+            if short <= 0:
+                break
+        if not victims or short > 0:
             return False
-        self._retract(victim, [victim])
+        for victim in victims:
+            self._retract(victim, [victim])
+        adder.reserve -= decode_reserve(victims)  # they no longer decode this round
         return True
+
+    def _shortfall(self, req: Req, adder: PrefillAdder) -> int:
+        """KV slots `req` lacks to be admitted now, by PrefillAdder.add's test; <= 0: it fits."""
+        prefix_slots, _ = self.kv.match_prefix(req)
+        need = req.seq_len - len(prefix_slots) + adder.reserve + decode_reserve([req])
+        return need - self.kv.available_tokens()
 
     @staticmethod
     def _planned_outputs(req: Req) -> int:

@@ -17,9 +17,6 @@ from tandem.ipc.messages import FinishReason, LogprobArrays, LogprobParams, Toke
 from tandem.runtime.sampling.logprobs import InputLogprobAccumulator
 from tandem.runtime.sampling.params import SamplingParams
 
-# a request that names no priority is the least urgent (SGLang: -sys.maxsize - 1 when larger runs first)
-NO_PRIORITY = -(1 << 63)
-
 
 @dataclass(eq=False)
 class Req:
@@ -31,7 +28,7 @@ class Req:
     arrival_seq: int
     logprob: LogprobParams = field(default_factory=LogprobParams)
     return_hidden_states: bool = False
-    priority: int = NO_PRIORITY
+    priority: int | None = None  # None: the least urgent (SchedulePolicy.urgency)
     extra_key: str | None = None
     require_reasoning: bool = False  # the grammar starts after the think-end token
     # logit_bias as (ids int64, values float32), made once: a full-vocabulary bias must not cost
@@ -88,7 +85,7 @@ class Req:
         seed = sp.sampling_seed if sp.sampling_seed is not None else default_seed
         req = Req(rid=msg.rid, origin_input_ids=np.asarray(msg.input_ids).tolist(), sampling_params=sp,
                   stream=msg.stream, seed=seed, arrival_seq=arrival_seq, logprob=msg.logprob,
-                  return_hidden_states=msg.return_hidden_states, priority=msg.priority if msg.priority is not None else NO_PRIORITY,
+                  return_hidden_states=msg.return_hidden_states, priority=msg.priority,
                   extra_key=msg.extra_key, require_reasoning=msg.require_reasoning)
         if sp.logit_bias:
             req.logit_bias = (np.fromiter(sp.logit_bias.keys(), np.int64, len(sp.logit_bias)),

@@ -56,6 +56,8 @@ def planner_config(args: ServerArgs, runner: ModelRunner) -> PlannerConfig:
         chunked_prefill_size=args.chunked_prefill_size, max_queued_requests=args.max_queued_requests,
         request_timeout=args.request_timeout, schedule_policy=args.schedule_policy,
         enable_priority_scheduling=args.enable_priority_scheduling, priority_preemption=not args.disable_priority_preemption,
+        schedule_low_priority_values_first=args.schedule_low_priority_values_first,
+        priority_scheduling_preemption_threshold=args.priority_scheduling_preemption_threshold,
         force_retract_every=envs.TEST_RETRACT_INTERVAL.get() if envs.TEST_RETRACT.get() else 0,
         speculative_num_drafts=args.speculative_num_draft_tokens - 1 if args.speculative_algorithm else 0,
         speculative_disable_batch_size=args.speculative_disable_batch_size,
@@ -252,7 +254,7 @@ class Scheduler:
             return
         if (victim := self.planner.queue_victim(req)) is not None:
             self._finish(victim, FinishReason(type="abort", status_code=503, err_type="ServiceUnavailable",
-                                              message="the waiting queue is full and a more urgent request came"))
+                                              message="The request is aborted by a higher priority request."))
         self.planner.add(req)
 
     def _flush_cache(self) -> None:

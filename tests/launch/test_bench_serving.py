@@ -213,8 +213,8 @@ def test_payload_text_prompt_and_stream_error() -> None:
         bench_serving.apply_chunk(RequestResult(), {"error": {"message": "out of memory"}}, 0.0)
     # SGLang's (and tandem's) failed stream: the usual chunk, its finish_reason an abort with a status
     failed = {"text": "", "output_ids": [], "meta_info": {"finish_reason": {
-        "type": "abort", "message": "the waiting queue is full", "status_code": 503, "err_type": "ServiceUnavailable"}}}
-    with pytest.raises(bench_serving.StreamError, match="503: the waiting queue is full"):
+        "type": "abort", "message": "The request queue is full.", "status_code": 503, "err_type": "ServiceUnavailable"}}}
+    with pytest.raises(bench_serving.StreamError, match="503: The request queue is full."):
         bench_serving.apply_chunk(RequestResult(), failed, 0.0)
     aborted = {"text": "", "output_ids": [], "meta_info": {"finish_reason": {"type": "abort", "status_code": 200}}}
     bench_serving.apply_chunk(RequestResult(), aborted, 0.0)  # a user's abort is an ordinary end

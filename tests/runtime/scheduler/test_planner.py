@@ -174,6 +174,61 @@ def test_priority_preemption_retracts_the_least_urgent_running_request():
     core2.assert_no_leaks()
 
 
+
+def test_preemption_needs_a_gap_above_the_threshold():
+    """SGLang's preempt_to_schedule: priority_diff > --priority-scheduling-preemption-threshold
+    (10); a gap of exactly 10 waits for a free slot."""
+    for gap, preempts in ((10, False), (11, True)):
+        core = make_core(max_running_requests=1, enable_priority_scheduling=True, priority_preemption=True)
+        low = core.add("low", 3, max_new_tokens=8, priority=0)
+        core.process(core.plan())
+        core.add("urgent", 3, max_new_tokens=2, priority=gap)
+        batch = core.plan()
+        assert ([s.req.rid for s in batch.spans] == ["urgent"]) is preempts and low.retract_count == int(preempts)
+    core = make_core(max_running_requests=1, enable_priority_scheduling=True, priority_preemption=True,
+                     priority_scheduling_preemption_threshold=0)
+    low = core.add("low", 3, max_new_tokens=8, priority=0)
+    core.process(core.plan())
+    core.add("urgent", 3, max_new_tokens=2, priority=1)
+    assert [s.req.rid for s in core.plan().spans] == ["urgent"] and low.retract_count == 1
+
+
+
+def test_preemption_retracts_as_many_as_the_arrival_needs_or_none():
+    """SGLang's preempt_to_schedule: the least urgent running requests give way until the arrival
+    fits; when even every preemptible one would not make room, none is retracted for nothing."""
+    core = make_core(max_total_tokens=60, max_running_requests=2, enable_priority_scheduling=True, priority_preemption=True)
+    a, b = core.add("a", 20, max_new_tokens=6, priority=0), core.add("b", 20, max_new_tokens=6, priority=0)
+    core.process(core.plan())
+    core.add("h", 40, max_new_tokens=2, priority=50)  # needs both a's and b's memory
+    batch = core.plan()
+    assert [s.req.rid for s in batch.spans] == ["h"] and a.retract_count == b.retract_count == 1
+    core.process(batch)
+    core.run()
+    core.assert_no_leaks()
+    core = make_core(max_total_tokens=60, max_running_requests=2, enable_priority_scheduling=True, priority_preemption=True)
+    a, b = core.add("a", 20, max_new_tokens=6, priority=0), core.add("b", 20, max_new_tokens=6, priority=20)
+    core.process(core.plan())
+    core.add("h", 40, max_new_tokens=2, priority=25)  # only a is 10+ below: its memory alone is not enough
+    batch = core.plan()
+    assert batch.mode == ForwardMode.DECODE and a.retract_count == b.retract_count == 0
+
+def test_low_priority_values_first_preempts_and_displaces_toward_small_values():
+    """Under --schedule-low-priority-values-first, 0 preempts a running 20, and a full queue gives way
+    to a smaller value, not a larger one (SGLang's direction = 1)."""
+    core = make_core(max_running_requests=1, max_queued_requests=1, enable_priority_scheduling=True,
+                     priority_preemption=True, schedule_low_priority_values_first=True)
+    late = core.add("late_0", 3, max_new_tokens=8, priority=20)
+    core.process(core.plan())
+    queued = core.add("queued_0", 3, max_new_tokens=2, priority=None)  # no priority: sys.maxsize
+    larger, smaller = (core.add(rid, 3, priority=p) for rid, p in (("larger_0", 30), ("smaller_0", 5)))
+    core.planner.waiting.remove(larger), core.planner.waiting.remove(smaller)
+    assert core.planner.queue_victim(larger) is queued and core.planner.queue_victim(smaller) is queued
+    core.planner.waiting.remove(queued)
+    core.planner.add(smaller)
+    assert core.planner.queue_victim(queued) is None and core.planner.queue_error(queued).status_code == 503
+    assert [s.req.rid for s in core.plan().spans] == ["smaller_0"] and late.retract_count == 1
+
 def test_a_lone_request_that_cannot_grow_is_returned_as_out_of_memory():
     core = make_core(max_total_tokens=8, radix=False)
     r = core.add("r", 3, max_new_tokens=5)

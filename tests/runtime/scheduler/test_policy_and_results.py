@@ -185,3 +185,19 @@ def test_a_stop_string_ending_in_a_character_split_over_tokens_ends_the_request(
                     break
             assert r.finished_reason is not None and r.finished_reason.matched == stop, (text, step)
             assert smol_tokenizer.decode(r.output_ids).endswith(stop)
+
+
+def test_low_priority_values_first_flips_the_order_and_the_default():
+    """SGLang's --schedule-low-priority-values-first: smaller values run first, and a request that
+    names no priority gets sys.maxsize (the least urgent) instead of -sys.maxsize - 1."""
+    tree = RadixCache(TokenAllocator(64))
+    one, nine, none_ = _req(1, priority=1), _req(2, priority=9), _req(3, priority=None)
+    very_low = _req(4, priority=-(1 << 63))
+    low_first = SchedulePolicy("fcfs", True, tree, low_values_first=True)
+    waiting = [none_, nine, one, very_low]
+    low_first.sort(waiting)
+    assert waiting == [very_low, one, nine, none_]
+    assert low_first.retract_order([one, nine, none_])[0] is none_
+    waiting = [none_, nine, one, very_low]
+    SchedulePolicy("fcfs", True, tree).sort(waiting)
+    assert waiting == [nine, one, none_, very_low]  # none and -2**63 tie (SGLang's default): arrival order

@@ -149,11 +149,11 @@ def test_when_one_choice_fails_its_siblings_are_aborted_and_the_call_fails(tmp_p
             # choices 0 and 1 fill the queue, choices 2 and 3 are refused: the call ends with that error
             body = {"input_ids": [8] * 4, "rid": "four", "sampling_params": {"max_new_tokens": 4, "n": 4}}
             resp = server.post("/generate", body)
-            assert resp.status_code == 503 and "waiting queue is full" in resp.json()["error"]["message"]
+            assert resp.status_code == 503 and "The request queue is full." in resp.json()["error"]["message"]
             _wait(server, lambda info: info["num_queue_reqs"] == 0, timeout=3.0)  # the queued siblings left
             stream = requests.post(server.url + "/generate", json={**body, "stream": True}, stream=True, timeout=60)
             events = [line for line in stream.iter_lines() if line]
-            assert b"waiting queue is full" in events[-2] and events[-1] == b"data: [DONE]"
+            assert b"The request queue is full." in events[-2] and events[-1] == b"data: [DONE]"
             # SGLang's shape: the failed request's last chunk, its finish_reason an abort with the status
             last = json.loads(events[-2].removeprefix(b"data: "))
             assert last["meta_info"]["finish_reason"]["status_code"] == 503 and "text" in last
@@ -162,7 +162,7 @@ def test_when_one_choice_fails_its_siblings_are_aborted_and_the_call_fails(tmp_p
             # (SGLang checks the limit then): the third of three is refused, not queued past the limit
             guided = {"input_ids": [7] * 4, "sampling_params": {"max_new_tokens": 4, "n": 3, "regex": "[ab]{4}"}}
             resp = server.post("/generate", guided, timeout=20)
-            assert resp.status_code == 503 and "waiting queue is full" in resp.json()["error"]["message"]
+            assert resp.status_code == 503 and "The request queue is full." in resp.json()["error"]["message"]
             _wait(server, lambda info: info["num_queue_reqs"] == 0, timeout=3.0)
             assert not blocker.done()
             server.post("/abort_request", {"rid": "blocker"})
@@ -189,11 +189,11 @@ def test_a_full_queue_gives_way_to_a_more_urgent_request(tmp_path, tiny_model_di
                                                           "sampling_params": {"max_new_tokens": 2}})
             _wait(server, lambda info: info["num_queue_reqs"] == 1)
             lower = server.post("/generate", {"input_ids": [7] * 4, "priority": -3, "sampling_params": {"max_new_tokens": 2}})
-            assert lower.status_code == 503 and "waiting queue is full" in lower.json()["error"]["message"]
+            assert lower.status_code == 503 and "The request queue is full." in lower.json()["error"]["message"]
             high = {"input_ids": [6] * 4, "rid": "high", "priority": 5, "sampling_params": {"max_new_tokens": 2}}
             high_call = pool.submit(server.post, "/generate", high)
             evicted = low.result(30)
-            assert evicted.status_code == 503 and "more urgent" in evicted.json()["error"]["message"]
+            assert evicted.status_code == 503 and "higher priority request" in evicted.json()["error"]["message"]
             server.post("/abort_request", {"rid": "blocker"})
             assert high_call.result(30).status_code == 200 and blocker.result(30)["meta_info"]["finish_reason"]["type"] == "abort"
         assert_no_leaks(server)
