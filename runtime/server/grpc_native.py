@@ -6,13 +6,15 @@ each value a string (JSON for anything that is not one), with `index` for n > 1.
 """
 from __future__ import annotations
 
+import asyncio
+import functools
 from typing import Any, AsyncIterator
 
 import grpc
 import orjson
 
 from tandem.runtime.server.grpc_requests import native_service_request
-from tandem.runtime.server.grpc_server import GrpcAuth, GrpcError, native_results
+from tandem.runtime.server.grpc_server import GrpcAuth, GrpcError, native_results, not_serving
 from tandem.runtime.server.info import current_loads, health_generate, model_info, served_model_name, server_info
 from tandem.runtime.server.proto import sglang_pb2 as pb
 from tandem.runtime.tokenizer_manager import TokenizerManager
@@ -57,6 +59,8 @@ class NativeService:
 
     async def HealthCheck(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         """Healthy when a one-token generation goes through every process in time."""
+        if not_serving(self.tm) is not None:
+            return pb.HealthCheckResponse(healthy=False)
         try:
             await health_generate(self.tm, HEALTH_TIMEOUT_S)
         except Exception:  # noqa: BLE001 - any failure is "not healthy", never an RPC error
@@ -93,13 +97,21 @@ class NativeService:
 
     async def Tokenize(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         add_special = request.add_special_tokens if request.HasField("add_special_tokens") else True
-        ids = self.tm.tokenizer.encode(request.text, add_special_tokens=add_special)
+        # off the event loop: a long text takes seconds, which would stall every stream
+        ids = await asyncio.get_running_loop().run_in_executor(
+            None, functools.partial(self.tm.tokenizer.encode, request.text, add_special_tokens=add_special))
         return pb.TokenizeResponse(tokens=ids, count=len(ids), max_model_len=self.tm.model_info["context_len"],
                                    input_text=request.text)
 
     async def Detokenize(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        text = await asyncio.get_running_loop().run_in_executor(None, self._detokenize, list(request.tokens))
+        return pb.DetokenizeResponse(text=text)
+
+    def _detokenize(self, tokens: list[int]) -> str:
+        """Off the event loop (a long list takes seconds); special tokens skipped, as SGLang's
+        Detokenize decodes."""
         vocab = self.tm.model_info["vocab_size"]
-        for i, t in enumerate(request.tokens):
+        for i, t in enumerate(tokens):
             if not 0 <= t < vocab:
                 raise GrpcError(grpc.StatusCode.INVALID_ARGUMENT, f"tokens[{i}]: {t} is not in [0, {vocab})")
-        return pb.DetokenizeResponse(text=self.tm.tokenizer.decode(list(request.tokens)))
+        return self.tm.tokenizer.decode(tokens, skip_special_tokens=True)

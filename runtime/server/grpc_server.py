@@ -23,7 +23,7 @@ from tandem.runtime.request_groups import RequestError
 from tandem.runtime.sampling.params import ValidationError
 from tandem.runtime.server.auth import parse_bearer, token_is_admin, token_may_call
 from tandem.runtime.server.grpc_requests import GrpcRequest
-from tandem.runtime.tokenizer_manager import TokenizerManager
+from tandem.runtime.tokenizer_manager import SHUTTING_DOWN, TokenizerManager
 
 logger = logging.getLogger("tandem.grpc")
 _OPEN_METHODS = frozenset({"HealthCheck"})  # probes need no key, as HTTP's /health
@@ -62,6 +62,13 @@ def _bearer(metadata: Any) -> str | None:
 
 def status_of(http_status: int) -> grpc.StatusCode:
     return _STATUS.get(http_status, grpc.StatusCode.INTERNAL)
+
+
+def not_serving(tm: TokenizerManager) -> str | None:
+    """Why new requests are refused (draining after SIGTERM, a dead child), else None. Health
+    checks answer unhealthy then, as SGLang's servicer once it is shutting down: a probe that saw
+    other requests' outputs would pass while the gateway's next request gets UNAVAILABLE."""
+    return tm.dead_reason or (SHUTTING_DOWN if tm.draining else None)
 
 
 def grpc_error(req: GrpcRequest, exc: ValidationError | RequestError) -> GrpcError:
@@ -126,6 +133,8 @@ def _unary(impl: Callable, auth: GrpcAuth) -> Callable:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except GrpcError as exc:
             await context.abort(exc.code, exc.message)
+        except RequestError as exc:  # a control call the scheduler did not answer, a dead child: as HTTP's status
+            await context.abort(status_of(exc.status_code), exc.message)
     return handler
 
 
@@ -139,6 +148,8 @@ def _streaming(impl: Callable, auth: GrpcAuth) -> Callable:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except GrpcError as exc:
             await context.abort(exc.code, exc.message)
+        except RequestError as exc:
+            await context.abort(status_of(exc.status_code), exc.message)
     return handler
 
 

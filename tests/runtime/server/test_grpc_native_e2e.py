@@ -177,6 +177,9 @@ def test_other_rpcs(channel, grpc_server):
     assert tok.count == len(tok.tokens) > 0
     text = _call(channel, "Detokenize", pb.DetokenizeRequest(tokens=tok.tokens), pb.DetokenizeResponse, stream=False)
     assert text.text == "Hello world"
+    framed = pb.DetokenizeRequest(tokens=[1, *tok.tokens, 2, 0])  # <|im_start|> ... <|im_end|><|endoftext|>
+    text = _call(channel, "Detokenize", framed, pb.DetokenizeResponse, stream=False)
+    assert text.text == "Hello world"  # special tokens skipped, as SGLang's Detokenize
     with pytest.raises(grpc.RpcError) as err:
         _call(channel, "Detokenize", pb.DetokenizeRequest(tokens=[-1]), pb.DetokenizeResponse, stream=False)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and err.value.details().startswith("tokens[0]")

@@ -3,6 +3,7 @@ request the admin key, as on HTTP."""
 from __future__ import annotations
 
 import asyncio
+import threading
 from typing import Any
 
 import grpc
@@ -10,6 +11,10 @@ import pytest
 
 from smg_grpc_proto.generated import common_pb2
 
+from smg_grpc_proto import sglang_scheduler_pb2 as smg_pb
+
+from tandem.runtime.request_groups import RequestError
+from tandem.runtime.server import grpc_native, grpc_scheduler
 from tandem.runtime.server.grpc_native import NativeService
 from tandem.runtime.server.grpc_scheduler import SchedulerService
 from tandem.runtime.server.grpc_server import GrpcAuth, _streaming, _unary, service_handler
@@ -137,3 +142,62 @@ def test_health_check_is_open_as_http_health_is():
     with pytest.raises(Aborted):
         asyncio.run(method("GetLoad")(None, closed_ctx))
     assert closed_ctx.code == grpc.StatusCode.UNAUTHENTICATED
+
+
+@pytest.mark.parametrize("status, code", [(503, grpc.StatusCode.UNAVAILABLE), (500, grpc.StatusCode.INTERNAL)])
+def test_a_request_error_is_its_status_not_unknown(status, code):
+    """A control call the scheduler does not answer (HTTP's 503), or a dead child (500): the same
+    status over gRPC, never UNKNOWN with a Python class name."""
+    async def server_info(request: Any, context: Any) -> Any:
+        raise RequestError(status, "the scheduler did not answer within 10 s")
+
+    async def generate(request: Any, context: Any):
+        raise RequestError(status, "the scheduler did not answer within 10 s")
+        yield
+
+    async def drain(ctx: FakeContext) -> None:
+        async for _ in _streaming(generate, GrpcAuth())(None, ctx):
+            pass
+
+    for run in (lambda ctx: _unary(server_info, GrpcAuth())(None, ctx), drain):
+        ctx = FakeContext(None)
+        with pytest.raises(Aborted, match="did not answer"):
+            asyncio.run(run(ctx))
+        assert ctx.code == code
+
+
+def test_health_checks_are_unhealthy_while_draining(monkeypatch):
+    """After SIGTERM new requests get UNAVAILABLE: the probes say so, though other requests'
+    outputs would pass the one-token generation's progress check."""
+    async def progressing(tm: Any, timeout_s: float) -> None:
+        return None
+
+    monkeypatch.setattr(grpc_native, "health_generate", progressing)
+    monkeypatch.setattr(grpc_scheduler, "health_generate", progressing)
+    tm = FakeTM()
+    tm.dead_reason, tm.draining = None, False
+    native = NativeService(tm, GrpcAuth())  # type: ignore[arg-type]
+    gateway = SchedulerService(tm, GrpcAuth())  # type: ignore[arg-type]
+    assert asyncio.run(native.HealthCheck(pb.HealthCheckRequest(), None)).healthy
+    tm.draining = True
+    assert not asyncio.run(native.HealthCheck(pb.HealthCheckRequest(), None)).healthy
+    answer = asyncio.run(gateway.HealthCheck(smg_pb.HealthCheckRequest(), None))
+    assert not answer.healthy and answer.message == "the server is shutting down"
+
+
+def test_tokenize_and_detokenize_run_off_the_event_loop():
+    """A long text takes seconds to tokenize: on the event loop it would stall every stream."""
+    class Tokenizer:
+        def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+            assert threading.current_thread() is not threading.main_thread()
+            return [1, 2]
+
+        def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+            assert threading.current_thread() is not threading.main_thread()
+            return "ab"
+
+    tm = FakeTM()
+    tm.tokenizer, tm.model_info = Tokenizer(), {"context_len": 8, "vocab_size": 4}
+    native = NativeService(tm, GrpcAuth())  # type: ignore[arg-type]
+    assert list(asyncio.run(native.Tokenize(pb.TokenizeRequest(text="ab"), None)).tokens) == [1, 2]
+    assert asyncio.run(native.Detokenize(pb.DetokenizeRequest(tokens=[1, 2]), None)).text == "ab"
