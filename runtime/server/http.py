@@ -15,7 +15,7 @@ from fastapi.responses import PlainTextResponse, Response, StreamingResponse
 from tandem.runtime.server.validation import ValidationError
 from tandem.runtime.server_args import ServerArgs
 from tandem.runtime.request_groups import CallStream, ClientDisconnected, RequestError
-from tandem.runtime.server import openai, openai_responses
+from tandem.runtime.server import openai, openai_responses, responses_api
 from tandem.runtime.server.info import VERSION, current_loads, health_generate, model_info, served_model_name, server_info
 from tandem.runtime.server.auth import ApiKeyMiddleware, is_admin
 from tandem.runtime.tokenizer_manager import SHUTTING_DOWN, TokenizerManager
@@ -138,12 +138,16 @@ def create_app(args: ServerArgs, on_child_death: Callable[[str], None] | None = 
             if req.stream:
                 stream = await tm.generate_stream(req.native, req.add_special_tokens)
                 openai.decode_echo(req, tm.tokenizer)  # the ids passed validation: they are token ids
+                if req.kind == "response":  # named events, no [DONE], as SGLang's responses stream
+                    return _CallResponse(stream, responses_api.responses_events(req, stream), named=True)
                 return _CallResponse(stream, openai_responses.stream_chunks(req, stream, n))
             results = await tm.generate({**req.native}, request.is_disconnected, req.add_special_tokens)
         except ValidationError as exc:
             raise req.rename(exc) from None
         openai.decode_echo(req, tm.tokenizer)
         results = results if isinstance(results, list) else [results]
+        if req.kind == "response":
+            return _json(responses_api.responses_response(req, results[0]))
         return _json(openai_responses.response(req, results, n))
 
     @app.post("/v1/completions")
@@ -156,6 +160,13 @@ def create_app(args: ServerArgs, on_child_death: Callable[[str], None] | None = 
         tm = holder["tm"]
         req = openai.chat_request(await read_json(request), served_name(), tm.render_chat, args.reasoning_parser,
                                   tm.chat_sampling_defaults, tm.chat_content_format)
+        return await openai_call(request, req)
+
+    @app.post("/v1/responses")
+    async def responses(request: Request) -> Response:
+        tm = holder["tm"]
+        req = responses_api.responses_request(await read_json(request), served_name(), tm.render_chat,
+                                              args.reasoning_parser, tm.chat_sampling_defaults, tm.chat_content_format)
         return await openai_call(request, req)
 
     @app.get("/health")
@@ -273,9 +284,10 @@ class _CallResponse(StreamingResponse):
     """Server-sent events of a streamed call, which it ends however the response ends: finished,
     failed, the client gone mid-stream, or cancelled before the first chunk was asked for."""
 
-    def __init__(self, stream: CallStream, events: AsyncIterator[dict] | None = None) -> None:
-        """`events`: what is sent, built from `stream` (default: the stream's own chunks)."""
-        super().__init__(_sse(stream if events is None else events), media_type="text/event-stream")
+    def __init__(self, stream: CallStream, events: AsyncIterator[dict] | None = None, named: bool = False) -> None:
+        """`events`: what is sent, built from `stream` (default: the stream's own chunks); `named`:
+        Responses API events, each under its type's name."""
+        super().__init__(_sse(stream if events is None else events, named), media_type="text/event-stream")
         self._stream = stream
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
@@ -285,7 +297,9 @@ class _CallResponse(StreamingResponse):
             await self._stream.aclose()
 
 
-async def _sse(events: AsyncIterator[dict]) -> AsyncIterator[bytes]:
+async def _sse(events: AsyncIterator[dict], named: bool = False) -> AsyncIterator[bytes]:
     async for event in events:
-        yield b"data: " + orjson.dumps(event, option=orjson.OPT_SERIALIZE_NUMPY) + b"\n\n"
-    yield b"data: [DONE]\n\n"
+        head = b"event: " + event["type"].encode() + b"\n" if named else b""
+        yield head + b"data: " + orjson.dumps(event, option=orjson.OPT_SERIALIZE_NUMPY) + b"\n\n"
+    if not named:
+        yield b"data: [DONE]\n\n"

@@ -1,5 +1,5 @@
 """The OpenAI API (`/v1/completions`, `/v1/chat/completions`) as a translation onto `/generate`:
-its requests (the answers' shapes: openai_responses).
+its requests (the answers' shapes: openai_responses; `/v1/responses`, a chat request: responses_api).
 
 A request becomes a native body (so every field is validated exactly as `/generate` validates
 it; a native field name in an error is mapped back to the OpenAI one), runs through the
@@ -52,7 +52,7 @@ _PROMPT_FIELD = re.compile(r"(?:text|input_ids)(.*)")
 class OpenAIRequest:
     """A translated request: the native body and what shaping the answer needs."""
 
-    kind: str  # "completion" | "chat"
+    kind: str  # "completion" | "chat" | "response" (/v1/responses: a chat request answered in its shape)
     model: str
     native: dict[str, Any]
     # native sampling field -> the name this client sent it under, where that differs per request
@@ -68,6 +68,7 @@ class OpenAIRequest:
     stream: bool = False
     reasoning: ReasoningParser | None = None  # chat: split reasoning_content off the answer
     add_special_tokens: bool = True  # a text prompt's BOS; a chat template writes its own
+    echoed: dict[str, Any] = field(default_factory=dict)  # /v1/responses: the request fields its answer repeats
 
     def rename(self, exc: ValidationError) -> ValidationError:
         """A native field name in a validation error -> the OpenAI one the client sent."""
@@ -76,10 +77,12 @@ class OpenAIRequest:
             native, rest = m.groups()
             name = (self.renames.get(native) or _NATIVE_TO_OPENAI.get(native, native)) + rest
         elif m := _PROMPT_FIELD.match(name):  # chat: the rendered messages, or the client's input_ids
-            if self.kind != "chat":
+            if self.kind == "completion":
                 name = "prompt" + m.group(1)
             elif "text" in self.native:
-                name = "messages"
+                name = "messages" if self.kind == "chat" else "input"
+        elif name == "rid" and self.kind == "response":
+            name = "request_id"
         elif name.startswith("top_logprobs_num"):
             name = "top_logprobs" if self.kind == "chat" else "logprobs"
         # a message that compares with another field names it as this client knows it too

@@ -1,5 +1,5 @@
 """Native `/generate` results -> the OpenAI API's response, stream chunk and error shapes
-(the requests: openai)."""
+(the requests: openai; /v1/responses: responses_api)."""
 from __future__ import annotations
 
 import secrets
@@ -14,8 +14,11 @@ from tandem.runtime.server.reasoning import StreamSplitter
 _FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
 
 
-def _id(kind: str) -> str:
-    return ("chatcmpl-" if kind == "chat" else "cmpl-") + secrets.token_hex(12)
+def _id(req: OpenAIRequest) -> str:
+    """The client's rid (a batch's first), as SGLang's answer carries its request's id; else a fresh one."""
+    rid = req.native.get("rid")
+    rid = rid[0] if isinstance(rid, list) and rid else rid
+    return rid if isinstance(rid, str) else ("chatcmpl-" if req.kind == "chat" else "cmpl-") + secrets.token_hex(12)
 
 
 def _finish(meta: dict) -> tuple[str | None, Any]:
@@ -89,13 +92,13 @@ def response(req: OpenAIRequest, results: list[dict], n: int) -> dict[str, Any]:
                 _completion_logprobs(meta, len(echo)) if req.logprobs else None)
             choice = {"index": i, "text": echo + r["text"], "logprobs": logprobs}
         choices.append({**choice, "finish_reason": reason, "matched_stop": matched})
-    return {"id": _id(req.kind), "object": "chat.completion" if req.kind == "chat" else "text_completion",
+    return {"id": _id(req), "object": "chat.completion" if req.kind == "chat" else "text_completion",
             "created": int(time.time()), "model": req.model, "choices": choices, "usage": usage(results, n)}
 
 
 async def stream_chunks(req: OpenAIRequest, cumulative: CallStream, n: int) -> AsyncIterator[dict]:
     """Native cumulative results -> OpenAI delta chunks (then a usage chunk when asked)."""
-    rid, created = _id(req.kind), int(time.time())
+    rid, created = _id(req), int(time.time())
     obj = "chat.completion.chunk" if req.kind == "chat" else "text_completion"
     sent_text: dict[int, int] = {}
     sent_lp: dict[int, int] = {}

@@ -182,6 +182,32 @@ def test_a_client_timeout_aborts_the_request(smol_server):
     assert_no_leaks(smol_server)  # the server noticed the disconnect and aborted the request
 
 
+def test_the_responses_api_answers_as_chat_on_instructions_then_input(client, smol_server):
+    """/v1/responses through the client's responses.create and responses.stream (SGLang's
+    serving_responses): the answer is the chat answer on [system: instructions, user: input],
+    streamed as numbered events whose deltas add up; what needs stored responses is a 400 naming
+    the field."""
+    greedy = dict(model="m", temperature=0, max_output_tokens=24)
+    out = client.responses.create(input="Name three colors.", instructions="Answer in one line.", **greedy)
+    chat = client.chat.completions.create(model="m", messages=[{"role": "system", "content": "Answer in one line."},
+                                                               *CHAT], **GREEDY)
+    assert out.output_text == chat.choices[0].message.content and out.id.startswith("resp_")
+    assert out.usage.output_tokens == chat.usage.completion_tokens
+    assert out.status == ("completed" if chat.choices[0].finish_reason == "stop" else "incomplete")
+    with client.responses.stream(input="Say hi.", **{**greedy, "max_output_tokens": 200}) as stream:
+        events = list(stream)
+        final = stream.get_final_response()
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert [e.type for e in events][:2] == ["response.created", "response.in_progress"]
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert text == final.output_text == client.responses.create(input="Say hi.", **{**greedy,
+                                                                                    "max_output_tokens": 200}).output_text
+    with pytest.raises(openai.BadRequestError) as err:
+        client.responses.create(input="x", previous_response_id="resp_1", **greedy)
+    assert err.value.body["param"] == "previous_response_id"
+    assert_no_leaks(smol_server)
+
+
 def test_reasoning_content_is_split_off_whole_and_streamed(servers):
     """--reasoning-parser qwen3 on a tiny model whose answer a regex forces into
     `<think>...</think>answer`: reasoning_content and content, the same when streamed."""

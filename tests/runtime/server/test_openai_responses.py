@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import asyncio
 
-from tandem.runtime.request_groups import CallStream, RequestError
+from call_fakes import result, stream_of
+
+from tandem.runtime.request_groups import RequestError
 from tandem.runtime.sampling.params import ValidationError
 from tandem.runtime.server import openai as oa
 from tandem.runtime.server import openai_responses as oar
@@ -17,37 +19,9 @@ def _chat(body: dict) -> oa.OpenAIRequest:
     return oa.chat_request(body, "served", lambda messages, kw: "<prompt>")
 
 
-class _Choice:
-    """What a CallStream asks of the choice a chunk is of."""
-
-    def __init__(self, err: RequestError | ValidationError | None = None) -> None:
-        self.err = err
-
-    def error(self) -> RequestError | ValidationError | None:
-        return self.err
-
-
-def _stream(*items: dict, error: RequestError | ValidationError | None = None) -> CallStream:
-    """A CallStream of `items`, the last one failing with `error`."""
-    async def pairs():
-        for i, item in enumerate(items):
-            yield _Choice(error if i == len(items) - 1 else None), item
-
-    return CallStream(pairs(), lambda: None)
-
-
-def _result(text: str, index: int, prompt: int = 5, completion: int = 2, cached: int = 1,
-            finish: dict | None = None) -> dict:
-    return {"text": text, "index": index, "meta_info": {
-        "prompt_tokens": prompt, "completion_tokens": completion, "cached_tokens": cached,
-        "finish_reason": finish, "input_token_logprobs": [[None, 1, "p"], [-3.0, 2, "q"]],
-        "input_top_logprobs": [None, [[-0.1, 4, "r"]]], "output_token_logprobs": [[-0.5, 7, text[:1]], [-1.0, 8, text[1:]]][:completion],
-        "output_top_logprobs": [[[-0.5, 7, text[:1]], [-2.0, 9, "z"]], [[-1.0, 8, text[1:]]]][:completion]}}
-
-
 def test_response_shapes_and_usage_count_each_prompt_once():
     stop = {"type": "stop", "matched": "\n"}
-    results = [_result("ab", 0, finish=stop), _result("cd", 1, finish=stop), _result("ef", 2, prompt=7,
+    results = [result("ab", 0, finish=stop), result("cd", 1, finish=stop), result("ef", 2, prompt=7,
                                                                                        finish={"type": "length"})]
     req = _completion({"prompt": ["p", "q"], "echo": True, "logprobs": 1})
     # two prompts, n = 2 for the first only in this toy; prompts counted at choices 0 and 2
@@ -78,7 +52,7 @@ def test_response_shapes_and_usage_count_each_prompt_once():
 
 def test_streamed_echo_scores_the_prompt_in_the_first_chunk_only():
     def cumulative():
-        return _stream(_result("a", 0, completion=1), _result("ab", 0, completion=2, finish={"type": "length"}))
+        return stream_of(result("a", 0, completion=1), result("ab", 0, completion=2, finish={"type": "length"}))
 
     req = _completion({"prompt": "pq", "echo": True, "logprobs": 0, "stream": True})
 
@@ -96,7 +70,7 @@ def test_a_stream_that_fails_ends_with_an_error_chunk():
     finish_reason carrying the status; the OpenAI stream turns it into an error chunk."""
     def cumulative(error: RequestError | ValidationError):
         abort = {"type": "abort", "message": str(error), "status_code": 400, "err_type": "BadRequest"}
-        return _stream(_result("a", 0, completion=1), _result("a", 0, completion=1, finish=abort), error=error)
+        return stream_of(result("a", 0, completion=1), result("a", 0, completion=1, finish=abort), error=error)
 
     req = _chat({"messages": [{"role": "user", "content": "x"}], "stream": True,
                  "response_format": {"type": "json_object"}})
@@ -115,8 +89,8 @@ def test_a_stream_that_fails_ends_with_an_error_chunk():
 
 def test_stream_chunks_are_deltas_then_usage():
     def cumulative():
-        return _stream(_result("a", 0, completion=1),
-                       _result("ab", 0, completion=2, finish={"type": "stop", "matched": 2}))
+        return stream_of(result("a", 0, completion=1),
+                       result("ab", 0, completion=2, finish={"type": "stop", "matched": 2}))
 
     req = _chat({"messages": [{"role": "user", "content": "x"}], "stream": True,
                  "stream_options": {"include_usage": True}})
@@ -154,8 +128,8 @@ def test_a_chat_stream_sends_no_empty_delta_while_text_is_held_back():
     """A step whose text is held back (a stop string's or a think tag's start) has nothing to
     send: no chunk, as SGLang's (the last chunk still carries the finish reason)."""
     def cumulative():
-        return _stream(_result("a", 0, completion=1), _result("a", 0, completion=2),
-                       _result("a", 0, completion=3, finish={"type": "stop", "matched": "\n"}))
+        return stream_of(result("a", 0, completion=1), result("a", 0, completion=2),
+                       result("a", 0, completion=3, finish={"type": "stop", "matched": "\n"}))
 
     req = _chat({"messages": [{"role": "user", "content": "x"}], "stream": True})
 
@@ -172,10 +146,27 @@ def test_a_step_that_crosses_the_think_end_streams_reasoning_then_content_as_two
                           lambda m, kw: "<prompt>", reasoning_parser="deepseek-r1")
 
     async def collect():
-        stream = _stream(_result("<think>ab</think>cd", 0, completion=1),
-                         _result("<think>ab</think>cde", 0, completion=2, finish={"type": "length"}))
+        stream = stream_of(result("<think>ab</think>cd", 0, completion=1),
+                         result("<think>ab</think>cde", 0, completion=2, finish={"type": "length"}))
         return [(c["choices"][0]["delta"], c["choices"][0]["finish_reason"])
                 async for c in oar.stream_chunks(req, stream, 1)]
 
     assert asyncio.run(collect()) == [({"role": "assistant", "reasoning_content": "ab"}, None),
                                       ({"content": "cd"}, None), ({"content": "e"}, "length")]
+
+
+def test_the_answer_id_is_the_clients_rid_as_sglangs():
+    """SGLang answers with its request's id (meta_info.id): a client that sets rid finds it in the
+    answer and in every chunk, and can abort by it; without one the id is fresh."""
+    done = {"type": "stop", "matched": 2}
+    req = _chat({"messages": [{"role": "user", "content": "x"}], "rid": "mine", "stream": True})
+    assert oar.response(req, [result("ab", 0, finish=done)], 1)["id"] == "mine"
+
+    async def ids():
+        return {c["id"] async for c in oar.stream_chunks(req, stream_of(result("ab", 0, finish=done)), 1)}
+
+    assert asyncio.run(ids()) == {"mine"}
+    assert oar.response(_completion({"prompt": ["a", "b"], "rid": ["r0", "r1"]}),
+                        [result("ab", 0, finish=done), result("cd", 1, finish=done)], 1)["id"] == "r0"
+    assert oar.response(_chat({"messages": [{"role": "user", "content": "x"}]}),
+                        [result("ab", 0, finish=done)], 1)["id"].startswith("chatcmpl-")

@@ -1,0 +1,255 @@
+"""The OpenAI Responses API (`/v1/responses`) as SGLang serves it without tools or storage: a
+request is a chat request (`instructions` a system message before the `input` messages), and its
+answer is a response object with a reasoning item (with a reasoning parser) and a message item, or
+named stream events numbered from 0. What needs stored responses, tools or logprobs is a 400
+naming the field; nothing is stored (the answer says `store: false`)."""
+from __future__ import annotations
+
+import re
+import secrets
+import time
+from typing import Any, AsyncIterator, Callable
+
+from tandem.runtime.request_groups import CallStream
+from tandem.runtime.sampling.params import ValidationError
+from tandem.runtime.server.openai import OpenAIRequest, chat_request
+from tandem.runtime.server.openai_responses import error_event
+from tandem.runtime.server.reasoning import StreamSplitter
+
+# /v1/responses: what SGLang's ResponsesRequest takes beside input and instructions, as the chat
+# fields they are; what needs stored responses, tools or logprobs (none here) is a 400
+_RESPONSES_CHAT = ("model", "stream", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
+                   "frequency_penalty", "presence_penalty", "stop", "chat_template_kwargs", "tools", "tool_choice",
+                   "parallel_tool_calls", "priority", "extra_key", "cache_salt")
+_RESPONSES_UNSUPPORTED = {
+    "previous_response_id": "this server stores no responses", "conversation": "this server stores no responses",
+    "background": "this server stores no responses", "prompt": "this server stores no prompt templates",
+    "include": "this server returns no extra output items", "top_logprobs": "this server returns no logprobs here",
+    "max_tool_calls": "this server runs no tools"}
+_RESPONSES_DEFAULTS = {"temperature": 0.7}  # SGLang's ResponsesRequest default, under the model's own
+_RESPONSES_PARTS = ("input_text", "output_text", "text")
+_MESSAGE_FIELD = re.compile(r"messages\[(\d+)\](.*)")
+
+
+def responses_request(body: Any, served_model: str, render: Callable[[list, dict], str],
+                      reasoning_parser: str | None = None, sampling_defaults: dict[str, Any] | None = None,
+                      content_format: str = "string") -> OpenAIRequest:
+    """/v1/responses as SGLang serves it without tools: `instructions` a system message before the
+    `input` messages, rendered and sampled as a chat request; the rid is `request_id` (SGLang's
+    field), which is also the response's id. Nothing is stored (the answer says `store: false`)."""
+    if not isinstance(body, dict):
+        raise ValidationError("body", "must be a JSON object")
+    for name, why in _RESPONSES_UNSUPPORTED.items():
+        if body.get(name) not in (None, [], {}, False, 0):
+            raise ValidationError(name, f"is not supported ({why})")
+    if body.get("truncation") not in (None, "disabled"):
+        raise ValidationError("truncation", "must be \"disabled\" (this server never drops input)")
+    instructions = body.get("instructions")
+    if instructions is not None and not isinstance(instructions, str):
+        raise ValidationError("instructions", "must be a string")
+    system = [{"role": "system", "content": instructions}] if instructions else []
+    chat = {name: body[name] for name in _RESPONSES_CHAT if body.get(name) is not None}
+    chat.update(messages=system + _input_messages(body.get("input")), response_format=_only(body, "text", "format"),
+                max_completion_tokens=body.get("max_output_tokens"),
+                reasoning_effort=_only(body, "reasoning", "effort"))
+    try:
+        req = chat_request(chat, served_model, render, reasoning_parser,
+                           {**_RESPONSES_DEFAULTS, **(sampling_defaults or {})}, content_format)
+    except ValidationError as exc:
+        raise ValidationError(_responses_field(exc.field, len(system)), exc.message) from None
+    req.kind = "response"
+    req.renames = {**req.renames, "max_new_tokens": "max_output_tokens", "json_schema": "text.format"}
+    req.native["rid"] = body.get("request_id") or "resp_" + secrets.token_hex(16)
+    req.echoed = {"instructions": instructions, "max_output_tokens": body.get("max_output_tokens"),
+                  "metadata": body.get("metadata"), "user": body.get("user"), "reasoning": body.get("reasoning"),
+                  "text": body.get("text") or {"format": {"type": "text"}},
+                  "tool_choice": body.get("tool_choice", "auto"),
+                  "parallel_tool_calls": body.get("parallel_tool_calls", True)}
+    return req
+
+
+def _input_messages(value: Any) -> list[dict]:
+    """A string is one user message; a list holds message items with string or text-part content."""
+    if isinstance(value, str):
+        return [{"role": "user", "content": value}]
+    if not isinstance(value, list) or not value:
+        raise ValidationError("input", "must be a string or a non-empty list of message items")
+    return [_input_message(i, item) for i, item in enumerate(value)]
+
+
+def _input_message(i: int, item: Any) -> dict:
+    kind = item.get("type", "message") if isinstance(item, dict) else None
+    if kind != "message":  # function calls and their outputs, reasoning items, item references: no tools here
+        raise ValidationError(f"input[{i}].type", f"only message items are supported, got {kind!r}")
+    content = item.get("content")
+    if isinstance(content, list):
+        content = [_input_part(f"input[{i}].content[{j}]", part) for j, part in enumerate(content)]
+    return {"role": item.get("role"), "content": content}
+
+
+def _input_part(where: str, part: Any) -> dict:
+    kind = part.get("type") if isinstance(part, dict) else None
+    if kind not in _RESPONSES_PARTS:
+        raise ValidationError(f"{where}.type", f"only text parts are supported, got {kind!r}")
+    return {"type": "text", "text": part.get("text")}
+
+
+def _only(body: dict, name: str, key: str) -> Any:
+    """`body[name]`, an object of which this server honours `key` alone: that key's value. Others
+    set are a 400 (text.verbosity, reasoning.summary: nothing here writes them)."""
+    value = body.get(name)
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise ValidationError(name, "must be an object")
+    for other in value.keys() - {key}:
+        if value[other] is not None:
+            raise ValidationError(f"{name}.{other}", "is not supported by this server")
+    return value.get(key)
+
+
+def _responses_field(name: str, system: int) -> str:
+    """A chat field name in an error -> the /v1/responses one (messages shift by the instructions)."""
+    if m := _MESSAGE_FIELD.match(name):
+        index, rest = int(m.group(1)) - system, m.group(2)
+        return "instructions" if index < 0 else f"input[{index}]{rest}"
+    name = name.replace("response_format.json_schema", "text.format")  # a Responses format holds its schema itself
+    renames = {"messages": "input", "max_completion_tokens": "max_output_tokens", "response_format": "text.format",
+               "reasoning_effort": "reasoning.effort"}
+    head, sep, rest = name.partition(".")
+    return renames[head] + sep + rest if head in renames else name
+
+
+def responses_response(req: OpenAIRequest, result: dict) -> dict[str, Any]:
+    """A finished answer: a reasoning item (with a reasoning parser) and a message item, each only
+    when it has text, as SGLang's _make_response_output_items."""
+    reasoning, content = req.reasoning.split(result["text"]) if req.reasoning else ("", result["text"])
+    output = [_reasoning_item("rs_" + secrets.token_hex(12), reasoning, "completed")] if reasoning else []
+    if content:
+        output.append(_message_item("msg_" + secrets.token_hex(12), content, "completed"))
+    return _responses_object(req, int(time.time()), output, result["meta_info"])
+
+
+def _responses_object(req: OpenAIRequest, created: int, output: list[dict], meta: dict | None) -> dict[str, Any]:
+    """The response object; `meta` None: still in progress. An answer cut by max_output_tokens is
+    incomplete, as OpenAI's (SGLang's says completed); an aborted one too, its reason "abort"."""
+    status, incomplete, usage_ = "in_progress", None, None
+    if meta is not None:
+        reason = meta["finish_reason"]["type"]
+        status = "completed" if reason == "stop" else "incomplete"
+        incomplete = None if reason == "stop" else {"reason": "max_output_tokens" if reason == "length" else reason}
+        usage_ = _responses_usage(meta)
+    sp = req.native["sampling_params"]
+    return {"id": req.native["rid"], "object": "response", "created_at": created, "model": req.model,
+            "status": status, "error": None, "incomplete_details": incomplete, "output": output, "usage": usage_,
+            "previous_response_id": None, "store": False, "temperature": sp.get("temperature"),
+            "top_p": sp.get("top_p", 1.0), "tools": [], "truncation": "disabled", **req.echoed}
+
+
+def _responses_usage(meta: dict) -> dict[str, Any]:
+    prompt, completion = meta["prompt_tokens"], meta["completion_tokens"]
+    return {"input_tokens": prompt, "output_tokens": completion, "total_tokens": prompt + completion,
+            "input_tokens_details": {"cached_tokens": meta.get("cached_tokens", 0), "cache_write_tokens": 0},
+            "output_tokens_details": {"reasoning_tokens": 0}}
+
+
+def _reasoning_item(item_id: str, text: str | None, status: str) -> dict[str, Any]:
+    content = [] if text is None else [{"type": "reasoning_text", "text": text}]
+    return {"type": "reasoning", "id": item_id, "summary": [], "content": content, "status": status}
+
+
+def _message_item(item_id: str, text: str | None, status: str) -> dict[str, Any]:
+    content = [] if text is None else [_output_text(text)]
+    return {"type": "message", "id": item_id, "role": "assistant", "status": status, "content": content}
+
+
+def _output_text(text: str) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+
+async def responses_events(req: OpenAIRequest, cumulative: CallStream) -> AsyncIterator[dict]:
+    """Native cumulative results -> the Responses API's stream events, numbered from 0: created,
+    in_progress, each output item's added / deltas / done, then completed (or incomplete)."""
+    out = _ResponseEvents(req)
+    yield out.event("response.created", response=out.snapshot(None))
+    yield out.event("response.in_progress", response=out.snapshot(None))
+    splitter = StreamSplitter(req.reasoning) if req.reasoning else None
+    meta, sent = None, 0
+    async for item in cumulative:
+        if cumulative.error is not None:  # the chat stream's error event, numbered in this stream
+            yield {**error_event(req, cumulative.error), "type": "error", "sequence_number": out.next_number()}
+            return
+        meta, text = item["meta_info"], item["text"]
+        if splitter is not None:
+            reasoning, content = splitter.feed(text, final=meta.get("finish_reason") is not None)
+        else:
+            reasoning, content, sent = "", text[sent:], len(text)
+        for event in out.delta("reasoning", reasoning) + out.delta("message", content):
+            yield event
+    for event in out.close():
+        yield event
+    final = out.snapshot(meta)
+    yield out.event("response.completed" if final["status"] == "completed" else "response.incomplete", response=final)
+
+
+class _ResponseEvents:
+    """A streamed response's output items: each opened as its first text comes, the one before it
+    closed then; the finished items make the final response's output."""
+
+    def __init__(self, req: OpenAIRequest) -> None:
+        self.req = req
+        self.created = int(time.time())
+        self.number = 0
+        self.output: list[dict] = []  # closed items
+        self.kind: str | None = None  # the open item's: "reasoning" | "message"
+        self.item_id, self.text = "", ""
+
+    def next_number(self) -> int:
+        self.number += 1
+        return self.number - 1
+
+    def event(self, kind: str, **fields: Any) -> dict[str, Any]:
+        return {"type": kind, "sequence_number": self.next_number(), **fields}
+
+    def snapshot(self, meta: dict | None) -> dict[str, Any]:
+        return _responses_object(self.req, self.created, list(self.output), meta)
+
+    def _where(self) -> dict[str, Any]:
+        return {"item_id": self.item_id, "output_index": len(self.output), "content_index": 0}
+
+    def _item(self, text: str | None, status: str) -> dict[str, Any]:
+        build = _reasoning_item if self.kind == "reasoning" else _message_item
+        return build(self.item_id, text, status)
+
+    def _part(self, text: str) -> dict[str, Any]:
+        return {"type": "reasoning_text", "text": text} if self.kind == "reasoning" else _output_text(text)
+
+    def delta(self, kind: str, text: str) -> list[dict]:
+        if not text:
+            return []
+        events = []
+        if kind != self.kind:
+            events += self.close()
+            prefix = "rs_" if kind == "reasoning" else "msg_"
+            self.kind, self.item_id, self.text = kind, prefix + secrets.token_hex(12), ""
+            events += [self.event("response.output_item.added", output_index=len(self.output),
+                                  item=self._item(None, "in_progress")),
+                       self.event("response.content_part.added", **self._where(), part=self._part(""))]
+        self.text += text
+        if kind == "reasoning":
+            return events + [self.event("response.reasoning_text.delta", **self._where(), delta=text)]
+        return events + [self.event("response.output_text.delta", **self._where(), delta=text, logprobs=[])]
+
+    def close(self) -> list[dict]:
+        if self.kind is None:
+            return []
+        if self.kind == "reasoning":
+            done = [self.event("response.reasoning_text.done", **self._where(), text=self.text)]
+        else:
+            done = [self.event("response.output_text.done", **self._where(), text=self.text, logprobs=[])]
+        item = self._item(self.text, "completed")
+        done += [self.event("response.content_part.done", **self._where(), part=self._part(self.text)),
+                 self.event("response.output_item.done", output_index=len(self.output), item=item)]
+        self.output.append(item)
+        self.kind = None
+        return done

@@ -1,0 +1,34 @@
+"""Fake native results and CallStreams for the answer-shape tests (OpenAI and /v1/responses): what
+the tokenizer manager hands the HTTP layer, without a server."""
+from __future__ import annotations
+
+from tandem.runtime.request_groups import CallStream, RequestError
+from tandem.runtime.sampling.params import ValidationError
+
+
+class _Choice:
+    """What a CallStream asks of the choice a chunk is of."""
+
+    def __init__(self, err: RequestError | ValidationError | None = None) -> None:
+        self.err = err
+
+    def error(self) -> RequestError | ValidationError | None:
+        return self.err
+
+
+def stream_of(*items: dict, error: RequestError | ValidationError | None = None) -> CallStream:
+    """A CallStream of `items`, the last one failing with `error`."""
+    async def pairs():
+        for i, item in enumerate(items):
+            yield _Choice(error if i == len(items) - 1 else None), item
+
+    return CallStream(pairs(), lambda: None)
+
+
+def result(text: str, index: int, prompt: int = 5, completion: int = 2, cached: int = 1,
+            finish: dict | None = None) -> dict:
+    return {"text": text, "index": index, "meta_info": {
+        "prompt_tokens": prompt, "completion_tokens": completion, "cached_tokens": cached,
+        "finish_reason": finish, "input_token_logprobs": [[None, 1, "p"], [-3.0, 2, "q"]],
+        "input_top_logprobs": [None, [[-0.1, 4, "r"]]], "output_token_logprobs": [[-0.5, 7, text[:1]], [-1.0, 8, text[1:]]][:completion],
+        "output_top_logprobs": [[[-0.5, 7, text[:1]], [-2.0, 9, "z"]], [[-1.0, 8, text[1:]]]][:completion]}}
