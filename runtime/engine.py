@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import concurrent.futures
+import dataclasses
 import logging
 import sys
 import threading
@@ -30,15 +31,21 @@ _STREAM_END = object()
 SHUT_DOWN = "the Engine has been shut down"
 
 
-async def _pump(tm: TokenizerManager, body: dict[str, Any], put: Callable[[Any], None]) -> None:
-    """On the engine's loop: every chunk of a streamed call through `put`, then the error that
-    ended it (re-raised on the caller's side), then _STREAM_END. The stream is closed however
-    the pump ends (a cancel when the consumer stopped early aborts the request)."""
+async def _pump(tm: TokenizerManager, body: dict[str, Any], put: Callable[[Any], None],
+                wanted: asyncio.Semaphore) -> None:
+    """On the engine's loop: a chunk of a streamed call through `put` each time the consumer asks
+    for one (`wanted`), then the error that ended it (re-raised on the caller's side), then
+    _STREAM_END. A chunk is taken only when asked for, as SGLang's Engine takes it: while the
+    consumer is busy its choice's results coalesce into the next, latest one. The stream is
+    closed however the pump ends (a cancel when the consumer stopped early aborts the request)."""
     stream = None
     try:
         stream = await tm.generate_stream(body)
-        async for chunk in stream:
-            put(chunk)
+        while True:
+            await wanted.acquire()
+            put(await stream.__anext__())
+    except StopAsyncIteration:
+        pass
     except BaseException as exc:
         put(exc)
     finally:
@@ -47,13 +54,38 @@ async def _pump(tm: TokenizerManager, body: dict[str, Any], put: Callable[[Any],
         put(_STREAM_END)
 
 
+@dataclasses.dataclass(frozen=True)
+class FlushCacheReqOutput:
+    """SGLang's answer to Engine.flush_cache(): `success` is False while requests are running."""
+    success: bool
+    message: str = ""
+
+    def __bool__(self) -> bool:  # `if engine.flush_cache():` tells whether the cache was flushed
+        return self.success
+
+
+def _server_args(model_path: str | None, kwargs: dict[str, Any]) -> ServerArgs:
+    """SGLang's Engine(**kwargs): the ServerArgs keywords, or a ready ServerArgs as `server_args`
+    (alone: other keywords beside it would be ignored). As SGLang's, an Engine logs only errors
+    unless given a log_level: it runs inside the user's program, not as a server."""
+    if "server_args" in kwargs:
+        args = kwargs.pop("server_args")
+        if not isinstance(args, ServerArgs):
+            raise TypeError(f"server_args must be a tandem ServerArgs, got {type(args).__name__}")
+        if model_path is not None or kwargs:
+            extra = ["model_path"] * (model_path is not None) + sorted(kwargs)
+            raise TypeError(f"server_args cannot be combined with other arguments: {', '.join(extra)}")
+        return args
+    kwargs, notes = sglang_flags.engine_kwargs({"log_level": "error", **kwargs})
+    for note in notes:
+        logger.info(note)
+    return ServerArgs(model_path=model_path, **kwargs)
+
+
 class Engine:
-    def __init__(self, model_path: str | None = None, **server_args: Any) -> None:
-        server_args, notes = sglang_flags.engine_kwargs(server_args)
-        args = ServerArgs(model_path=model_path, **server_args)
+    def __init__(self, model_path: str | None = None, **kwargs: Any) -> None:
+        args = _server_args(model_path, kwargs)
         check_model_paths(args.model_path, args.tokenizer_path, args.speculative_draft_model_path)
-        for note in notes:
-            logger.info(note)
         self.args = resolve_random_seed(args)  # once, before the schedulers start
         if self.args.node_rank > 0:
             raise ValueError(f"node_rank={self.args.node_rank}: nodes other than 0 run scheduler ranks only; "
@@ -103,16 +135,24 @@ class Engine:
         return fut
 
     def _run(self, coro):
+        fut = self._submit(coro)
         try:
-            return self._submit(coro).result()
+            return fut.result()
         except concurrent.futures.CancelledError:
             raise RuntimeError(SHUT_DOWN) from None
+        except BaseException:
+            # the caller stopped waiting (Ctrl-C): its call ends too, an unfinished request is
+            # aborted and its rid freed, as when an async caller is cancelled (no-op when done)
+            fut.cancel()
+            raise
 
     @staticmethod
     def _body(prompt: str | list[str] | None, sampling_params: dict | list[dict] | None,
               input_ids: list[int] | list[list[int]] | None, stream: bool, extra: dict[str, Any]) -> dict[str, Any]:
         body: dict[str, Any] = {"stream": stream, **extra}
         if prompt is not None:
+            if "text" in extra:  # /generate's name for the prompt: one of them would be dropped
+                raise TypeError("give the prompt once: as prompt or as text, not both")
             body["text"] = prompt
         if input_ids is not None:
             body["input_ids"] = input_ids
@@ -134,10 +174,14 @@ class Engine:
         import queue
 
         chunks: queue.Queue = queue.Queue()
-        fut = self._submit(_pump(tm, body, chunks.put))
+        wanted = asyncio.Semaphore(0)
+        fut = self._submit(_pump(tm, body, chunks.put, wanted))
         fut.add_done_callback(lambda f: f.cancelled() and chunks.put(RuntimeError(SHUT_DOWN)))
         try:
-            while (item := chunks.get()) is not _STREAM_END:
+            while True:
+                self._ask(wanted)
+                if (item := chunks.get()) is _STREAM_END:
+                    return
                 if isinstance(item, BaseException):
                     raise RuntimeError(SHUT_DOWN) if isinstance(item, asyncio.CancelledError) else item
                 yield item
@@ -161,23 +205,32 @@ class Engine:
     async def _async_stream(self, tm: TokenizerManager, body: dict[str, Any]) -> AsyncIterator[dict]:
         caller = asyncio.get_running_loop()
         chunks: asyncio.Queue = asyncio.Queue()
-        fut = self._submit(_pump(tm, body, lambda item: caller.call_soon_threadsafe(chunks.put_nowait, item)))
+        wanted = asyncio.Semaphore(0)
+        fut = self._submit(_pump(tm, body, lambda item: caller.call_soon_threadsafe(chunks.put_nowait, item), wanted))
         fut.add_done_callback(lambda f: f.cancelled() and caller.call_soon_threadsafe(
             chunks.put_nowait, RuntimeError(SHUT_DOWN)))
         try:
-            while (item := await chunks.get()) is not _STREAM_END:
+            while True:
+                self._ask(wanted)
+                if (item := await chunks.get()) is _STREAM_END:
+                    return
                 if isinstance(item, BaseException):
                     raise RuntimeError(SHUT_DOWN) if isinstance(item, asyncio.CancelledError) else item
                 yield item
         finally:
             fut.cancel()
 
+    def _ask(self, wanted: asyncio.Semaphore) -> None:
+        """A stream's consumer wants its next chunk (the pump on the engine's loop takes it then)."""
+        self._loop.call_soon_threadsafe(wanted.release)
+
     def abort(self, rid: str = "", abort_all: bool = False) -> None:
         """Abort the request with exactly this rid (every choice of it), or every request."""
         self._loop.call_soon_threadsafe(self._live().abort, rid, abort_all)
 
-    def flush_cache(self) -> bool:
-        return self._run(self._live().flush_cache()).success
+    def flush_cache(self) -> FlushCacheReqOutput:
+        reply = self._run(self._live().flush_cache())
+        return FlushCacheReqOutput(reply.success, reply.message)
 
     def get_server_info(self) -> dict[str, Any]:
         """What GET /server_info answers (SGLang's Engine.get_server_info)."""

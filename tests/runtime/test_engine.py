@@ -8,7 +8,8 @@ import time
 
 import pytest
 
-from tandem.runtime.engine import Engine
+from tandem.runtime.engine import Engine, _server_args
+from tandem.runtime.server_args import ServerArgs
 
 pytestmark = pytest.mark.timeout(300)
 GREEDY = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
@@ -60,7 +61,97 @@ def test_sglangs_engine_surface(engine):
     assert "prompt_token_ids" not in engine.generate("Hello world", GREEDY)
 
 
+def test_engine_arguments_as_sglangs():
+    """SGLang's Engine logs only errors unless given a log_level (it lives inside the user's
+    program: no line per decode batch), and takes a ready ServerArgs as `server_args`, alone."""
+    assert _server_args(None, {}).log_level == "error"
+    assert _server_args(None, {"log_level": "info"}).log_level == "info"
+    ready = ServerArgs(max_total_tokens=4000, log_level="warning")
+    assert _server_args(None, {"server_args": ready}) is ready
+    with pytest.raises(TypeError, match="server_args cannot be combined with other arguments: max_total_tokens"):
+        _server_args(None, {"server_args": ready, "max_total_tokens": 8})
+
+
+def test_flush_cache_answers_as_sglangs(engine):
+    """SGLang's FlushCacheReqOutput: `.success`, False (with why) while a request runs."""
+    flushed = engine.flush_cache()
+    assert flushed.success and flushed
+    stream = engine.generate(input_ids=[1, 2, 3], sampling_params={"max_new_tokens": 2000, "ignore_eos": True},
+                             stream=True)
+    next(stream)
+    busy = engine.flush_cache()
+    stream.close()
+    assert not busy.success and not busy and busy.message
+
+
+def _wait_idle(engine: Engine) -> None:
+    deadline = time.monotonic() + 60
+    while engine.get_server_info()["num_running_reqs"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def test_a_busy_stream_consumer_gets_the_latest_chunk(engine):
+    """As SGLang's Engine, a stream is read when its consumer asks: results that arrived while
+    it was busy coalesce into one cumulative chunk (no backlog of every step, sync or async)."""
+    params = {"max_new_tokens": 200, "temperature": 0, "ignore_eos": True}
+    stream = engine.generate(input_ids=[1, 2, 3], sampling_params=params, stream=True)
+    next(stream)
+    _wait_idle(engine)
+    rest = list(stream)
+    assert len(rest) == 1 and len(rest[0]["output_ids"]) == 200
+
+    async def busy_async_consumer() -> list:
+        chunks = await engine.async_generate(input_ids=[1, 2, 3], sampling_params=params, stream=True)
+        await chunks.__anext__()
+        await asyncio.get_running_loop().run_in_executor(None, _wait_idle, engine)
+        return [chunk async for chunk in chunks]
+
+    rest = asyncio.run(busy_async_consumer())
+    assert len(rest) == 1 and len(rest[0]["output_ids"]) == 200
+
+
+class _Interrupted(Exception):
+    pass
+
+
+def test_an_interrupted_sync_call_aborts_its_request(engine):
+    """Ctrl-C in a sync generate() ends the request, as cancelling an async caller does: it is
+    aborted (its KV and rid freed), not left running to its max_new_tokens."""
+    import os
+    import signal
+
+    def interrupt_once_running() -> None:
+        deadline = time.monotonic() + 30
+        while "ctrl-c" not in engine.tokenizer_manager.groups and time.monotonic() < deadline:
+            time.sleep(0.005)
+        os.kill(os.getpid(), signal.SIGUSR1)
+
+    def interrupted(*_: object) -> None:
+        raise _Interrupted()
+
+    metrics = engine.tokenizer_manager.metrics
+
+    def aborts() -> float:
+        return metrics.registry.get_sample_value("sglang:num_aborted_requests_total", metrics.labels)
+
+    aborted_before = aborts()
+    previous = signal.signal(signal.SIGUSR1, interrupted)
+    try:
+        threading.Thread(target=interrupt_once_running, daemon=True).start()
+        with pytest.raises(_Interrupted):
+            engine.generate(input_ids=[1, 2, 3], sampling_params={"max_new_tokens": 2000, "ignore_eos": True},
+                            rid="ctrl-c")
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+    deadline = time.monotonic() + 60
+    while "ctrl-c" in engine.tokenizer_manager.groups and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert aborts() == aborted_before + 1  # ended by an abort, not run to its 2000 tokens
+
+
 def test_bad_input_raises_naming_the_field(engine):
+    with pytest.raises(TypeError, match="as prompt or as text, not both"):
+        engine.generate("Hello", GREEDY, text="world")
     with pytest.raises(Exception, match="max_new_tokens"):
         engine.generate(input_ids=[5, 6], sampling_params={"max_new_tokens": -1})
     assert engine.flush_cache()
