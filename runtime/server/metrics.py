@@ -2,8 +2,9 @@
 read a tandem worker as they read an SGLang one, plus `tandem:*` gauges of our own.
 
 Request-level metrics are recorded in the main process as outputs arrive (time to first token,
-inter-token latency, end-to-end latency, token and request counts); scheduler gauges (running
-and queued requests, KV usage, throughput, device idle, retractions) are refreshed from the
+inter-token latency, end-to-end latency, token and request counts); scheduler gauges (running,
+queued and grammar-queued requests, KV usage, throughput, speculative acceptance, device idle,
+retractions) are refreshed from the
 scheduler's server info at scrape time.
 """
 from __future__ import annotations
@@ -29,7 +30,11 @@ class ServerMetrics:
 
         self.num_running_reqs = gauge("sglang:num_running_reqs", "Requests decoding or in prefill")
         self.num_queue_reqs = gauge("sglang:num_queue_reqs", "Requests waiting to be admitted")
+        self.num_used_tokens = gauge("sglang:num_used_tokens", "KV slots held by requests (not the evictable cache)")
         self.token_usage = gauge("sglang:token_usage", "Share of KV slots in use")
+        self.num_grammar_queue_reqs = gauge("sglang:num_grammar_queue_reqs", "Requests waiting for their grammar")
+        self.spec_accept_length = gauge("sglang:spec_accept_length", "Tokens per speculative verify (mean)")
+        self.spec_accept_rate = gauge("sglang:spec_accept_rate", "Share of drafts accepted")
         self.cache_hit_rate = gauge("sglang:cache_hit_rate", "Prompt tokens served from the prefix cache / prompt tokens")
         self.gen_throughput = gauge("sglang:gen_throughput", "Generated tokens per second (recent)")
         self.device_idle = gauge("tandem:device_idle_fraction", "Share of busy time the device waited for a step")
@@ -98,8 +103,12 @@ class ServerMetrics:
     def update_from_scheduler(self, info: dict) -> None:
         self.num_running_reqs.set(info.get("num_running_reqs", 0))
         self.num_queue_reqs.set(info.get("num_queue_reqs", 0))
-        total = info.get("max_total_num_tokens") or 0
-        self.token_usage.set(info.get("kv_slots_used", 0) / total if total else 0.0)
+        self.num_grammar_queue_reqs.set(info.get("num_grammar_queue_reqs", 0))
+        total, used = info.get("max_total_num_tokens") or 0, info.get("kv_slots_used", 0)
+        self.num_used_tokens.set(used)
+        self.token_usage.set(used / total if total else 0.0)
+        self.spec_accept_length.set(info.get("avg_spec_accept_length", 0.0))
+        self.spec_accept_rate.set(info.get("spec_accept_rate", 0.0))
         self.gen_throughput.set(info.get("gen_throughput", 0.0))
         self.device_idle.set(info.get("device_idle_fraction", 0.0))
         self.retractions.set(info.get("num_retractions", 0))

@@ -29,7 +29,8 @@ def test_request_metrics_and_scheduler_gauges():
     m.on_finish("abort", 2.0, prompt_tokens=6, completion_tokens=5, cached_tokens=0)
     m.update_from_scheduler({"num_running_reqs": 3, "num_queue_reqs": 2, "kv_slots_used": 25,
                              "max_total_num_tokens": 100, "gen_throughput": 12.5, "device_idle_fraction": 0.01,
-                             "num_retractions": 7})
+                             "num_retractions": 7, "num_grammar_queue_reqs": 1, "avg_spec_accept_length": 2.5,
+                             "spec_accept_rate": 0.75})
     s = _samples(m)
     assert _get(s, "sglang:num_requests_total") == 2  # one series per worker, as SGLang's
     assert _get(s, "tandem:num_requests_by_finish_type_total", finish_type="length") == 1
@@ -48,3 +49,5 @@ def test_request_metrics_and_scheduler_gauges():
     assert _get(s, "sglang:num_running_reqs") == 3 and _get(s, "sglang:num_queue_reqs") == 2
     assert _get(s, "sglang:token_usage") == 0.25 and _get(s, "sglang:gen_throughput") == 12.5
     assert _get(s, "tandem:num_retractions") == 7 and _get(s, "tandem:device_idle_fraction") == 0.01
+    assert _get(s, "sglang:num_used_tokens") == 25 and _get(s, "sglang:num_grammar_queue_reqs") == 1
+    assert _get(s, "sglang:spec_accept_length") == 2.5 and _get(s, "sglang:spec_accept_rate") == 0.75
