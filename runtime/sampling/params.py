@@ -107,6 +107,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
 def type_name(v: Any) -> str:
     """How a JSON value's type is named in an error."""
+    if isinstance(v, float) and v.is_integer() and abs(v) >= 2**63:  # orjson reads such an integer as a float
+        return "an integer beyond 64 bits"
     return "null" if v is None else type(v).__name__
 
 

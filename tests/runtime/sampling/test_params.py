@@ -259,3 +259,12 @@ def test_max_thinking_tokens():
     with pytest.raises(ValidationError, match="sampling_params.max_thinking_tokens must be >= 0"):
         parse({"max_thinking_tokens": -1})
     assert parse({"max_thinking_tokens": 3, "regex": "a+"}).constraint == ("regex", "a+")  # see require_reasoning
+
+
+def test_an_integer_past_64_bits_is_named_as_one() -> None:
+    """orjson reads an integer beyond 64 bits as a float: the error says what the client sent."""
+    import orjson
+
+    big = orjson.loads(b'{"n": 1180591620717411303424}')["n"]
+    with pytest.raises(ValidationError, match=r"^sampling_params\.n must be an integer, got an integer beyond 64 bits"):
+        parse({"n": big})
