@@ -155,7 +155,6 @@ class TokenizedGenerateReq(_Msg, kw_only=True):
     extra_key: str | None = None
     # a constrained request reasons freely first; its grammar applies after the think-end token
     require_reasoning: bool = False
-    created_time: float
 
     def __post_init__(self) -> None:
         # Runs on construction and on decode; a no-op for an int32 array, and it lets

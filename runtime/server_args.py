@@ -8,9 +8,11 @@ import os
 import tomllib
 import types
 import typing
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
+
+from tandem.runtime.server.reasoning import PARSERS
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "default.toml"
 
@@ -25,7 +27,7 @@ _CHOICES = {
     "attention_backend": ("auto", "torch", "cpu", "triton"),
     "kv_cache_dtype": KV_CACHE_DTYPES,
     "grammar_backend": ("xgrammar", "none"),
-    "reasoning_parser": (None, "deepseek-r1", "qwen3"),
+    "reasoning_parser": (None, *PARSERS),
     "sampling_defaults": ("model", "openai"),
     "log_level": ("debug", "info", "warning", "error", "critical"),
 }
@@ -89,7 +91,6 @@ class ServerArgs:
     log_level: str = "info"
     random_seed: int | None = None  # None: drawn once per launch (launcher.resolve_random_seed), as SGLang's
     served_model_name: str | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for name, aliases in _VALUE_ALIASES.items():
@@ -227,8 +228,6 @@ class ServerArgs:
 
         parser.add_argument("--config", type=str, default=None, help="TOML preset (flags given here override it)")
         for f in fields(ServerArgs):
-            if f.name == "extra":
-                continue
             flags = [_flag(f.name), *_FLAG_ALIASES.get(f.name, ())]
             if f.type in ("bool", bool):
                 parser.add_argument(*flags, action="store_true", default=None, dest=f.name)
@@ -239,7 +238,7 @@ class ServerArgs:
     @staticmethod
     def from_cli_args(ns: argparse.Namespace) -> "ServerArgs":
         given = {f.name: getattr(ns, f.name) for f in fields(ServerArgs)
-                 if f.name != "extra" and getattr(ns, f.name, None) is not None}
+                 if getattr(ns, f.name, None) is not None}
         if getattr(ns, "config", None):
             return ServerArgs.from_toml(ns.config, **given)
         return ServerArgs(**given)

@@ -185,7 +185,7 @@ class TokenizerManager:
                 rid=choice.rid, input_ids=np.asarray(item.input_ids, dtype=np.int32),
                 sampling_params=_choice_params(sp, i), stream=item.stream, logprob=item.logprob,
                 return_hidden_states=item.return_hidden_states, priority=item.priority, extra_key=item.extra_key,
-                require_reasoning=item.require_reasoning, created_time=time.time()))
+                require_reasoning=item.require_reasoning))
         return group
 
     def _formatter(self, item: GenerateItem, choice: int) -> LogprobFormatter | None:

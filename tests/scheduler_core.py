@@ -47,7 +47,7 @@ class Core:
         arrival = next(self._arrivals)
         # distinct prompts unless a test gives its own (the radix cache shares equal prefixes)
         ids = list(range(10 * arrival, 10 * arrival + prompt)) if isinstance(prompt, int) else prompt
-        msg = TokenizedGenerateReq(rid=rid, input_ids=np.asarray(ids, np.int32), stream=False, created_time=0.0,
+        msg = TokenizedGenerateReq(rid=rid, input_ids=np.asarray(ids, np.int32), stream=False,
                                    sampling_params=SamplingParams(**{"max_new_tokens": max_new_tokens,
                                                                      "ignore_eos": True, **sp}),
                                    priority=priority, logprob=logprob, return_hidden_states=return_hidden_states)

@@ -65,7 +65,6 @@ def sample_messages() -> dict[str, m.Message]:
             return_hidden_states=True,
             priority=3,
             extra_key="lora-a",
-            created_time=1700000000.25,
         ),
         m.AbortReq(group_prefixes=["0123456789abcdef_", "fedcba9876543210_"]),
         m.BatchTokenIDOutput(detokenize_params=[m.DetokenizeParams(stop_strings=("\n\n",)), None],
@@ -138,7 +137,6 @@ def test_array_payload_is_raw_little_endian_bytes() -> None:
         input_ids=np.arange(4, dtype="<i4"),
         sampling_params=SamplingParams(),
         stream=False,
-        created_time=0.0,
     )
     buf = encode(msg)
     assert raw in buf
@@ -227,7 +225,7 @@ def test_truncated_message_raises_wire_error() -> None:
 def test_list_where_array_expected_is_rejected() -> None:
     buf = msgspec.msgpack.encode(
         {"type": "TokenizedGenerateReq", "rid": "a", "input_ids": [1, 2],
-         "sampling_params": {}, "stream": False, "created_time": 0.0}
+         "sampling_params": {}, "stream": False}
     )
     with pytest.raises(WireError, match="input_ids"):
         decode(buf)
@@ -329,7 +327,7 @@ GOLDEN_HEX: dict[str, str] = {
         "697a65cd7d00b46d61785f72756e6e696e675f726571756573747340"
     ),
     "TokenizedGenerateReq": (
-        "8aa474797065b4546f6b656e697a656447656e6572617465526571a3726964a57265712d31a9696e"
+        "89a474797065b4546f6b656e697a656447656e6572617465526571a3726964a57265712d31a9696e"
         "7075745f696473c71d01033c693401040000000000000001000000020000000300000004000000af"
         "73616d706c696e675f706172616d73de0019ae6d61785f6e65775f746f6b656e7310ae6d696e5f6e"
         "65775f746f6b656e7300ab74656d7065726174757265cb3fe0000000000000a5746f705f70cb3ff0"
@@ -344,8 +342,7 @@ GOLDEN_HEX: dict[str, str] = {
         "c0ae7374727563747572616c5f746167c0a673747265616dc3a76c6f6770726f6284ae7265747572"
         "6e5f6c6f6770726f62c3b16c6f6770726f625f73746172745f6c656e01b0746f705f6c6f6770726f"
         "62735f6e756d02b1746f6b656e5f6964735f6c6f6770726f629107b472657475726e5f6869646465"
-        "6e5f737461746573c3a87072696f7269747903a965787472615f6b6579a66c6f72612d61ac637265"
-        "617465645f74696d65cb41d954fc40100000"
+        "6e5f737461746573c3a87072696f7269747903a965787472615f6b6579a66c6f72612d61"
     ),
 }
 

@@ -15,7 +15,6 @@ from tandem.runtime.sampling.params import SamplingParams
 def _req(**kw: object) -> m.TokenizedGenerateReq:
     base: dict[str, object] = dict(
         rid="a", input_ids=[1, 2, 3], sampling_params=SamplingParams(), stream=False,
-        created_time=0.0,
     )
     base.update(kw)
     return m.TokenizedGenerateReq(**base)  # type: ignore[arg-type]

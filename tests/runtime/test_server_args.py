@@ -159,6 +159,7 @@ def test_priority_scheduling_preempts_unless_disabled_as_sglang():
     ("[server]\nport = true\n", "port = True: expected int, got bool"),
     ("[model]\nmodel_path = 3\n", "model_path = 3: expected str | None, got int"),
     ("[sever]\nport = 1\n", r"unknown table\(s\) \[sever\]"),
+    ("[server]\nextra = {foo = 1}\n", "extra"),  # no catch-all field keeps what nothing reads
 ])
 def test_toml_values_must_have_the_fields_type(tmp_path, toml, fragment):
     """TOML has its own types: "false" is a truthy string (it switched the radix cache off), 1.5

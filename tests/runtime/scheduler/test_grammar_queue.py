@@ -31,7 +31,7 @@ class FakeBackend:
 
 
 def _req(rid: str, require_reasoning: bool = False, **constraint) -> Req:
-    msg = TokenizedGenerateReq(rid=rid, input_ids=np.array([1, 2], np.int32), stream=False, created_time=0.0,
+    msg = TokenizedGenerateReq(rid=rid, input_ids=np.array([1, 2], np.int32), stream=False,
                                sampling_params=SamplingParams(**constraint), require_reasoning=require_reasoning)
     return Req.from_message(msg, 1, default_seed=1)
 

@@ -340,7 +340,7 @@ def test_a_full_queue_gives_way_to_a_more_urgent_arrival_only():
 
     def arrival(rid: str, priority: int | None) -> Req:
         msg = TokenizedGenerateReq(rid=rid, input_ids=np.arange(500, 504, dtype=np.int32), stream=False,
-                                   created_time=0.0, sampling_params=SamplingParams(max_new_tokens=2),
+                                   sampling_params=SamplingParams(max_new_tokens=2),
                                    priority=priority)
         return Req.from_message(msg, 99, 0)
 

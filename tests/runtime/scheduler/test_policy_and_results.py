@@ -16,7 +16,7 @@ from tandem.runtime.scheduler.result_processor import FinishChecker, apply_new_t
 
 def _req(seq: int, ids=(1, 2, 3), priority: int = 0, stream: bool = False, **sp) -> Req:
     msg = TokenizedGenerateReq(rid=f"r{seq}", input_ids=np.asarray(ids, np.int32), sampling_params=SamplingParams(**sp),
-                               stream=stream, priority=priority, created_time=0.0,
+                               stream=stream, priority=priority,
                                logprob=LogprobParams(return_logprob=True))
     return Req.from_message(msg, seq, default_seed=seq)
 

@@ -47,7 +47,7 @@ def _scheduler(core: Core, replies: list) -> Scheduler:
 def _constrained_req(rid: str) -> Req:
     sp = SamplingParams(max_new_tokens=4, json_schema='{"type": "object"}')
     msg = TokenizedGenerateReq(rid=rid, input_ids=np.arange(10, 20, dtype=np.int32), sampling_params=sp,
-                               stream=False, created_time=0.0)
+                               stream=False)
     return Req.from_message(msg, 1, default_seed=1)
 
 
