@@ -5,7 +5,8 @@ Two output shapes, with SGLang's exact key names:
 
 * nested (default): `{side}_token_logprobs` is a list of `(logprob, token_id, text|None)`
   triples; `{side}_top_logprobs` a list of rows of triples (None for a null row);
-  `{side}_token_ids_logprobs` likewise for the requested token ids.
+  `{side}_token_ids_logprobs` likewise for the requested token ids;
+  `output_token_logprobs_length` the number of output entries.
 * flat (opt-in per side): `{side}_top_logprobs_val_flat` / `_idx_flat` / `_shape` /
   `_null_prefix`; entry j of covered position i sits at `flat[(i - null_prefix) * k + j]`.
   With b64, `_val_flat_b64` / `_idx_flat_b64` (little-endian float32 / int32, base64)
@@ -278,6 +279,10 @@ class LogprobFormatter:
         flat = self._flat_fields(side, st) if self._wants_flat(side) else None
         self._build_nested(st, with_top=flat is None)
         out[f"{side}_token_logprobs"] = st.token
+        if side == "output":
+            # SGLang's add_logprob_to_meta_info: streaming clients (slime, miles) read the count
+            # from this key to place a chunk's logprobs without re-counting the list.
+            out["output_token_logprobs_length"] = len(st.token)
         if self.options.top_logprobs_num > 0:
             if flat is None:
                 out[f"{side}_top_logprobs"] = st.top

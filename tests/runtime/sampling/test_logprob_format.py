@@ -203,3 +203,15 @@ def test_streaming_cache_appends_and_reuses() -> None:
     for o in outs:
         one_shot.extend_output(o)
     assert orjson.dumps(one_shot.meta_info()) == orjson.dumps(third)
+
+
+def test_output_token_logprobs_length_counts_the_output_entries() -> None:
+    # SGLang's add_logprob_to_meta_info sets it on every response and stream chunk
+    f = LogprobFormatter(LogprobFormatOptions())
+    f.extend_input(_arrays(3, null_prefix=1))
+    assert f.meta_info()["output_token_logprobs_length"] == 0
+    f.extend_output(_arrays(2, seed=1))
+    f.extend_output(_arrays(1, seed=2))
+    meta = f.meta_info()
+    assert meta["output_token_logprobs_length"] == len(meta["output_token_logprobs"]) == 3
+    assert "input_token_logprobs_length" not in meta
