@@ -2,9 +2,9 @@
 instead of letting a kernel read out of bounds or silently compute garbage."""
 from __future__ import annotations
 
-import os
-
 import torch
+
+from tandem.runtime.envs import triton_interpreting
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 FP8_DTYPES = (torch.float8_e5m2, torch.float8_e4m3fn)  # KV pools of --kv-cache-dtype
@@ -29,7 +29,7 @@ def check_same_device(**tensors: torch.Tensor) -> None:
     devices = {name: t.device for name, t in tensors.items()}
     if len(set(devices.values())) > 1:
         raise ValueError(f"tensors are on different devices: {devices}")
-    if next(iter(devices.values())).type != "cuda" and not interpreting():
+    if next(iter(devices.values())).type != "cuda" and not triton_interpreting():
         raise RuntimeError("Triton kernels need CUDA tensors, or TRITON_INTERPRET=1 to run on CPU")
 
 
@@ -49,10 +49,6 @@ def check_kv_pool_dtype(model_dtype: torch.dtype, k_buffer: torch.Tensor, v_buff
     check_same_dtype(k_buffer=k_buffer, v_buffer=v_buffer)
     if k_buffer.dtype != model_dtype and k_buffer.dtype not in FP8_DTYPES:
         raise TypeError(f"the KV pool holds {k_buffer.dtype}: it must hold {model_dtype} (the model's) or an fp8 dtype")
-
-
-def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def next_pow2(n: int) -> int:

@@ -154,17 +154,13 @@ def _check_args(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
 
 def decode_attention_fwd(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
                          kv_indptr: torch.Tensor, kv_indices: torch.Tensor, num_splits: torch.Tensor,
-                         max_splits: int, scale: float, out: torch.Tensor | None = None,
-                         block_n: int | None = None) -> torch.Tensor:
+                         max_splits: int, scale: float, block_n: int | None = None) -> torch.Tensor:
     """q: [bs, Hq, D] (one token per request); k_buffer/v_buffer: [slots, Hkv, D];
     kv_indptr: [bs + 1]; kv_indices: slot of every key; num_splits: [bs], each in 1..max_splits.
     Every request must have at least one key. Returns [bs, Hq, D] in q's dtype."""
     _check_args(q, k_buffer, v_buffer, kv_indptr, kv_indices, num_splits)
     bs, num_heads, head_dim = q.shape
-    if out is None:
-        out = torch.empty_like(q)
-    elif out.shape != q.shape or out.dtype != q.dtype:
-        raise ValueError(f"out must match q: {tuple(out.shape)} {out.dtype} vs {tuple(q.shape)} {q.dtype}")
+    out = torch.empty_like(q)
     if bs == 0:
         return out
     group = num_heads // k_buffer.shape[1]

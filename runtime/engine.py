@@ -162,7 +162,8 @@ class Engine:
 
     # -- sync API -------------------------------------------------------------------------------------
     def generate(self, prompt: str | list[str] | None = None, sampling_params: dict | list[dict] | None = None,
-                 input_ids: list[int] | list[list[int]] | None = None, stream: bool = False, **kwargs: Any):
+                 input_ids: list[int] | list[list[int]] | None = None, stream: bool = False,
+                 **kwargs: Any) -> dict | list[dict] | Iterator[dict]:
         """Like POST /generate: a dict (a list for batch input or n > 1), or an iterator of
         cumulative chunks when stream=True."""
         tm, body = self._live(), self._body(prompt, sampling_params, input_ids, stream, kwargs)
@@ -190,7 +191,8 @@ class Engine:
 
     # -- async API -------------------------------------------------------------------------------------
     async def async_generate(self, prompt: str | list[str] | None = None, sampling_params: dict | list[dict] | None = None,
-                             input_ids: list[int] | list[list[int]] | None = None, stream: bool = False, **kwargs: Any):
+                             input_ids: list[int] | list[list[int]] | None = None, stream: bool = False,
+                             **kwargs: Any) -> dict | list[dict] | AsyncIterator[dict]:
         tm, body = self._live(), self._body(prompt, sampling_params, input_ids, stream, kwargs)
         if stream:
             return self._async_stream(tm, body)

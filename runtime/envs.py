@@ -1,4 +1,5 @@
-"""The one typed registry of TANDEM_* environment switches."""
+"""The one typed registry of TANDEM_* environment switches (and the one reader of Triton's
+TRITON_INTERPRET, which tandem checks in two places)."""
 from __future__ import annotations
 
 import os
@@ -26,9 +27,6 @@ class EnvVar(Generic[T]):
         except ValueError as exc:
             raise ValueError(f"environment variable {self.name}={raw!r} is not a valid {kind.__name__}") from exc
 
-    def set(self, value: T) -> None:
-        os.environ[self.name] = str(int(value)) if isinstance(value, bool) else str(value)
-
 
 class Envs:
     TEST_RETRACT = EnvVar("TANDEM_TEST_RETRACT", False, "force a retraction every N decode steps (tests)")
@@ -36,7 +34,7 @@ class Envs:
     DEBUG_FUTURE_MAP = EnvVar("TANDEM_DEBUG_FUTURE_MAP", False, "poison the future map and check every gather")
     FORCE_STREAM_INTERVAL = EnvVar("TANDEM_FORCE_STREAM_INTERVAL", 50, "internal stream interval of non-streaming logprob requests")
     CACHE_DIR = EnvVar("TANDEM_CACHE_DIR", "", "where converted tokenizers are cached (default ~/.cache/tandem)")
-    HEALTH_CHECK_INTERVAL = EnvVar("TANDEM_CHILD_WATCH_INTERVAL", 0.5, "seconds between child-process liveness checks")
+    CHILD_WATCH_INTERVAL = EnvVar("TANDEM_CHILD_WATCH_INTERVAL", 0.5, "seconds between child-process liveness checks")
     CPU_PACK_WEIGHTS = EnvVar("TANDEM_CPU_PACK_WEIGHTS", True, "linears on packed weights on CPU: bf16 "
                               "in oneDNN's layout (native bf16 CPUs), fp32 in MKL's or oneDNN's, whichever measures faster "
                               "(0: torch's plain linear, for A/B runs)")
@@ -47,9 +45,10 @@ class Envs:
                                      "scaling (still after penalties, logit bias and the grammar mask), as "
                                      "SGLANG_RETURN_ORIGINAL_LOGPROB")
 
-    @classmethod
-    def all(cls) -> list[EnvVar]:
-        return [v for v in vars(cls).values() if isinstance(v, EnvVar)]
-
 
 envs = Envs
+
+
+def triton_interpreting() -> bool:
+    """Triton's own switch (not a TANDEM_ one): kernels run in its interpreter, on CPU tensors."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")

@@ -12,6 +12,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from tandem.runtime.envs import triton_interpreting
 from tandem.runtime.server.reasoning import PARSERS
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "default.toml"
@@ -141,7 +142,7 @@ class ServerArgs:
     def _check_triton(self) -> None:
         """Triton's kernels need CUDA tensors (or its CPU interpreter): refused now rather than by
         the first request, which would kill the scheduler."""
-        if self.attention_backend != "triton" or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        if self.attention_backend != "triton" or triton_interpreting():
             return
         if self.device.startswith("cuda") or (self.device == "auto" and cuda_available()):
             return

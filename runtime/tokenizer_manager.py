@@ -15,6 +15,7 @@ import secrets
 import time
 from collections.abc import AsyncGenerator, Callable
 from concurrent.futures import ThreadPoolExecutor
+from multiprocessing.process import BaseProcess
 from typing import Any
 
 import msgspec
@@ -31,7 +32,7 @@ from tandem.runtime.model_files import chat_sampling_defaults, resolve_model_pat
 from tandem.runtime.request_groups import (Call, CallStream, ChoiceState, ClientDisconnected, RequestError,
                                             RequestGroup)
 from tandem.runtime.sampling.logprob_format import LogprobFormatOptions, LogprobFormatter
-from tandem.runtime.sampling.params import INT64_MAX, INT64_MIN
+from tandem.runtime.sampling.params import INT64_MAX, INT64_MIN, SamplingParams
 from tandem.runtime.server.validation import (GenerateItem, RequestLimits, check_rids_free,
                                               normalize_generate_request)
 from tandem.runtime.server.metrics import ServerMetrics
@@ -62,7 +63,7 @@ class TokenizerManager:
         self.from_detok = bind_pull(self.ctx, self.addrs.detokenizer_to_tokenizer)
         self.from_scheduler = bind_pull(self.ctx, self.addrs.scheduler_to_tokenizer)
         self.to_scheduler = connect_push(self.ctx, self.addrs.tokenizer_to_scheduler)
-        self.procs: list = []
+        self.procs: list[BaseProcess] = []
         self.model_info: dict[str, Any] = {}
         self.groups: dict[str, RequestGroup] = {}  # live logical rid -> its group
         self.choices: dict[str, ChoiceState] = {}  # internal rid -> choice, until it finishes
@@ -114,7 +115,7 @@ class TokenizerManager:
                        asyncio.ensure_future(self._watch_children())]
 
     async def _watch_children(self) -> None:
-        interval = envs.HEALTH_CHECK_INTERVAL.get()
+        interval = envs.CHILD_WATCH_INTERVAL.get()
         while True:
             await asyncio.sleep(interval)
             dead = dead_child(self.procs)
@@ -408,7 +409,7 @@ class TokenizerManager:
         self.addrs.cleanup()
 
 
-def _choice_params(sp, choice: int):
+def _choice_params(sp: SamplingParams, choice: int) -> SamplingParams:
     """Choice i of an n>1 request: n=1, and a seeded request uses seed + i (wrapped to int64) so
     the choices differ and stay reproducible."""
     if sp.n == 1:

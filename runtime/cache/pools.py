@@ -43,10 +43,9 @@ class ReqToTokenPool:
 class TokenAllocator:
     """Free list over KV slots 1..size; slot 0 is a dummy that padded writes may target."""
 
-    def __init__(self, size: int, device: torch.device | str = "cpu", check_double_free: bool = True) -> None:
+    def __init__(self, size: int, device: torch.device | str = "cpu") -> None:
         self.size = size
         self.device = device
-        self.check_double_free = check_double_free
         self.clear()
 
     def clear(self) -> None:
@@ -65,20 +64,18 @@ class TokenAllocator:
         if need > len(self._free):
             return None
         out, self._free = self._free[:need], self._free[need:]
-        if self.check_double_free:
-            self._is_free[out] = False
+        self._is_free[out] = False
         return out.to(self.device, non_blocking=True) if str(self.device) != "cpu" else out
 
     def free(self, slots: torch.Tensor) -> None:
         if slots.numel() == 0:
             return
         slots = slots.to("cpu", dtype=torch.int64).clone()  # callers often pass views of reusable rows
-        if self.check_double_free:
-            if bool((slots == 0).any()):
-                raise RuntimeError("KV slot 0 (the dummy slot) was freed")
-            if bool(self._is_free[slots].any()) or slots.unique().numel() != slots.numel():
-                raise RuntimeError("KV slot freed twice")
-            self._is_free[slots] = True
+        if bool((slots == 0).any()):
+            raise RuntimeError("KV slot 0 (the dummy slot) was freed")
+        if bool(self._is_free[slots].any()) or slots.unique().numel() != slots.numel():
+            raise RuntimeError("KV slot freed twice")
+        self._is_free[slots] = True
         self._pending.append(slots)
         self._pending_len += len(slots)
         if len(self._pending) >= _MAX_PENDING_FREES:

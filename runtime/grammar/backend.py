@@ -17,17 +17,18 @@ from tandem.runtime.grammar.matcher import RequestGrammar
 from tandem.runtime.sampling.params import ANY_JSON
 
 _CACHE_SIZE = 1024  # distinct grammars kept compiled
+_COMPILE_THREADS = 2  # grammars compiling at once, off the scheduler thread
 _XGRAMMAR_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:\d+: ")  # "[19:49:01] /project/cpp/x.cc:83: "
 
 
 class GrammarBackend:
-    def __init__(self, tokenizer: Any, vocab_size: int, threads: int = 2, any_whitespace: bool = True) -> None:
+    def __init__(self, tokenizer: Any, vocab_size: int, any_whitespace: bool = True) -> None:
         import xgrammar as xgr  # heavy (and imports torch): only schedulers with guided decoding load it
 
         self._xgr = xgr
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
         self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)  # cached here instead
-        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="tandem-grammar")
+        self._pool = ThreadPoolExecutor(max_workers=_COMPILE_THREADS, thread_name_prefix="tandem-grammar")
         self._cache: OrderedDict[tuple[str, str], Future] = OrderedDict()
         self._buffers: list[Any] = [None, None]
         self._batch = xgr.BatchGrammarMatcher(max_threads=1)  # one C++ call per step, the GIL released

@@ -249,9 +249,6 @@ class LogprobFormatter:
     def extend_output(self, arrays: LogprobArrays) -> None:
         self._extend("output", arrays)
 
-    def num_positions(self, side: str) -> int:
-        return self._sides[side].rows
-
     @property
     def fallback_reasons(self) -> dict[str, str]:
         """Per side, why a requested flat format fell back to nested (empty when none did)."""

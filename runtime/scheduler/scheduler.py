@@ -16,7 +16,7 @@ import torch
 import zmq
 
 from tandem.ipc.messages import (AbortReq, ChildError, FinishReason, FlushCacheReply, FlushCacheReq,
-                                 GetServerInfoReply, GetServerInfoReq, ReadyMsg, TokenizedGenerateReq)
+                                 GetServerInfoReply, GetServerInfoReq, Message, ReadyMsg, TokenizedGenerateReq)
 from tandem.ipc.sockets import IPCAddresses, bind_pull, connect_push, recv_all_nowait, send
 from tandem.runtime.envs import envs
 from tandem.runtime.grammar.backend import GrammarBackend
@@ -213,7 +213,7 @@ class Scheduler:
             self._finish(req, FinishReason(type="abort", status_code=503, err_type="ServiceUnavailable",
                                            message=f"request waited longer than --request-timeout ({timeout} s)"))
 
-    def _handle(self, msg) -> None:
+    def _handle(self, msg: Message) -> None:
         if isinstance(msg, TokenizedGenerateReq):
             self._add_request(msg)
         elif isinstance(msg, AbortReq):
@@ -333,7 +333,7 @@ class Scheduler:
             send(self.detok_sock, out)
             self.num_outputs_sent += 1
 
-    def _reply(self, msg) -> None:
+    def _reply(self, msg: Message) -> None:
         if self.is_leader:
             send(self.reply_sock, msg)
 

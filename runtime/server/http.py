@@ -15,7 +15,7 @@ from fastapi.responses import PlainTextResponse, Response, StreamingResponse
 from tandem.runtime.server.validation import ValidationError
 from tandem.runtime.server_args import ServerArgs
 from tandem.runtime.request_groups import CallStream, ClientDisconnected, RequestError
-from tandem.runtime.server import openai, openai_responses, responses_api
+from tandem.runtime.server import openai, openai_format, responses_api
 from tandem.runtime.server.info import VERSION, current_loads, health_generate, model_info, served_model_name, server_info
 from tandem.runtime.server.auth import ApiKeyMiddleware, is_admin
 from tandem.runtime.tokenizer_manager import SHUTTING_DOWN, TokenizerManager
@@ -106,13 +106,13 @@ def create_app(args: ServerArgs, on_child_death: Callable[[str], None] | None = 
     @app.exception_handler(ValidationError)
     async def _bad_request(request: Request, exc: ValidationError) -> Response:
         if request.url.path.startswith("/v1/"):
-            return _json(openai_responses.error_body(400, str(exc), exc.field), 400)
+            return _json(openai_format.error_body(400, str(exc), exc.field), 400)
         return _error(400, str(exc))
 
     @app.exception_handler(RequestError)
     async def _request_error(request: Request, exc: RequestError) -> Response:
         if request.url.path.startswith("/v1/"):
-            return _json(openai_responses.error_body(exc.status_code, exc.message), exc.status_code)
+            return _json(openai_format.error_body(exc.status_code, exc.message), exc.status_code)
         return _error(exc.status_code, exc.message)
 
     @app.exception_handler(ClientDisconnected)
@@ -140,7 +140,7 @@ def create_app(args: ServerArgs, on_child_death: Callable[[str], None] | None = 
                 openai.decode_echo(req, tm.tokenizer)  # the ids passed validation: they are token ids
                 if req.kind == "response":  # named events, no [DONE], as SGLang's responses stream
                     return _CallResponse(stream, responses_api.responses_events(req, stream), named=True)
-                return _CallResponse(stream, openai_responses.stream_chunks(req, stream, n))
+                return _CallResponse(stream, openai_format.stream_chunks(req, stream, n))
             results = await tm.generate({**req.native}, request.is_disconnected, req.add_special_tokens)
         except ValidationError as exc:
             raise req.rename(exc) from None
@@ -148,7 +148,7 @@ def create_app(args: ServerArgs, on_child_death: Callable[[str], None] | None = 
         results = results if isinstance(results, list) else [results]
         if req.kind == "response":
             return _json(responses_api.responses_response(req, results[0]))
-        return _json(openai_responses.response(req, results, n))
+        return _json(openai_format.response(req, results, n))
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -211,7 +211,7 @@ def create_app(args: ServerArgs, on_child_death: Callable[[str], None] | None = 
     @app.get("/v1/models/{model:path}")
     async def retrieve_model(model: str) -> Response:
         if model != served_name():
-            return _json(openai_responses.error_body(404, f"the model {model!r} does not exist", "model"), 404)
+            return _json(openai_format.error_body(404, f"the model {model!r} does not exist", "model"), 404)
         return _json(model_card())
 
     @app.get("/v1/loads")

@@ -1,5 +1,5 @@
 """The OpenAI API (`/v1/completions`, `/v1/chat/completions`) as a translation onto `/generate`:
-its requests (the answers' shapes: openai_responses; `/v1/responses`, a chat request: responses_api).
+its requests (the answers' shapes: openai_format; `/v1/responses`, a chat request: responses_api).
 
 A request becomes a native body (so every field is validated exactly as `/generate` validates
 it; a native field name in an error is mapped back to the OpenAI one), runs through the

@@ -13,7 +13,7 @@ from typing import Any, AsyncIterator, Callable
 from tandem.runtime.request_groups import CallStream
 from tandem.runtime.sampling.params import ValidationError
 from tandem.runtime.server.openai import OpenAIRequest, chat_request
-from tandem.runtime.server.openai_responses import error_event
+from tandem.runtime.server.openai_format import error_event
 from tandem.runtime.server.reasoning import StreamSplitter
 
 # /v1/responses: what SGLang's ResponsesRequest takes beside input and instructions, as the chat
