@@ -10,19 +10,10 @@ import triton
 import triton.language as tl
 
 from tandem.kernels._checks import INDEX_DTYPES, check_dim, check_same_device, check_same_dtype, check_tensor, next_pow2
+from tandem.runtime.model.ops import TorchOps
 
 
-def rotary_ref(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
-               cos_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Out-of-place reference: returns rotated (q, k)."""
-    cos, sin = cos_sin[positions].chunk(2, dim=-1)
-    cos, sin = cos[:, None, :], sin[:, None, :]
-    return _rotate_ref(q, cos, sin), _rotate_ref(k, cos, sin)
-
-
-def _rotate_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.float().chunk(2, dim=-1)
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+rotary_ref = TorchOps.rotary  # out of place, the torch path that serves: returns rotated (q, k)
 
 
 @triton.jit
