@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 
-__all__ = ["PenaltyCounts", "apply_penalties", "ban_index"]
+__all__ = ["PenaltyCounts", "apply_penalties"]
 
 
 def apply_penalties(
@@ -40,15 +40,14 @@ def apply_penalties(
     *,
     logit_bias: Tensor | None = None,
     min_tokens_mask: Tensor | None = None,
-    eos_ids: Sequence[int] = (),
-    banned_ids: list[list[int]] | Tensor | None = None,
+    banned_ids: list[list[int]] | None = None,
     grammar_masked: bool = False,
 ) -> Tensor:
     """Return penalized logits [B, V] (a new tensor; the input is not modified).
 
     `output_token_counts` [B, V] counts each token in each row's output so far. `banned_ids`
-    is per row (list of lists, or a [B, K] tensor padded with -1 from `ban_index`); `eos_ids`
-    are banned in every masked row. Bans apply only where `min_tokens_mask` is True.
+    is per row (its stop_token_ids, and EOS unless ignore_eos). Bans apply only where
+    `min_tokens_mask` is True.
     `grammar_masked`: `logits` carry a grammar mask (-inf), so a ban may empty a row.
     """
     out = logits.clone()
@@ -66,7 +65,7 @@ def apply_penalties(
     if logit_bias is not None:
         out = out + logit_bias.to(out.dtype)
     if min_tokens_mask is not None:
-        banned = _ban(out, min_tokens_mask, eos_ids, banned_ids)
+        banned = _ban(out, min_tokens_mask, banned_ids)
         if grammar_masked:
             out = torch.where(torch.isneginf(banned).all(dim=1, keepdim=True), out, banned)
         else:
@@ -74,14 +73,11 @@ def apply_penalties(
     return out
 
 
-def ban_index(
-    banned_ids: list[list[int]], eos_ids: Sequence[int] = (), device: torch.device | str = "cpu"
-) -> Tensor:
-    """Pack per-row banned ids (+ shared EOS ids) into a [B, K] int64 tensor padded with -1."""
-    rows = [list(eos_ids) + list(r) for r in banned_ids]
-    k = max((len(r) for r in rows), default=0)
-    packed = torch.full((len(rows), max(k, 1)), -1, dtype=torch.int64)
-    for i, r in enumerate(rows):
+def _ban_index(banned_ids: list[list[int]], device: torch.device | str) -> Tensor:
+    """Per-row banned ids packed into a [B, K] int64 tensor padded with -1."""
+    k = max((len(r) for r in banned_ids), default=0)
+    packed = torch.full((len(banned_ids), max(k, 1)), -1, dtype=torch.int64)
+    for i, r in enumerate(banned_ids):
         if r:
             packed[i, : len(r)] = torch.tensor(r, dtype=torch.int64)
     return packed.to(device)
@@ -90,19 +86,10 @@ def ban_index(
 def _ban(
     logits: Tensor,
     rows: Tensor,
-    eos_ids: Sequence[int],
-    banned_ids: list[list[int]] | Tensor | None,
+    banned_ids: list[list[int]] | None,
 ) -> Tensor:
     b, v = logits.shape
-    if banned_ids is None:
-        banned_ids = [[] for _ in range(b)]
-    if isinstance(banned_ids, Tensor):
-        idx = banned_ids.to(logits.device)
-        if eos_ids:
-            shared = torch.tensor(list(eos_ids), dtype=idx.dtype, device=idx.device)
-            idx = torch.cat([idx, shared.expand(b, -1)], dim=1)
-    else:
-        idx = ban_index(banned_ids, eos_ids, logits.device)
+    idx = _ban_index(banned_ids if banned_ids is not None else [[] for _ in range(b)], logits.device)
     # Padding (-1) goes to an extra scratch column that is dropped afterwards.
     idx = torch.where(idx < 0, torch.full_like(idx, v), idx)
     mask = torch.zeros((b, v + 1), dtype=torch.bool, device=logits.device)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from tandem.runtime.sampling.penalties import PenaltyCounts, apply_penalties, ban_index
+from tandem.runtime.sampling.penalties import PenaltyCounts, apply_penalties
 
 V = 8
 
@@ -90,7 +90,7 @@ def test_logit_bias_forces_argmax() -> None:
 
 def test_min_tokens_bans_eos_and_stop_ids_only_on_masked_rows() -> None:
     mask = torch.tensor([True, False])
-    out = _apply(min_tokens_mask=mask, eos_ids=[6], banned_ids=[[3], [3]])
+    out = _apply(min_tokens_mask=mask, banned_ids=[[3, 6], [3, 6]])
     assert out[0, 6] == float("-inf") and out[0, 3] == float("-inf")
     assert out[0].argmax() == 0  # EOS (token 6) was the argmax before the ban
     assert torch.equal(out[1], _logits()[1])
@@ -103,25 +103,19 @@ def test_a_grammar_that_allows_only_its_end_outlasts_min_tokens() -> None:
     masked[0, 6] = 3.0
     masked[1, [2, 6]] = torch.tensor([1.0, 3.0])
     mask = torch.tensor([True, True])
-    out = apply_penalties(masked, None, None, None, None, min_tokens_mask=mask, eos_ids=[6],
-                          banned_ids=[[], []], grammar_masked=True)
+    out = apply_penalties(masked, None, None, None, None, min_tokens_mask=mask, banned_ids=[[6], [6]],
+                          grammar_masked=True)
     assert out[0].argmax() == 6 and out[0, 6] == 3.0
     assert out[1, 6] == float("-inf") and out[1].argmax() == 2
-    unflagged = apply_penalties(masked, None, None, None, None, min_tokens_mask=mask, eos_ids=[6], banned_ids=[[], []])
+    unflagged = apply_penalties(masked, None, None, None, None, min_tokens_mask=mask, banned_ids=[[6], [6]])
     assert torch.isneginf(unflagged[0]).all()  # without the flag a ban is a ban
 
 
-def test_ban_index_pads_with_minus_one() -> None:
-    idx = ban_index([[1], [], [2, 3]], eos_ids=[7])
-    assert idx.tolist() == [[7, 1, -1], [7, -1, -1], [7, 2, 3]]
-    assert ban_index([[], []]).tolist() == [[-1], [-1]]
-
-
-def test_tensor_banned_ids_match_list_form() -> None:
+def test_rows_ban_different_ids_and_an_empty_row_bans_none() -> None:
     mask = torch.tensor([True, True])
-    a = _apply(min_tokens_mask=mask, eos_ids=[6], banned_ids=[[3], []])
-    b = _apply(min_tokens_mask=mask, eos_ids=[6], banned_ids=ban_index([[3], []]))
-    assert torch.equal(a, b)
+    out = _apply(min_tokens_mask=mask, banned_ids=[[3, 6, 1], []])
+    assert torch.isneginf(out[0, [1, 3, 6]]).all() and not torch.isneginf(out[0]).all()
+    assert torch.equal(out[1], _logits()[1])
 
 
 # ---- PenaltyCounts -----------------------------------------------------------------------
