@@ -35,8 +35,6 @@ def _error(status: int, message: str) -> Response:
 
 
 def create_app(args: ServerArgs, on_child_death: Callable[[str], None] | None = None) -> FastAPI:
-    holder: dict[str, TokenizerManager] = {}
-
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         tm = TokenizerManager(args, on_child_death)
@@ -58,8 +56,7 @@ def create_app(args: ServerArgs, on_child_death: Callable[[str], None] | None = 
             raise
         finally:
             app.state.startup = None
-        holder["tm"] = tm
-        app.state.tm = tm
+        app.state.tm = tm  # the one reference the routes and launch.server use
         logger.info("tandem is ready on http://%s:%d (OpenAI API: http://%s:%d/v1)", args.host, args.port,
                     args.host, args.port)
         try:
@@ -72,36 +69,6 @@ def create_app(args: ServerArgs, on_child_death: Callable[[str], None] | None = 
     docs = {} if args.enable_docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
     app = FastAPI(lifespan=lifespan, title="tandem", version=VERSION, **docs)
     app.add_middleware(ApiKeyMiddleware, api_key=args.api_key, admin_api_key=args.admin_api_key)
-
-    def control_request(request: Request, needs_admin: bool, json_body: bool = True) -> None:
-        """Control routes: no browser's cross-site request (a route with a JSON body takes only
-        that content type, which no cross-site form can send; a bodiless one, SGLang's
-        /flush_cache, refuses what the browser marks as cross-site) and, for what touches every
-        request, the admin key."""
-        if json_body:
-            if request.headers.get("content-type", "").split(";")[0].strip().lower() != "application/json":
-                raise RequestError(415, f"{request.url.path} needs Content-Type: application/json")
-        elif request.headers.get("sec-fetch-site", "same-origin") not in ("same-origin", "none") \
-                or "origin" in request.headers:  # browsers send these; gateways and scripts do not
-            raise RequestError(403, f"{request.url.path} refuses a browser's cross-site request")
-        if needs_admin and not is_admin(request.headers, args.api_key, args.admin_api_key):
-            raise RequestError(403, f"{request.url.path} needs the admin API key (--admin-api-key)")
-
-    async def read_json(request: Request) -> Any:
-        """The JSON body, read within --http-read-timeout and never past --max-request-bytes."""
-        cap = args.max_request_bytes
-        declared = request.headers.get("content-length", "")
-        if declared.isdigit() and int(declared) > cap:
-            raise ValidationError("body", f"is {declared} bytes, more than --max-request-bytes ({cap})")
-        try:
-            body = await asyncio.wait_for(_read_capped(request, cap), args.http_read_timeout)
-        except asyncio.TimeoutError:
-            raise RequestError(408, f"the request body did not arrive within --http-read-timeout "
-                                    f"({args.http_read_timeout:g} s)") from None
-        try:
-            return orjson.loads(body)
-        except orjson.JSONDecodeError as exc:
-            raise ValidationError("body", f"is not valid JSON: {exc}") from None
 
     @app.exception_handler(ValidationError)
     async def _bad_request(request: Request, exc: ValidationError) -> Response:
@@ -121,8 +88,8 @@ def create_app(args: ServerArgs, on_child_death: Callable[[str], None] | None = 
 
     @app.api_route("/generate", methods=["POST", "PUT"])  # SGLang serves both
     async def generate(request: Request) -> Response:
-        tm = holder["tm"]
-        body = await read_json(request)
+        tm = app.state.tm
+        body = await read_json(request, args)
         if isinstance(body, dict) and body.get("stream"):
             return _CallResponse(await tm.generate_stream(body))
         result = await tm.generate(body, request.is_disconnected)
@@ -132,7 +99,7 @@ def create_app(args: ServerArgs, on_child_death: Callable[[str], None] | None = 
         return _json(result)
 
     async def openai_call(request: Request, req: openai.OpenAIRequest) -> Response:
-        tm = holder["tm"]
+        tm = app.state.tm
         n = req.native["sampling_params"].get("n") or 1
         try:
             if req.stream:
@@ -152,26 +119,26 @@ def create_app(args: ServerArgs, on_child_death: Callable[[str], None] | None = 
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        req = openai.completion_request(await read_json(request), served_name())
+        req = openai.completion_request(await read_json(request, args), served_name())
         return await openai_call(request, req)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        tm = holder["tm"]
-        req = openai.chat_request(await read_json(request), served_name(), tm.render_chat, args.reasoning_parser,
+        tm = app.state.tm
+        req = openai.chat_request(await read_json(request, args), served_name(), tm.render_chat, args.reasoning_parser,
                                   tm.chat_sampling_defaults, tm.chat_content_format)
         return await openai_call(request, req)
 
     @app.post("/v1/responses")
     async def responses(request: Request) -> Response:
-        tm = holder["tm"]
-        req = responses_api.responses_request(await read_json(request), served_name(), tm.render_chat,
+        tm = app.state.tm
+        req = responses_api.responses_request(await read_json(request, args), served_name(), tm.render_chat,
                                               args.reasoning_parser, tm.chat_sampling_defaults, tm.chat_content_format)
         return await openai_call(request, req)
 
     @app.get("/health")
     async def health() -> Response:
-        tm = holder.get("tm")
+        tm = getattr(app.state, "tm", None)
         if tm is None or tm.dead_reason or tm.draining:
             return _error(503, "starting" if tm is None else tm.dead_reason or SHUTTING_DOWN)
         return Response(status_code=200)
@@ -180,7 +147,7 @@ def create_app(args: ServerArgs, on_child_death: Callable[[str], None] | None = 
     async def health_generate_route() -> Response:
         """A one-token generation through every process; 503 when it does not finish in time."""
         try:
-            await health_generate(holder["tm"], args.health_generate_timeout)
+            await health_generate(app.state.tm, args.health_generate_timeout)
         except asyncio.TimeoutError:
             return _error(503, f"a 1-token generation did not finish within {args.health_generate_timeout:g} s")
         return Response(status_code=200)
@@ -189,10 +156,10 @@ def create_app(args: ServerArgs, on_child_death: Callable[[str], None] | None = 
         return served_model_name(args)
 
     async def get_model_info() -> dict[str, Any]:
-        return model_info(holder["tm"])
+        return model_info(app.state.tm)
 
     async def get_server_info() -> dict[str, Any]:
-        return await server_info(holder["tm"])
+        return await server_info(app.state.tm)
 
     for path in ("/model_info", "/get_model_info"):
         app.add_api_route(path, get_model_info, methods=["GET"])
@@ -202,7 +169,7 @@ def create_app(args: ServerArgs, on_child_death: Callable[[str], None] | None = 
     def model_card() -> dict[str, Any]:
         return {"id": served_name(), "object": "model", "created": 0,
                 "owned_by": "sglang",  # the gateway treats the worker as SGLang's
-                "root": served_name(), "max_model_len": holder["tm"].model_info["context_len"]}
+                "root": served_name(), "max_model_len": app.state.tm.model_info["context_len"]}
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -218,28 +185,28 @@ def create_app(args: ServerArgs, on_child_death: Callable[[str], None] | None = 
     async def v1_loads(request: Request) -> dict[str, Any]:
         include = request.query_params.get("include")
         sections = None if include is None else {s.strip() for s in include.split(",") if s.strip()}
-        return await current_loads(holder["tm"], sections or None)
+        return await current_loads(app.state.tm, sections or None)
 
     @app.get("/get_load")
     async def get_load() -> list[dict[str, Any]]:
         """SGLang's legacy load route (deprecated there for /v1/loads, which it is a view of):
         one entry per DP rank in its old field names, which older routers still poll."""
-        loads = (await current_loads(holder["tm"], {"core"}))["loads"]
+        loads = (await current_loads(app.state.tm, {"core"}))["loads"]
         return [{"dp_rank": x["dp_rank"], "num_reqs": x["num_total_reqs"], "num_waiting_reqs": x["num_waiting_reqs"],
                  "num_tokens": x["num_used_tokens"], "ts_tic": time.perf_counter()} for x in loads]
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])  # SGLang's; its gateway POSTs no body
     async def flush_cache(request: Request) -> Response:
-        control_request(request, needs_admin=True, json_body=False)
-        reply = await holder["tm"].flush_cache()
+        control_request(request, args, needs_admin=True, json_body=False)
+        reply = await app.state.tm.flush_cache()
         if reply.success:
             return PlainTextResponse("Cache flushed.\n")
         return _error(400, f"cache not flushed: {reply.message}")
 
     @app.post("/abort_request")
     async def abort_request(request: Request) -> Response:
-        control_request(request, needs_admin=False)
-        body = await read_json(request)
+        control_request(request, args, needs_admin=False)
+        body = await read_json(request, args)
         if not isinstance(body, dict):
             raise ValidationError("body", "must be a JSON object")
         rid, abort_all = body.get("rid", ""), body.get("abort_all", False)
@@ -248,9 +215,9 @@ def create_app(args: ServerArgs, on_child_death: Callable[[str], None] | None = 
         if not isinstance(abort_all, bool):
             raise ValidationError("abort_all", "must be a boolean")
         if abort_all:
-            control_request(request, needs_admin=True)
+            control_request(request, args, needs_admin=True)
         if rid or abort_all:  # exact rid; an unknown or empty rid aborts nothing
-            holder["tm"].abort(rid, abort_all)
+            app.state.tm.abort(rid, abort_all)
         return Response(status_code=200)
 
     @app.get("/metrics")
@@ -258,7 +225,7 @@ def create_app(args: ServerArgs, on_child_death: Callable[[str], None] | None = 
         """The request metrics are this process's own; the scheduler's gauges are asked for, and
         keep their last values when it is busy in a long step (a scrape never fails for it,
         as SGLang's never waits on its scheduler)."""
-        tm = holder.get("tm")
+        tm = getattr(app.state, "tm", None)
         if tm is None:  # a scraper may come before the model has loaded
             return _error(503, "starting")
         try:
@@ -268,6 +235,37 @@ def create_app(args: ServerArgs, on_child_death: Callable[[str], None] | None = 
         return Response(tm.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+def control_request(request: Request, args: ServerArgs, needs_admin: bool, json_body: bool = True) -> None:
+    """Control routes: no browser's cross-site request (a route with a JSON body takes only
+    that content type, which no cross-site form can send; a bodiless one, SGLang's
+    /flush_cache, refuses what the browser marks as cross-site) and, for what touches every
+    request, the admin key."""
+    if json_body:
+        if request.headers.get("content-type", "").split(";")[0].strip().lower() != "application/json":
+            raise RequestError(415, f"{request.url.path} needs Content-Type: application/json")
+    elif request.headers.get("sec-fetch-site", "same-origin") not in ("same-origin", "none") \
+            or "origin" in request.headers:  # browsers send these; gateways and scripts do not
+        raise RequestError(403, f"{request.url.path} refuses a browser's cross-site request")
+    if needs_admin and not is_admin(request.headers, args.api_key, args.admin_api_key):
+        raise RequestError(403, f"{request.url.path} needs the admin API key (--admin-api-key)")
+
+async def read_json(request: Request, args: ServerArgs) -> Any:
+    """The JSON body, read within --http-read-timeout and never past --max-request-bytes."""
+    cap = args.max_request_bytes
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > cap:
+        raise ValidationError("body", f"is {declared} bytes, more than --max-request-bytes ({cap})")
+    try:
+        body = await asyncio.wait_for(_read_capped(request, cap), args.http_read_timeout)
+    except asyncio.TimeoutError:
+        raise RequestError(408, f"the request body did not arrive within --http-read-timeout "
+                                f"({args.http_read_timeout:g} s)") from None
+    try:
+        return orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise ValidationError("body", f"is not valid JSON: {exc}") from None
 
 
 async def _read_capped(request: Request, cap: int) -> bytes:

@@ -1,8 +1,9 @@
-"""Native HTTP routes against a real server: SGLang's legacy /get_load, and the random seed a
-launch drew, logged and reported by /get_server_info."""
+"""Native HTTP routes: against a real server, SGLang's legacy /get_load and the random seed a
+launch drew, logged and reported by /get_server_info; without one, the control routes' checks."""
 from __future__ import annotations
 
 import re
+from typing import Any
 
 import pytest
 
@@ -38,3 +39,37 @@ def test_the_drawn_random_seed_is_logged_and_reported(server):
     seed = server.info()["random_seed"]
     assert isinstance(seed, int) and 0 <= seed <= 1 << 30
     assert re.search(rf"random seed: {seed} \(drawn for this launch", server.log()), server.log()[-2000:]
+
+
+def _request(path: str, headers: dict[str, str]) -> Any:
+    from starlette.requests import Request
+
+    return Request({"type": "http", "method": "POST", "path": path, "query_string": b"", "scheme": "http",
+                    "server": ("127.0.0.1", 30000), "headers": [(k.encode(), v.encode()) for k, v in headers.items()]})
+
+
+@pytest.mark.parametrize("headers, json_body, needs_admin, status", [
+    ({"content-type": "application/json"}, True, False, None),
+    ({"content-type": "Application/JSON; charset=utf-8"}, True, False, None),
+    ({"content-type": "text/plain"}, True, False, 415),  # what a cross-site form can send
+    ({}, True, False, 415),
+    ({}, False, False, None),  # a gateway's bodiless POST /flush_cache
+    ({"sec-fetch-site": "same-origin"}, False, False, None),
+    ({"sec-fetch-site": "cross-site"}, False, False, 403),  # a browser's cross-site request
+    ({"origin": "http://evil.example"}, False, False, 403),
+    ({"content-type": "application/json", "authorization": "Bearer user"}, True, True, 403),
+    ({"content-type": "application/json", "authorization": "Bearer admin"}, True, True, None),
+])
+def test_control_routes_refuse_cross_site_requests_and_non_admin_keys(headers, json_body, needs_admin, status):
+    from tandem.runtime.request_groups import RequestError
+    from tandem.runtime.server.http import control_request
+    from tandem.runtime.server_args import ServerArgs
+
+    args = ServerArgs(api_key="user", admin_api_key="admin")
+    request = _request("/flush_cache", headers)
+    if status is None:
+        control_request(request, args, needs_admin, json_body)
+        return
+    with pytest.raises(RequestError) as err:
+        control_request(request, args, needs_admin, json_body)
+    assert err.value.status_code == status and "/flush_cache" in err.value.message
