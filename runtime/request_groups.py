@@ -10,7 +10,7 @@ from typing import Any
 
 from tandem.ipc.messages import FinishReason
 from tandem.runtime.sampling.logprob_format import LogprobFormatter
-from tandem.runtime.sampling.params import ValidationError
+from tandem.runtime.value_checks import ValidationError
 
 WEIGHT_VERSION = "default"  # SGLang's meta_info.weight_version before any weight update
 

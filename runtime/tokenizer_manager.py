@@ -32,12 +32,13 @@ from tandem.runtime.model_files import chat_sampling_defaults, resolve_model_pat
 from tandem.runtime.request_groups import (Call, CallStream, ChoiceState, ClientDisconnected, RequestError,
                                             RequestGroup)
 from tandem.runtime.sampling.logprob_format import LogprobFormatOptions, LogprobFormatter
-from tandem.runtime.sampling.params import INT64_MAX, INT64_MIN, SamplingParams
+from tandem.runtime.sampling.params import SamplingParams
 from tandem.runtime.server.validation import (GenerateItem, RequestLimits, check_rids_free,
                                               normalize_generate_request)
 from tandem.runtime.server.metrics import ServerMetrics
 from tandem.runtime.server_args import ServerArgs
 from tandem.runtime.tokenizer import load_tokenizer, max_chars_per_token, read_chat_template, template_content_format
+from tandem.runtime.value_checks import INT64_MAX, INT64_MIN
 
 logger = logging.getLogger("tandem.tokenizer_manager")
 DISCONNECT_POLL_S = 0.5
@@ -100,14 +101,12 @@ class TokenizerManager:
                     self.model_info = {"max_total_num_tokens": msg.max_total_tokens, "context_len": msg.context_len,
                                        "vocab_size": msg.vocab_size, "max_running_requests": msg.max_running_requests,
                                        "architectures": [msg.architecture], "eos_token_ids": list(msg.eos_token_ids)}
-        self.vocab_size = self.model_info["vocab_size"]
-        self.context_len = self.model_info["context_len"]
-        args = self.args
+        context_len, args = self.model_info["context_len"], self.args
         self.limits = RequestLimits(
-            vocab_size=self.vocab_size, context_len=self.context_len,
+            vocab_size=self.model_info["vocab_size"], context_len=context_len,
             max_total_tokens=self.model_info["max_total_num_tokens"] or None, max_batch_items=args.max_batch_items,
             max_top_logprobs_num=args.max_top_logprobs_num,
-            max_text_chars=self.context_len * max_chars_per_token(self.tokenizer) * TEXT_CHARS_SLACK,
+            max_text_chars=context_len * max_chars_per_token(self.tokenizer) * TEXT_CHARS_SLACK,
             guided_decoding=args.grammar_backend != "none", strict_thinking=args.enable_strict_thinking,
             reasoning_parser=args.reasoning_parser is not None)
         self._tasks = [asyncio.ensure_future(self._detok_loop()),

@@ -3,7 +3,7 @@ the tokenizer manager hands the HTTP layer, without a server."""
 from __future__ import annotations
 
 from tandem.runtime.request_groups import CallStream, RequestError
-from tandem.runtime.sampling.params import ValidationError
+from tandem.runtime.value_checks import ValidationError
 
 
 class _Choice:

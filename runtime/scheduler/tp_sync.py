@@ -25,12 +25,14 @@ class IterationInputs(msgspec.Struct, frozen=True):
 class ControlSync:
     def __init__(self, rank: int, group: object) -> None:
         self.rank, self.group = rank, group
-        self._codec = msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder(IterationInputs)
+        # the envelope of one iteration's already-encoded messages: its own small codec, since it
+        # travels over the gloo group and not over the IPC sockets ipc.codec serves
+        self._encoder, self._decoder = msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder(IterationInputs)
 
     def share(self, messages: list[Message], expired_rids: list[str]) -> tuple[list[Message], list[str]]:
         """Rank 0: send its inputs and return them. Other ranks: pass nothing, get rank 0's."""
         if self.rank == 0:
-            payload = self._codec[0].encode(IterationInputs([encode(m) for m in messages], expired_rids))
+            payload = self._encoder.encode(IterationInputs([encode(m) for m in messages], expired_rids))
             size = torch.tensor([len(payload)], dtype=torch.int64)
             dist.broadcast(size, src=0, group=self.group)
             dist.broadcast(torch.frombuffer(bytearray(payload), dtype=torch.uint8), src=0, group=self.group)
@@ -39,5 +41,5 @@ class ControlSync:
         dist.broadcast(size, src=0, group=self.group)
         buf = torch.empty(int(size.item()), dtype=torch.uint8)
         dist.broadcast(buf, src=0, group=self.group)
-        inputs = self._codec[1].decode(buf.numpy().tobytes())
+        inputs = self._decoder.decode(buf.numpy().tobytes())
         return [decode(m) for m in inputs.messages], inputs.expired_rids

@@ -14,7 +14,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from tandem.runtime.sampling.params import ValidationError
+from tandem.runtime.value_checks import ValidationError
 
 # native SamplingParams name -> proto field, where the names differ
 _GUIDED = ("json_schema", "regex", "ebnf", "choice", "structural_tag")

@@ -20,10 +20,10 @@ import grpc
 from google.protobuf import message_factory
 
 from tandem.runtime.request_groups import RequestError
-from tandem.runtime.sampling.params import ValidationError
 from tandem.runtime.server.auth import parse_bearer, token_is_admin, token_may_call
 from tandem.runtime.server.grpc_requests import GrpcRequest
 from tandem.runtime.tokenizer_manager import SHUTTING_DOWN, TokenizerManager
+from tandem.runtime.value_checks import ValidationError
 
 logger = logging.getLogger("tandem.grpc")
 _OPEN_METHODS = frozenset({"HealthCheck"})  # probes need no key, as HTTP's /health

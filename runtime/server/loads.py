@@ -7,7 +7,7 @@ from __future__ import annotations
 import datetime
 from typing import Any
 
-from tandem.runtime.sampling.params import ValidationError
+from tandem.runtime.value_checks import ValidationError
 
 
 def scheduler_load(info: dict[str, Any], max_running_requests: int, cache_hit_rate: float) -> dict[str, Any]:

@@ -16,8 +16,8 @@ from typing import Any, Callable
 
 import orjson
 
-from tandem.runtime.sampling.params import ValidationError
 from tandem.runtime.server.reasoning import ReasoningParser
+from tandem.runtime.value_checks import ValidationError
 
 # OpenAI name -> native sampling_params name (None: the same name)
 _SAMPLING = {

@@ -7,9 +7,9 @@ import time
 from typing import Any, AsyncIterator
 
 from tandem.runtime.request_groups import CallStream, RequestError
-from tandem.runtime.sampling.params import ValidationError
 from tandem.runtime.server.openai import OpenAIRequest
 from tandem.runtime.server.reasoning import StreamSplitter
+from tandem.runtime.value_checks import ValidationError
 
 _FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
 

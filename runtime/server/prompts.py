@@ -6,7 +6,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from tandem.runtime.sampling.params import SamplingParams, ValidationError, is_int, short, type_name
+from tandem.runtime.sampling.params import SamplingParams
+from tandem.runtime.value_checks import ValidationError, is_int, short, type_name
 
 if TYPE_CHECKING:
     from tandem.runtime.server.validation import RequestLimits

@@ -11,10 +11,10 @@ import time
 from typing import Any, AsyncIterator, Callable
 
 from tandem.runtime.request_groups import CallStream
-from tandem.runtime.sampling.params import ValidationError
 from tandem.runtime.server.openai import OpenAIRequest, chat_request
 from tandem.runtime.server.openai_format import error_event
 from tandem.runtime.server.reasoning import StreamSplitter
+from tandem.runtime.value_checks import ValidationError
 
 # /v1/responses: what SGLang's ResponsesRequest takes beside input and instructions, as the chat
 # fields they are; what needs stored responses, tools or logprobs (none here) is a 400

@@ -24,16 +24,9 @@ from typing import Any
 import msgspec
 
 from tandem.ipc.messages import LogprobParams
-from tandem.runtime.sampling.params import (
-    SamplingParams,
-    ValidationError,
-    fits_int64,
-    is_int,
-    key_name,
-    short,
-    type_name,
-)
+from tandem.runtime.sampling.params import SamplingParams
 from tandem.runtime.server.prompts import check_batch_items, explicit_max_new, fit_context, prompt_ids, prompts
+from tandem.runtime.value_checks import ValidationError, fits_int64, is_int, key_name, short, type_name
 
 __all__ = [
     "GenerateItem",

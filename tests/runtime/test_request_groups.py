@@ -5,7 +5,7 @@ import time
 
 from tandem.ipc.messages import FinishReason
 from tandem.runtime.request_groups import Call, ChoiceState, RequestError, RequestGroup
-from tandem.runtime.sampling.params import ValidationError
+from tandem.runtime.value_checks import ValidationError
 
 
 def _choice(call: Call) -> ChoiceState:

@@ -9,7 +9,8 @@ import pickle
 import msgspec
 import pytest
 
-from tandem.runtime.sampling.params import FILL_CONTEXT, SamplingParams, ValidationError
+from tandem.runtime.sampling.params import FILL_CONTEXT, SamplingParams
+from tandem.runtime.value_checks import ValidationError
 
 VOCAB = 1000
 

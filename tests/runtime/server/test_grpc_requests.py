@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 from smg_grpc_proto import sglang_scheduler_pb2 as spb
 
-from tandem.runtime.sampling.params import ValidationError
 from tandem.runtime.server.grpc_requests import native_service_request, scheduler_service_request
 from tandem.runtime.server.proto import sglang_pb2 as pb
+from tandem.runtime.value_checks import ValidationError
 
 
 def test_only_set_fields_are_forwarded():

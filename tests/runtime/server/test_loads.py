@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from tandem.runtime.sampling.params import ValidationError
 from tandem.runtime.server.loads import loads_report, scheduler_load
+from tandem.runtime.value_checks import ValidationError
 
 INFO = {"max_total_num_tokens": 1000, "kv_slots_used": 250, "num_running_reqs": 3, "num_queue_reqs": 5,
         "num_grammar_queue_reqs": 2, "gen_throughput": 12.5}

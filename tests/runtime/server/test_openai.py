@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import pytest
 
-from tandem.runtime.sampling.params import ValidationError
 from tandem.runtime.server import openai as oa
 from tandem.runtime.tokenizer import template_content_format
+from tandem.runtime.value_checks import ValidationError
 
 
 def _completion(body: dict) -> oa.OpenAIRequest:

@@ -6,9 +6,9 @@ import asyncio
 from call_fakes import result, stream_of
 
 from tandem.runtime.request_groups import RequestError
-from tandem.runtime.sampling.params import ValidationError
 from tandem.runtime.server import openai as oa
 from tandem.runtime.server import openai_format as oar
+from tandem.runtime.value_checks import ValidationError
 
 
 def _completion(body: dict) -> oa.OpenAIRequest:

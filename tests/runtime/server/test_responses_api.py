@@ -8,9 +8,9 @@ import pytest
 from call_fakes import result, stream_of
 
 from tandem.runtime.request_groups import CallStream
-from tandem.runtime.sampling.params import ValidationError
 from tandem.runtime.server.openai import OpenAIRequest
 from tandem.runtime.server.responses_api import responses_events, responses_request, responses_response
+from tandem.runtime.value_checks import ValidationError
 
 
 def _request(body: dict, seen: list | None = None, parser: str | None = None) -> OpenAIRequest:
