@@ -5,8 +5,9 @@ ServerArgs fields so); a TOML preset names ServerArgs fields.
 
 Each accepted flag cannot change an answer here: tandem captures no CUDA graphs and compiles
 nothing, runs no code from the checkpoint, always serves /metrics and cached-token counts, and
-has one data/expert/pipeline rank. They are logged as ignored, with the reason. Flags that would
-change answers are not in this table: argparse refuses them by name.
+has one data/expert/pipeline rank. They are logged as ignored, with the reason. SGLang's flags
+that would change answers (quantized weights, LoRA adapters) are taken by the parser only to be
+refused with the reason, naming the flag.
 """
 from __future__ import annotations
 
@@ -29,6 +30,13 @@ IGNORED: dict[str, tuple[bool, str]] = {
     "--log-requests": (False, "tandem does not log request bodies"),
     "--priority-preemption": (False, "tandem's old flag: preemption is now the default with priority scheduling"),
 }
+# flag -> (takes a value, why tandem refuses it): serving without it would answer differently
+REFUSED: dict[str, tuple[bool, str]] = {
+    "--quantization": (True, "tandem serves the checkpoint's weights in --dtype (a GGUF file dequantized); "
+                             "it has no quantized kernels"),
+    "--lora-paths": (True, "tandem serves no LoRA adapters"),
+    "--enable-lora": (False, "tandem serves no LoRA adapters"),
+}
 # SGLang's parallelism flags for what tandem runs as one rank: accepted at 1, refused above
 SINGLE_RANK = {"dp_size": ("--dp-size", "--dp", "--data-parallel-size"),
                "ep_size": ("--ep-size", "--ep", "--expert-parallel-size"),
@@ -44,11 +52,18 @@ def add_args(parser: argparse.ArgumentParser) -> None:
             group.add_argument(flag, action="store_true", default=None, dest=_dest(flag))
     for dest, flags in SINGLE_RANK.items():
         group.add_argument(*flags, type=int, default=None, dest=dest)
+    refused = parser.add_argument_group("SGLang flags that would change answers (refused, with the reason)")
+    for flag, (takes_value, _) in REFUSED.items():
+        kind = {"nargs": "*"} if takes_value else {"action": "store_true"}
+        refused.add_argument(flag, default=None, dest=_dest(flag), help=argparse.SUPPRESS, **kind)
 
 
 def check(ns: argparse.Namespace) -> list[str]:
-    """Refuses a parallelism flag above 1 (ValueError naming it); returns the ignored flags'
-    log lines."""
+    """Refuses a flag that would change answers and a parallelism flag above 1 (ValueError naming
+    it); returns the ignored flags' log lines."""
+    for flag, (_, why) in REFUSED.items():
+        if getattr(ns, _dest(flag), None) is not None:
+            raise ValueError(f"{flag}: {why}")
     for dest, flags in SINGLE_RANK.items():
         value: Any = getattr(ns, dest, None)
         if value is not None and value != 1:
