@@ -58,22 +58,30 @@ def start_server(args: list[str], log_path: str, env: dict[str, str] | None = No
     if "--dtype" not in args:  # --dtype auto takes bf16 on AMX CPUs: tests compare against fp32 references
         args = [*args, "--dtype", "float32"]
     cmd = [sys.executable, "-m", "tandem.launch.server", "--port", str(port), "--log-level", "warning", *args]
-    log = open(log_path, "w")
-    # cwd away from the repo root: its kernels/ folder would shadow the PyPI `kernels` that transformers probes
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
-                            start_new_session=True, cwd=os.path.dirname(os.path.abspath(log_path)))
+    with open(log_path, "w") as log:  # the server writes through its own copy of the descriptor
+        # cwd away from the repo root: its kernels/ folder would shadow the PyPI `kernels` that transformers probes
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
+                                start_new_session=True, cwd=os.path.dirname(os.path.abspath(log_path)))
     handle = ServerHandle(proc, f"http://127.0.0.1:{port}", log_path)
+    try:  # however the wait ends (a test's timeout, Ctrl-C), a server not handed out is stopped
+        _wait_healthy(handle)
+    except BaseException:
+        handle.stop()
+        raise
+    return handle
+
+
+def _wait_healthy(handle: ServerHandle) -> None:
     deadline = time.monotonic() + STARTUP_TIMEOUT_S
     while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode} during startup:\n{handle.log()[-3000:]}")
+        if handle.proc.poll() is not None:
+            raise RuntimeError(f"server exited with {handle.proc.returncode} during startup:\n{handle.log()[-3000:]}")
         try:
             if requests.get(handle.url + "/health", timeout=2).status_code == 200:
-                return handle
+                return
         except requests.RequestException:
             pass
         time.sleep(0.5)
-    handle.stop()
     raise RuntimeError(f"server did not become healthy in {STARTUP_TIMEOUT_S} s:\n{handle.log()[-3000:]}")
 
 

@@ -163,6 +163,13 @@ async def _collect(stream) -> list:
 
 def test_shutdown_ends_calls_in_flight_and_refuses_later_ones(tiny_model_dir):
     engine = _engine(tiny_model_dir)
+    try:
+        _shutdown_with_calls_in_flight(engine)
+    finally:
+        engine.shutdown()  # a no-op after the test's own; frees the children when it failed early
+
+
+def _shutdown_with_calls_in_flight(engine: Engine) -> None:
     outcome: dict = {}
     # streams made before the shutdown and first iterated after it: handed to the loop only then
     early_sync = engine.generate(input_ids=[1, 2], sampling_params=GREEDY, stream=True)
@@ -180,6 +187,7 @@ def test_shutdown_ends_calls_in_flight_and_refuses_later_ones(tiny_model_dir):
     deadline = time.monotonic() + 60
     while engine.server_info()["num_running_reqs"] == 0 and time.monotonic() < deadline:
         time.sleep(0.05)
+    assert engine.server_info()["num_running_reqs"] == 1  # the shutdown below ends a call in flight
     engine.shutdown()
     caller.join(30)
     assert not caller.is_alive(), "a call in flight on another thread never returned after shutdown()"
@@ -234,8 +242,10 @@ def test_shutdown_wakes_a_call_still_being_validated(tiny_model_dir, monkeypatch
 
     engine = _engine(tiny_model_dir)
     validate = tm_module.normalize_generate_request
+    validating = threading.Event()
 
     def slow_validation(*args, **kwargs):
+        validating.set()
         time.sleep(2.0)
         return validate(*args, **kwargs)
 
@@ -249,8 +259,10 @@ def test_shutdown_wakes_a_call_still_being_validated(tiny_model_dir, monkeypatch
             outcome["error"] = exc
 
     caller = threading.Thread(target=call, daemon=True)
-    caller.start()
-    time.sleep(0.5)
-    engine.shutdown()
+    try:
+        caller.start()
+        assert validating.wait(30)  # the call is in validation when the shutdown comes
+    finally:
+        engine.shutdown()
     caller.join(20)
     assert not caller.is_alive() and "shut down" in str(outcome.get("error")), outcome

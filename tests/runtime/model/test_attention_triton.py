@@ -94,7 +94,7 @@ def test_tiny_model_prefill_then_decode_matches_torch_backend(dtype: torch.dtype
 def test_backend_factory_and_lazy_triton_import() -> None:
     code = ("import sys, tandem.runtime.model.attention, tandem.runtime.model.llama; "
             "assert 'triton' not in sys.modules, 'torch path imported triton'")
-    subprocess.run([sys.executable, "-c", code], check=True)
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
     kv, r2t = KVPool(8, 1, 1, 16, torch.float32, DEVICE), ReqToTokenPool(1, 8, DEVICE)
     assert isinstance(create_attention_backend("triton", kv, r2t), TritonAttnBackend)
 

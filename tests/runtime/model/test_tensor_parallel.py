@@ -7,6 +7,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 import torch
@@ -49,8 +50,17 @@ def run_tp(path: str | None, size: int, out: str) -> dict:
     script = RANK_SCRIPT.format(prompts=PROMPTS)
     procs = [subprocess.Popen([sys.executable, "-c", script, path or "", addr, str(rank), str(size), out],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for rank in range(size)]
+    deadline = time.monotonic() + 240  # one deadline for all ranks, not 240 s each in turn
+    logs = []
     try:
-        logs = [p.communicate(timeout=240)[0] for p in procs]
+        for p in procs:
+            try:
+                logs.append(p.communicate(timeout=max(deadline - time.monotonic(), 1))[0])
+            except subprocess.TimeoutExpired:
+                for q in procs:
+                    q.kill()
+                logs.append(p.communicate()[0])  # what the rank printed before it hung
+                raise AssertionError("a rank did not finish within 240 s:\n" + "\n".join(logs)[-3000:]) from None
     finally:
         for p in procs:
             p.kill()

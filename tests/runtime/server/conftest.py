@@ -13,6 +13,7 @@ NGRAM = ["--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", "
 def servers(tmp_path_factory, tiny_model_dir):
     """Start servers lazily by name; every one started is stopped at session end."""
     started: dict[str, object] = {}
+    failed: dict[str, RuntimeError] = {}
     logs = tmp_path_factory.mktemp("server_logs")
 
     def standalone(model: str | None, layers: int) -> list[str]:
@@ -64,8 +65,14 @@ def servers(tmp_path_factory, tiny_model_dir):
                 "smol_standalone": (["--max-total-tokens", "20000", "--max-running-requests", "32",
                                      *standalone(None, 6)], None),
             }
+            if name in failed:  # one failed start fails every later test that needs it at once
+                pytest.fail(f"the {name} server did not start: {failed[name]}")
             args, env = configs[name]
-            started[name] = start_server(args, str(logs / f"{name}.log"), env)
+            try:
+                started[name] = start_server(args, str(logs / f"{name}.log"), env)
+            except RuntimeError as exc:
+                failed[name] = exc
+                raise
         return started[name]
 
     yield get

@@ -7,7 +7,7 @@ import requests
 
 from server_utils import start_server
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = pytest.mark.timeout(300)  # a server start may take 180 s (server_utils)
 KEY, ADMIN = "user-secret", "admin-secret"
 
 

@@ -9,7 +9,7 @@ import pytest
 
 from server_utils import start_server
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = pytest.mark.timeout(300)  # a server start may take 180 s (server_utils)
 
 
 @pytest.fixture(scope="module")

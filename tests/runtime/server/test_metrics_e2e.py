@@ -8,7 +8,7 @@ import pytest
 import requests
 from prometheus_client.parser import text_string_to_metric_families
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = pytest.mark.timeout(300)  # a server start may take 180 s (server_utils)
 
 
 def _scrape(server) -> dict[tuple[str, str], float]:
