@@ -23,10 +23,10 @@ def test_debug_catches_unwritten_poisoned_and_reread_entries():
     assert fm.gather_bonus(torch.tensor([1])).tolist() == [7]
     with pytest.raises(RuntimeError, match="bonus token gathered before a step wrote it"):
         fm.gather_bonus(torch.tensor([1]))  # consumed on read: a second gather needs a new stash
-    with pytest.raises(RuntimeError):
+    with pytest.raises(RuntimeError, match="bonus token gathered before a step wrote it"):
         fm.gather_bonus(torch.tensor([3]))  # never written
     fm.poison([2])  # the request on row 2 left; a later step must not read its token
-    with pytest.raises(RuntimeError):
+    with pytest.raises(RuntimeError, match="bonus token gathered before a step wrote it"):
         fm.gather_bonus(torch.tensor([2]))
     fm.stash(RelayPayload(rows=torch.tensor([2]), bonus_tokens=torch.tensor([9])))
     assert fm.gather_bonus(torch.tensor([2])).tolist() == [9]
@@ -41,7 +41,7 @@ def test_multi_token_speculative_payload():
     fm.stash(payload)
     drafts, lens, seq_lens = fm.gather_draft(torch.tensor([3, 0]), 3)
     assert drafts.tolist() == [[4, 5, 6], [1, 2, 3]] and lens.tolist() == [3, 2] and seq_lens.tolist() == [20, 10]
-    with pytest.raises(RuntimeError):
+    with pytest.raises(RuntimeError, match="gathered before a step wrote it"):
         fm.gather_draft(torch.tensor([1]), 3)  # never written
-    with pytest.raises(RuntimeError):
+    with pytest.raises(RuntimeError, match="gathered before a step wrote it"):
         fm.gather_draft(torch.tensor([0]), 3)  # consumed by the first read

@@ -2,8 +2,8 @@
 errors and timeouts are a 400 quoting xgrammar; aborts reach requests still compiling."""
 from __future__ import annotations
 
-import time
 from concurrent.futures import Future
+from types import SimpleNamespace
 
 import numpy as np
 
@@ -36,7 +36,11 @@ def _req(rid: str, require_reasoning: bool = False, **constraint) -> Req:
     return Req.from_message(msg, 1, default_seed=1)
 
 
-def test_ready_failed_and_timed_out():
+def test_ready_failed_and_timed_out(monkeypatch):
+    from tandem.runtime.scheduler import grammar_queue
+
+    clock = [100.0]  # a fake clock: a pause of the test machine cannot time a compile out early
+    monkeypatch.setattr(grammar_queue, "time", SimpleNamespace(monotonic=lambda: clock[0]))
     backend = FakeBackend()
     queue = GrammarQueue(backend, timeout_s=0.2)  # type: ignore[arg-type]
     ok, bad, slow = _req("a_0", regex="a+"), _req("b_0", regex="("), _req("c_0", ebnf="root ::= x")
@@ -50,7 +54,7 @@ def test_ready_failed_and_timed_out():
     assert [(r, f.status_code) for r, f in failed] == [(bad, 400)]
     assert (failed[0][1].field, failed[0][1].message) == ("sampling_params.regex",
                                                            "does not compile: parenthesis is not closed")
-    time.sleep(0.25)
+    clock[0] += 0.25
     ready, failed = queue.poll()
     assert ready == [] and failed[0][0] is slow and failed[0][1].field == "sampling_params.ebnf"
     assert "--grammar-compile-timeout (0.2 s)" in failed[0][1].message

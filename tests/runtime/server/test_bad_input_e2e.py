@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 import requests
@@ -58,9 +59,10 @@ def test_reused_rid_of_a_running_request_is_400(tiny_server):
     t = threading.Thread(target=tiny_server.post, args=("/generate", body))
     t.start()
     try:
-        for _ in range(100):
-            if tiny_server.info()["num_running_reqs"]:
-                break
+        deadline = time.monotonic() + 30
+        while not tiny_server.info()["num_running_reqs"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert tiny_server.info()["num_running_reqs"], "the first request never ran"
         resp = tiny_server.post("/generate", body)
         assert resp.status_code == 400 and "rid" in resp.json()["error"]["message"]
     finally:

@@ -121,10 +121,8 @@ def test_a_second_sigterm_exits_at_once(tmp_path, tiny_model_dir):
         server.proc.send_signal(signal.SIGTERM)
         time.sleep(0.5)
         assert server.proc.poll() is None  # draining: the long request may take up to 60 s
-        t0 = time.monotonic()
         server.proc.send_signal(signal.SIGTERM)
-        server.proc.wait(10)
-        assert time.monotonic() - t0 < 10
+        server.proc.wait(10)  # the second signal exits at once (TimeoutExpired otherwise)
         assert _gone_within([pids["scheduler_pid"], pids["detokenizer_pid"]], 5.0)
     finally:
         server.stop()
@@ -160,6 +158,7 @@ def _busy(server) -> threading.Thread:
     deadline = time.monotonic() + 10
     while server.info()["num_running_reqs"] == 0 and time.monotonic() < deadline:
         time.sleep(0.05)
+    assert server.info()["num_running_reqs"] > 0, "the long request never ran: the test would kill an idle server"
     return worker
 
 

@@ -22,10 +22,8 @@ def test_a_frozen_scheduler_gets_503s_and_no_reply_is_stale_afterwards(tmp_path,
         steps_before = server.info()["num_steps"]
         os.kill(scheduler, signal.SIGSTOP)
         try:
-            t0 = time.monotonic()
             resp = server.get("/get_server_info")
             assert resp.status_code == 503 and "did not answer" in resp.json()["error"]["message"]
-            assert time.monotonic() - t0 < 15
             resp = server.get("/health_generate")
             assert resp.status_code == 503 and "did not finish within 2 s" in resp.json()["error"]["message"]
         finally:

@@ -106,9 +106,10 @@ def test_chunked_prefill_forced_retraction_and_overlap_modes_agree(servers):
     reference = run_concurrently(servers("tiny"), bodies)
     for name in ("tiny_sequential_chunked_retract", "tiny_overlap_chunked_retract"):
         server = servers(name)
+        retractions = server.info()["num_retractions"]
         got = run_concurrently(server, bodies)
         assert [g["output_ids"] for g in got] == [r["output_ids"] for r in reference], name
-        assert "retract" in server.log() or server.info()["num_retractions"] > 0
+        assert server.info()["num_retractions"] > retractions  # this run was retracted, not an earlier one
         assert_no_leaks(server)
 
 

@@ -194,7 +194,7 @@ def test_client_disconnect_aborts_streaming_and_non_streaming(tiny_server):
     next(lines)
     _wait_running(tiny_server, 1)
     resp.close()
-    assert _wait_idle(tiny_server, timeout=3.0) < 3.0
+    _wait_idle(tiny_server, timeout=3.0)  # aborted, not run to its end: it fails past the timeout
     host, port = tiny_server.url.removeprefix("http://").split(":")
     payload = requests.models.complexjson.dumps(body).encode()
     raw = socket.create_connection((host, int(port)))
@@ -202,7 +202,7 @@ def test_client_disconnect_aborts_streaming_and_non_streaming(tiny_server):
                 + str(len(payload)).encode() + b"\r\n\r\n" + payload)
     _wait_running(tiny_server, 1)
     raw.close()
-    assert _wait_idle(tiny_server, timeout=3.0) < 3.0
+    _wait_idle(tiny_server, timeout=3.0)  # aborted, not run to its end: it fails past the timeout
     assert_no_leaks(tiny_server)
 
 

@@ -209,8 +209,10 @@ def test_null_max_new_tokens_takes_the_room_left_in_the_context_and_the_kv_pool(
 def test_context_boundary() -> None:
     """prompt + max_new_tokens may fill the context; the prompt alone must leave it a token
     (SGLang's `input_token_num >= context_len` check; the full prompt is a 400 in the cases above)."""
-    norm({"input_ids": [1] * 60, "sampling_params": {"max_new_tokens": 4}})
-    norm({"input_ids": [1] * (CTX - 1), "sampling_params": {"max_new_tokens": 0}})
+    fills = norm({"input_ids": [1] * 60, "sampling_params": {"max_new_tokens": 4}}).items[0]
+    assert fills.sampling_params.max_new_tokens == 4
+    full = norm({"input_ids": [1] * (CTX - 1), "sampling_params": {"max_new_tokens": 0}}).items[0]
+    assert len(full.input_ids) == CTX - 1 and full.sampling_params.max_new_tokens == 0
 
 
 @pytest.mark.parametrize("key, value", [("lora_path", "adapter"), ("custom_logit_processor", "x"),
