@@ -34,8 +34,10 @@ class DrainingServer(uvicorn.Server):
         self.draining = False
         self.stopped_starting = False
         # uvicorn reports a cancelled startup as a failure (the CancelledError's traceback, then
-        # "Application startup failed"): a stop the operator asked for is neither
-        logging.getLogger("uvicorn.error").addFilter(lambda record: not self.stopped_starting)
+        # "Application startup failed"): a stop the operator asked for is neither; and a child that
+        # refused to start has said why in one line (run_server logs it), which a traceback would bury
+        logging.getLogger("uvicorn.error").addFilter(
+            lambda record: not (self.stopped_starting or getattr(app.state, "start_error", None)))
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         # replaces uvicorn's: no re-raise of the signal after a clean drain, so the exit status is 0
@@ -84,6 +86,9 @@ def run_server(args: ServerArgs, notes: Sequence[str] = ()) -> int:
     try:
         server.run(sockets=[config.bind_socket()])
     except SystemExit:  # uvicorn's exit when the startup failed; a stop asked for is no failure
+        if start_error := getattr(app.state, "start_error", None):
+            logging.error("tandem serve: %s", start_error)
+            return 1
         if not server.stopped_starting:
             raise
     if died:

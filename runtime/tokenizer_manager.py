@@ -45,6 +45,11 @@ DISCONNECT_POLL_S = 0.5
 CONTROL_TIMEOUT_S = 10.0
 ABORT_GRACE_S = 5.0  # how long a shutdown waits for aborted requests to answer their clients
 SHUTTING_DOWN = "the server is shutting down"
+
+
+class ChildStartError(RuntimeError):
+    """A child said why it could not start (a bad setting it found, or a failure it logged with its
+    traceback): the message is the whole story, in one line."""
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 TEXT_CHARS_SLACK = 2  # a normalizer may shrink text before it is split into tokens
 
@@ -94,7 +99,7 @@ class TokenizerManager:
                 continue
             msg = await async_recv(self.from_scheduler)
             if isinstance(msg, ChildError):
-                raise RuntimeError(f"{msg.role} failed to start: {msg.message}")
+                raise ChildStartError(f"{msg.role} failed to start: {msg.message}")
             if isinstance(msg, ReadyMsg):
                 waiting.discard(msg.role)
                 if msg.role == "scheduler":

@@ -383,7 +383,10 @@ def run_scheduler_process(args: ServerArgs, addrs: IPCAddresses, watch: ParentWa
     try:
         scheduler = Scheduler(args, addrs, watch, tp_rank)
     except Exception as exc:
-        logger.exception("scheduler failed to start")
+        if isinstance(exc, ValueError):  # a setting it refused (--context-length, --tp-size): the message says it
+            logger.error("scheduler failed to start: %s", exc)
+        else:
+            logger.exception("scheduler failed to start")
         sock = connect_push(ctx, addrs.scheduler_to_tokenizer)
         send(sock, ChildError(role="scheduler", message=f"{type(exc).__name__}: {exc}"))
         sock.close(linger=1000)

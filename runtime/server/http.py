@@ -18,7 +18,7 @@ from tandem.runtime.request_groups import CallStream, ClientDisconnected, Reques
 from tandem.runtime.server import openai, openai_format, responses_api
 from tandem.runtime.server.info import VERSION, current_loads, health_generate, model_info, served_model_name, server_info
 from tandem.runtime.server.auth import ApiKeyMiddleware, is_admin
-from tandem.runtime.tokenizer_manager import SHUTTING_DOWN, TokenizerManager
+from tandem.runtime.tokenizer_manager import SHUTTING_DOWN, ChildStartError, TokenizerManager
 
 METRICS_SCHEDULER_WAIT_S = 2.0  # a scrape waits this long for the scheduler's gauges
 
@@ -51,6 +51,10 @@ def create_app(args: ServerArgs, on_child_death: Callable[[str], None] | None = 
                 await grpc_server.start()
                 logger.info("gRPC (sglang.runtime.v1.SglangService, sglang.grpc.scheduler.SglangScheduler) on %s:%d",
                             args.host, args.grpc_port)
+        except ChildStartError as exc:  # launch.server reports it in one line, without uvicorn's traceback
+            app.state.start_error = str(exc)
+            tm.close()
+            raise
         except BaseException:
             tm.close()
             raise

@@ -50,3 +50,18 @@ def test_bad_settings_exit_cleanly_naming_them(tiny_model_dir, tmp_path, capsys,
     assert exited.value.code == 2
     err = capsys.readouterr().err
     assert re.search(fragment, err), err
+
+
+def test_a_setting_only_the_scheduler_can_check_ends_the_start_in_one_line(tiny_model_dir, tmp_path):
+    """--context-length beyond the model's is found once the scheduler reads the checkpoint: the
+    start ends with the scheduler's reason in one line and status 1, no traceback from any process."""
+    from tandem.runtime.launcher import free_port
+
+    proc = subprocess.run([sys.executable, "-m", "tandem.launch.server", "--port", str(free_port()),
+                           "--model-path", tiny_model_dir("llama"), "--dtype", "float32", "--context-length", "999999"],
+                          capture_output=True, text=True, timeout=90, cwd=tmp_path)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 1, out[-3000:]
+    assert re.search(r"tandem serve: scheduler failed to start: ValueError: --context-length 999999 is more than "
+                     r"the model's maximum \(\d+ positions\)", out), out[-3000:]
+    assert "Traceback" not in out and "Application startup failed" not in out, out[-3000:]
