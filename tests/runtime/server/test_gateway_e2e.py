@@ -151,7 +151,13 @@ def test_cache_aware_gateway_is_data_parallel(deployment):
 
     with ThreadPoolExecutor(2) as pool:
         first = pool.submit(introduce, families[0])
-        time.sleep(0.2)
+        # the second family goes out once the first runs on a worker (read from the workers, not the
+        # gateway's polled view): a fixed 0.2 s on a loaded CI machine sometimes sent it before the
+        # gateway had routed the first, and both went to one worker ([0, 2])
+        deadline = time.monotonic() + 60
+        while not any(w.info()["num_running_reqs"] for w in workers):
+            assert time.monotonic() < deadline and not first.done(), "the first family never ran"
+            time.sleep(0.02)
         second = pool.submit(introduce, families[1])
         assert [first.result(), second.result()] == [200, 200]
     introduced = [finished_requests(w) - b for w, b in zip(workers, before)]
