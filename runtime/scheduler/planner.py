@@ -284,7 +284,7 @@ class Planner:
         if not (cfg.priority_preemption and cfg.enable_priority_scheduling and self.running):
             return False
         urgency = self.policy.urgency
-        short = self._shortfall(req, adder)
+        short = adder.shortfall(req, len(self.kv.match_prefix(req)[0]))
         victims: list[Req] = []
         for victim in self.policy.retract_order(self.running):
             if urgency(req) - urgency(victim) <= cfg.priority_scheduling_preemption_threshold:
@@ -299,12 +299,6 @@ class Planner:
             self._retract(victim, [victim])
         adder.reserve -= decode_reserve(victims)  # they no longer decode this round
         return True
-
-    def _shortfall(self, req: Req, adder: PrefillAdder) -> int:
-        """KV slots `req` lacks to be admitted now, by PrefillAdder.add's test; <= 0: it fits."""
-        prefix_slots, _ = self.kv.match_prefix(req)
-        need = req.seq_len - len(prefix_slots) + adder.reserve + decode_reserve([req])
-        return need - self.kv.available_tokens()
 
     @staticmethod
     def _planned_outputs(req: Req) -> int:

@@ -58,16 +58,22 @@ class PrefillAdder:
         """The next chunk of a split prompt; False when memory is full (decode steps free it)."""
         return self._extend(chunked.req, min(chunked.remaining, self.budget))
 
+    def shortfall(self, req: Req, prefix_len: int) -> int:
+        """KV slots `req` lacks to be admitted now with `prefix_len` of it cached (<= 0: it fits):
+        its prompt past the prefix, plus the decode reserve of everything running and of `req`
+        once other requests compete for the pool."""
+        held_back = self.reserve + decode_reserve([req]) if (self.competing or self.spans) else 0
+        return req.seq_len - prefix_len + held_back - self.kv.available_tokens()
+
     def add(self, req: Req) -> bool:
         """Admit a waiting request (with its cached prefix); False: it does not fit, stop admitting."""
         prefix_slots, node = self.kv.match_prefix(req)
         if not self.kv.start(req, prefix_slots, node):
             return False
-        prompt_left = req.seq_len - req.kv_alloc_len
+        short = self.shortfall(req, req.kv_alloc_len)
         self.reserve += decode_reserve([req])
-        held_back = self.reserve if (self.competing or self.spans) else 0
-        fits = self.kv.available_tokens() >= prompt_left + held_back
-        if not fits or not self._extend(req, min(prompt_left, self.budget)):
+        prompt_left = req.seq_len - req.kv_alloc_len
+        if short > 0 or not self._extend(req, min(prompt_left, self.budget)):
             self.kv.release(req)
             return False
         if req.retract_count == 0:
