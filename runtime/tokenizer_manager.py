@@ -145,6 +145,10 @@ class TokenizerManager:
     def _tokenizer_for(self, add_special_tokens: bool) -> Callable[[str], list[int]]:
         return lambda text: self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
+    def not_serving(self) -> str | None:
+        """Why new requests are refused (a dead child, or draining after SIGTERM), else None."""
+        return self.dead_reason or (SHUTTING_DOWN if self.draining else None)
+
     async def _submit(self, body: Any, add_special_tokens: bool = True, log_metrics: bool = True) -> Call:
         """Validate the whole call (off the event loop: tokenizing a long text takes a while),
         check its rids, then register and send every choice. A text prompt gets the tokenizer's

@@ -14,7 +14,7 @@ import grpc
 import orjson
 
 from tandem.runtime.server.grpc_requests import native_service_request
-from tandem.runtime.server.grpc_server import GrpcAuth, GrpcError, native_results, not_serving
+from tandem.runtime.server.grpc_server import GrpcAuth, GrpcError, native_results
 from tandem.runtime.server.info import current_loads, health_generate, model_info, served_model_name, server_info
 from tandem.runtime.server.proto import sglang_pb2 as pb
 from tandem.runtime.tokenizer_manager import TokenizerManager
@@ -59,7 +59,7 @@ class NativeService:
 
     async def HealthCheck(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         """Healthy when a one-token generation goes through every process in time."""
-        if not_serving(self.tm) is not None:
+        if self.tm.not_serving() is not None:  # a probe must not pass on other requests' outputs
             return pb.HealthCheckResponse(healthy=False)
         try:
             await health_generate(self.tm, HEALTH_TIMEOUT_S)

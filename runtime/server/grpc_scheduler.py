@@ -27,7 +27,7 @@ from smg_grpc_proto.generated import common_pb2
 
 from tandem.runtime.model.config import MODEL_TYPES
 from tandem.runtime.server.grpc_requests import scheduler_service_request
-from tandem.runtime.server.grpc_server import GrpcAuth, native_results, not_serving
+from tandem.runtime.server.grpc_server import GrpcAuth, native_results
 from tandem.runtime.server.info import VERSION, current_loads, health_generate, model_info, served_model_name, server_info
 from tandem.runtime.tokenizer_manager import TokenizerManager
 
@@ -124,7 +124,9 @@ class SchedulerService:
                                                        f"{'aborted' if found else 'not found'}")
 
     async def HealthCheck(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        if (reason := not_serving(self.tm)) is not None:
+        # as SGLang's servicer once it is shutting down: a probe that saw other requests' outputs
+        # would pass while the gateway's next request gets UNAVAILABLE
+        if (reason := self.tm.not_serving()) is not None:
             return pb.HealthCheckResponse(healthy=False, message=reason)
         try:
             await health_generate(self.tm, HEALTH_TIMEOUT_S)

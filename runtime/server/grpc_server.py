@@ -22,7 +22,7 @@ from google.protobuf import message_factory
 from tandem.runtime.request_groups import RequestError
 from tandem.runtime.server.auth import parse_bearer, token_is_admin, token_may_call
 from tandem.runtime.server.grpc_requests import GrpcRequest
-from tandem.runtime.tokenizer_manager import SHUTTING_DOWN, TokenizerManager
+from tandem.runtime.tokenizer_manager import TokenizerManager
 from tandem.runtime.value_checks import ValidationError
 
 logger = logging.getLogger("tandem.grpc")
@@ -62,13 +62,6 @@ def _bearer(metadata: Any) -> str | None:
 
 def status_of(http_status: int) -> grpc.StatusCode:
     return _STATUS.get(http_status, grpc.StatusCode.INTERNAL)
-
-
-def not_serving(tm: TokenizerManager) -> str | None:
-    """Why new requests are refused (draining after SIGTERM, a dead child), else None. Health
-    checks answer unhealthy then, as SGLang's servicer once it is shutting down: a probe that saw
-    other requests' outputs would pass while the gateway's next request gets UNAVAILABLE."""
-    return tm.dead_reason or (SHUTTING_DOWN if tm.draining else None)
 
 
 def grpc_error(req: GrpcRequest, exc: ValidationError | RequestError) -> GrpcError:

@@ -18,7 +18,7 @@ from tandem.runtime.request_groups import CallStream, ClientDisconnected, Reques
 from tandem.runtime.server import openai, openai_format, responses_api
 from tandem.runtime.server.info import VERSION, current_loads, health_generate, model_info, served_model_name, server_info
 from tandem.runtime.server.auth import ApiKeyMiddleware, is_admin
-from tandem.runtime.tokenizer_manager import SHUTTING_DOWN, ChildStartError, TokenizerManager
+from tandem.runtime.tokenizer_manager import ChildStartError, TokenizerManager
 
 METRICS_SCHEDULER_WAIT_S = 2.0  # a scrape waits this long for the scheduler's gauges
 
@@ -143,8 +143,8 @@ def create_app(args: ServerArgs, on_child_death: Callable[[str], None] | None = 
     @app.get("/health")
     async def health() -> Response:
         tm = getattr(app.state, "tm", None)
-        if tm is None or tm.dead_reason or tm.draining:
-            return _error(503, "starting" if tm is None else tm.dead_reason or SHUTTING_DOWN)
+        if tm is None or (reason := tm.not_serving()) is not None:
+            return _error(503, "starting" if tm is None else reason)
         return Response(status_code=200)
 
     @app.get("/health_generate")

@@ -19,6 +19,7 @@ from tandem.runtime.server.grpc_native import NativeService
 from tandem.runtime.server.grpc_scheduler import SchedulerService
 from tandem.runtime.server.grpc_server import GrpcAuth, _streaming, _unary, service_handler
 from tandem.runtime.server.proto import sglang_pb2 as pb
+from tandem.runtime.tokenizer_manager import TokenizerManager
 
 
 class Aborted(Exception):
@@ -39,6 +40,8 @@ class FakeContext:
 
 
 class FakeTM:
+    not_serving = TokenizerManager.not_serving  # reads dead_reason and draining, as the real one
+
     def __init__(self) -> None:
         self.aborted: list[tuple[str, bool]] = []
 
