@@ -41,6 +41,8 @@ class Envs:
     CPU_MALLOC_KEEP = EnvVar("TANDEM_CPU_MALLOC_KEEP", True, "CPU model processes keep freed large blocks in "
                              "glibc's heap instead of unmapping them (0: glibc's defaults, for A/B runs)")
     TEST_FORWARD_HANG = EnvVar("TANDEM_TEST_FORWARD_HANG", 0.0, "seconds every forward step sleeps first (watchdog tests)")
+    STRICT_MEM_CHECK = EnvVar("TANDEM_STRICT_MEM_CHECK", False, "a scheduler that goes idle holding KV slots or "
+                              "request rows raises (tests; as SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE); off: it logs an error")
     RETURN_ORIGINAL_LOGPROB = EnvVar("TANDEM_RETURN_ORIGINAL_LOGPROB", False, "output logprobs before temperature "
                                      "scaling (still after penalties, logit bias and the grammar mask), as "
                                      "SGLANG_RETURN_ORIGINAL_LOGPROB")

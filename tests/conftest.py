@@ -1,4 +1,6 @@
-"""Session-wide test setup: Triton runs in its interpreter on machines without a GPU."""
+"""Session-wide test setup: Triton runs in its interpreter on machines without a GPU, and every
+scheduler a test starts raises if it goes idle holding KV memory (so each e2e test is also a
+leak check)."""
 from __future__ import annotations
 
 import os
@@ -11,6 +13,8 @@ sys.path.insert(0, os.path.dirname(__file__))  # test helpers (server_utils) imp
 if not torch.cuda.is_available():
     # must be set before triton is first imported anywhere in the session
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+os.environ.setdefault("TANDEM_STRICT_MEM_CHECK", "1")
 
 import pytest  # noqa: E402
 

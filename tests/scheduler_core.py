@@ -154,10 +154,7 @@ class Core:
     def assert_no_leaks(self) -> None:
         """Idle: every KV slot is free or in the tree, nothing is locked, every row is free."""
         assert not self.planner.has_work() and not self.rows.step_in_flight
-        tree = self.kv.tree
-        assert tree.protected_size() == 0
-        assert self.kv.allocator.available_size() + tree.total_size() == self.kv.allocator.size
-        assert self.rows.available() == self.rows.size and self.rows.num_deferred() == 0
+        assert self.kv.leak_report() is None, self.kv.leak_report()
 
 
 def make_core(max_total_tokens: int = 512, max_running_requests: int = 4, radix: bool = True,

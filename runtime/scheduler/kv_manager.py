@@ -120,6 +120,21 @@ class KVManager:
     def _row(self, req: Req, n: int) -> torch.Tensor:
         return self.req_to_token[req.req_pool_idx, :n].to("cpu").clone()
 
+    def leak_report(self) -> str | None:
+        """What is held with no request running (None: nothing). Every slot must then be free or
+        the tree's, no node locked, every row free: SGLang checks the same when its scheduler
+        goes idle (`check_memory`), since a leak otherwise shows only as a server that slowly
+        admits less."""
+        free, cached, locked = self.allocator.available_size(), self.tree.evictable_size(), self.tree.protected_size()
+        problems = []
+        if free + cached != self.allocator.size or locked or self.tree.total_size() != cached:
+            problems.append(f"KV slots: {free} free + {cached} cached of {self.allocator.size}, "
+                            f"{locked} locked, {self.tree.total_size()} in the tree")
+        if self.rows.available() != self.rows.size or self.rows.num_deferred():
+            problems.append(f"request rows: {self.rows.available()} free of {self.rows.size}, "
+                            f"{self.rows.num_deferred()} waiting for a step")
+        return "; ".join(problems) or None
+
     def flush(self) -> None:
         """Drop the whole cache; only legal with no request running and no step in flight."""
         self.rows.reset()

@@ -141,6 +141,8 @@ class Scheduler:
         while True:
             self.watchdog.feed()
             idle = in_flight is None and not self.planner.has_work()
+            if idle and busy:  # just went idle: nothing may be held now
+                self._check_memory()
             # grammars compiling: look again soon, without spinning
             self._receive(block_ms=0 if not idle else GRAMMAR_POLL_MS if self.grammar_queue else 500)
             if self.watch is not None and self.watch.parent_gone():
@@ -164,6 +166,14 @@ class Scheduler:
             if batch is not None:  # CPU time of this iteration, not counting waits for the device
                 self.stats.record_step(time.perf_counter() - t0 - waited)
                 self._log(batch, continued.req if continued is not None else None)
+
+    def _check_memory(self) -> None:
+        if (leak := self.kv.leak_report()) is None:
+            return
+        message = f"KV memory leak detected with no request running: {leak}"
+        if envs.STRICT_MEM_CHECK.get():
+            raise RuntimeError(message)
+        logger.error(message)
 
     def _plan(self) -> ScheduleBatch | None:
         plan = self.planner.next_batch()
