@@ -37,7 +37,7 @@ from tandem.runtime.scheduler.req_rows import ReqRows
 from tandem.runtime.scheduler.request import Req
 from tandem.runtime.scheduler.result_processor import FinishChecker, apply_new_tokens
 from tandem.runtime.scheduler.stats import StepStats
-from tandem.runtime.scheduler.tp_sync import ControlSync
+from tandem.runtime.scheduler.tp_sync import ControlSync, lockstep_settings
 from tandem.runtime.scheduler.watchdog import Watchdog
 from tandem.runtime.server.reasoning import THINK_END
 from tandem.runtime.server_args import ServerArgs
@@ -91,6 +91,7 @@ class Scheduler:
         if args.tp_size > 1:  # rank 0 leads: it alone talks to the other processes (tp_sync.py)
             tp, control = init_tensor_parallel(tp_rank, args.tp_size, args.dist_init_addr, device)
             self.sync = ControlSync(tp_rank, control)
+            self.sync.agree(lockstep_settings(args))  # each node was launched on its own: refuse a mismatch
         self.runner = runner = ModelRunner(args, tp, pack_now=False)  # the forward worker packs
         self.tokenizer = load_tokenizer(args.tokenizer_path or args.model_path)
         eos = set(runner.config.eos_token_ids)

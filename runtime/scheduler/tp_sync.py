@@ -15,6 +15,20 @@ import torch.distributed as dist
 
 from tandem.ipc.codec import decode, encode
 from tandem.ipc.messages import Message
+from tandem.runtime.server_args import ServerArgs
+
+# the settings the planner and the sampler read: ranks that differ in one of them plan different
+# batches or sample different tokens, and their collectives then pair calls of different sizes,
+# which gloo does not notice (wrong tokens, then a hang), so they must agree before the first step
+LOCKSTEP_FIELDS = ("random_seed", "dtype", "kv_cache_dtype", "max_total_tokens", "max_running_requests",
+                   "max_queued_requests", "max_prefill_tokens", "chunked_prefill_size", "context_length",
+                   "schedule_policy", "enable_priority_scheduling", "disable_priority_preemption",
+                   "schedule_low_priority_values_first", "priority_scheduling_preemption_threshold",
+                   "disable_radix_cache", "disable_overlap_schedule")
+
+
+def lockstep_settings(args: ServerArgs) -> dict[str, object]:
+    return {name: getattr(args, name) for name in LOCKSTEP_FIELDS}
 
 
 class IterationInputs(msgspec.Struct, frozen=True):
@@ -29,17 +43,34 @@ class ControlSync:
         # travels over the gloo group and not over the IPC sockets ipc.codec serves
         self._encoder, self._decoder = msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder(IterationInputs)
 
+    def agree(self, settings: dict[str, object]) -> None:
+        """Every rank: raise (naming the flags on the rank that differs) unless all ranks have rank
+        0's settings. Each node is launched on its own (--nnodes), so nothing else makes them agree."""
+        theirs = msgspec.json.decode(self._broadcast(msgspec.json.encode(settings) if self.rank == 0 else None))
+        differ = [f"--{name.replace('_', '-')} is {settings.get(name)!r} here but {value!r} on rank 0"
+                  for name, value in theirs.items() if settings.get(name) != value]
+        flag = torch.tensor([int(bool(differ))], dtype=torch.int64)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)  # so that every rank stops, not one
+        if differ:
+            raise ValueError(f"TP rank {self.rank}: {'; '.join(differ)}: every node must be started with the same "
+                             f"flags (all but --node-rank)")
+        if flag.item():
+            raise ValueError(f"TP rank {self.rank}: another node was started with other flags than rank 0's "
+                             f"(its log names them)")
+
+    def _broadcast(self, payload: bytes | None) -> bytes:
+        """Rank 0's bytes to every rank: the length, then the bytes."""
+        size = torch.tensor([len(payload) if payload is not None else 0], dtype=torch.int64)
+        dist.broadcast(size, src=0, group=self.group)
+        buf = (torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload is not None
+               else torch.empty(int(size.item()), dtype=torch.uint8))
+        dist.broadcast(buf, src=0, group=self.group)
+        return payload if payload is not None else buf.numpy().tobytes()
+
     def share(self, messages: list[Message], expired_rids: list[str]) -> tuple[list[Message], list[str]]:
         """Rank 0: send its inputs and return them. Other ranks: pass nothing, get rank 0's."""
         if self.rank == 0:
-            payload = self._encoder.encode(IterationInputs([encode(m) for m in messages], expired_rids))
-            size = torch.tensor([len(payload)], dtype=torch.int64)
-            dist.broadcast(size, src=0, group=self.group)
-            dist.broadcast(torch.frombuffer(bytearray(payload), dtype=torch.uint8), src=0, group=self.group)
+            self._broadcast(self._encoder.encode(IterationInputs([encode(m) for m in messages], expired_rids)))
             return messages, expired_rids
-        size = torch.empty(1, dtype=torch.int64)
-        dist.broadcast(size, src=0, group=self.group)
-        buf = torch.empty(int(size.item()), dtype=torch.uint8)
-        dist.broadcast(buf, src=0, group=self.group)
-        inputs = self._decoder.decode(buf.numpy().tobytes())
+        inputs = self._decoder.decode(self._broadcast(None))
         return [decode(m) for m in inputs.messages], inputs.expired_rids
