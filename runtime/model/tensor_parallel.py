@@ -13,12 +13,15 @@ KV heads, the intermediate size and the vocabulary is refused, naming the counts
 """
 from __future__ import annotations
 
+import logging
 import time
 
 import torch
 import torch.distributed as dist
 
 from tandem.runtime.model.config import ModelConfig
+
+logger = logging.getLogger(__name__)
 
 
 class TensorParallel:
@@ -92,8 +95,12 @@ def init_tensor_parallel(rank: int, size: int, init_addr: str, device: torch.dev
     messages (the scheduler thread and the forward thread must never interleave collectives on
     one group, or ranks could pair different calls)."""
     backend = "nccl" if device.type == "cuda" else "gloo"
+    # the join blocks until every rank of every node arrives (torch's timeout: 30 minutes), and a
+    # node never started is otherwise a silent wait: say what is awaited, and when it is over
+    logger.info("TP rank %d: waiting at %s for all %d ranks to join (%s)", rank, init_addr, size, backend)
     dist.init_process_group(backend, init_method=f"tcp://{init_addr}", rank=rank, world_size=size)
     control = dist.new_group(backend="gloo")
+    logger.info("TP rank %d: all %d ranks joined", rank, size)
     return TensorParallel(rank, size, dist.group.WORLD), control
 
 

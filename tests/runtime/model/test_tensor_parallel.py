@@ -119,3 +119,19 @@ def test_uneven_heads_are_refused_naming_the_counts():
                                          r"\(it has 9 query heads, 3 KV heads"):
         check_divisible(smollm2, 2)
     check_divisible(smollm2, 3)
+
+
+def test_joining_says_what_it_waits_for(caplog):
+    """A node whose peers never start waits in the rendezvous: its log says where and for how
+    many ranks, and when the wait is over."""
+    from tandem.runtime.model.tensor_parallel import init_tensor_parallel
+
+    addr = free_addr()
+    with caplog.at_level("INFO", logger="tandem.runtime.model.tensor_parallel"):
+        tp, _ = init_tensor_parallel(0, 1, addr, torch.device("cpu"))
+    try:
+        assert tp.rank == 0 and tp.size == 1
+        assert [r.getMessage() for r in caplog.records] == [
+            f"TP rank 0: waiting at {addr} for all 1 ranks to join (gloo)", "TP rank 0: all 1 ranks joined"]
+    finally:
+        torch.distributed.destroy_process_group()
