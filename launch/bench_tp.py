@@ -9,7 +9,8 @@ import argparse
 import json
 from typing import Any
 
-from tandem.launch.bench_offline import Workload, machine_info, make_workload, model_vocab, timed_engine_run
+from tandem.launch.bench_offline import Workload, machine_info, make_workload, timed_engine_run
+from tandem.runtime.model.config import ModelConfig
 
 
 def run_tp(args: argparse.Namespace, tp_size: int, wl: Workload) -> dict[str, Any]:
@@ -33,6 +34,24 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def check_tp_sizes(parser: argparse.ArgumentParser, args: argparse.Namespace) -> ModelConfig:
+    """The model's config, once every size is known to split it: a size that does not would fail
+    only when its turn comes, after the earlier sizes ran, and lose their rows."""
+    from tandem.runtime.model.loader import load_config
+    from tandem.runtime.model.tensor_parallel import check_divisible
+    from tandem.runtime.model_files import resolve_model_path
+
+    cfg = load_config(resolve_model_path(args.model_path))
+    for tp in args.tp_sizes:
+        try:
+            if tp < 1:
+                raise ValueError("a size is at least 1")
+            check_divisible(cfg, tp)
+        except ValueError as exc:
+            parser.error(f"--tp-sizes {tp}: {exc}")
+    return cfg
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tandem bench tp", description=__doc__)
     parser.add_argument("--model-path", default=None, help="default the embedded SmolLM2 (its heads split by 3 only)")
@@ -46,8 +65,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output-file", default=None)
     args = parser.parse_args(argv)
-    wl = make_workload(args.num_seqs, args.min_len, args.max_len, model_vocab(args.model_path), args.seed,
-                       args.output_len)
+    cfg = check_tp_sizes(parser, args)
+    wl = make_workload(args.num_seqs, args.min_len, args.max_len, cfg.vocab_size, args.seed, args.output_len)
     print(f"#seqs: {args.num_seqs}  #output tokens: {wl.output_tokens}  dtype: {args.dtype}  {machine_info()}")
     rows = [run_tp(args, tp, wl) for tp in args.tp_sizes]
     print(format_table(rows))
