@@ -114,7 +114,7 @@ class ServerArgs:
             "tp_size": self.tp_size >= 1,
             "nnodes": self.nnodes >= 1,
             "node_rank": 0 <= self.node_rank < self.nnodes,
-            "dist_init_addr": self.dist_init_addr is None or self.dist_init_addr.rpartition(":")[2].isdigit(),
+            "dist_init_addr": self.dist_init_addr is None or _is_port(self.dist_init_addr.rpartition(":")[2]),
             "max_batch_items": self.max_batch_items >= 1,
             "max_top_logprobs_num": self.max_top_logprobs_num >= 0,
             # seconds: NaN compares false everywhere, so these refuse it too
@@ -129,10 +129,10 @@ class ServerArgs:
         if bad:
             raise ValueError(f"{_flag(bad[0])}: invalid value {getattr(self, bad[0])!r}")
         if self.tp_size % self.nnodes:
-            raise ValueError(f"tp_size={self.tp_size} must be a multiple of nnodes={self.nnodes}: "
+            raise ValueError(f"--tp-size {self.tp_size} must be a multiple of --nnodes {self.nnodes}: "
                              f"every node runs tp_size / nnodes ranks")
         if self.nnodes > 1 and self.dist_init_addr is None:
-            raise ValueError("dist_init_addr (HOST:PORT on node 0) is needed with nnodes > 1")
+            raise ValueError("--dist-init-addr (HOST:PORT on node 0) is needed with --nnodes > 1")
         if self.chat_template is not None and not os.path.isfile(self.chat_template):
             raise ValueError(f"--chat-template: {self.chat_template!r} is not a Jinja template file "
                              f"(SGLang's built-in conversation template names are not served here)")
@@ -154,25 +154,25 @@ class ServerArgs:
         if algo is None:
             return
         if self.tp_size > 1:
-            raise ValueError(f"speculative_algorithm={algo} is not available with tp_size={self.tp_size} (use 1)")
+            raise ValueError(f"--speculative-algorithm {algo} is not available with --tp-size {self.tp_size} (use 1)")
         if algo not in ("NGRAM", "STANDALONE"):
-            raise ValueError(f"invalid server argument speculative_algorithm={algo!r} (NGRAM or STANDALONE)")
+            raise ValueError(f"--speculative-algorithm: invalid value {algo!r} (NGRAM or STANDALONE)")
         if (algo == "STANDALONE") != bool(self.speculative_draft_model_path):
-            raise ValueError("speculative_draft_model_path is needed by, and only by, speculative_algorithm=STANDALONE")
+            raise ValueError("--speculative-draft-model-path is needed by, and only by, --speculative-algorithm STANDALONE")
         steps = self.speculative_num_steps
         if steps is not None and steps != self.speculative_num_draft_tokens - 1:
-            raise ValueError(f"speculative_num_steps={steps} must be speculative_num_draft_tokens - 1 = "
+            raise ValueError(f"--speculative-num-steps {steps} must be --speculative-num-draft-tokens - 1 = "
                              f"{self.speculative_num_draft_tokens - 1}: drafts form one chain")
         if self.speculative_num_draft_tokens < 2:
-            raise ValueError(f"invalid server argument speculative_num_draft_tokens="
+            raise ValueError(f"--speculative-num-draft-tokens: invalid value "
                              f"{self.speculative_num_draft_tokens} (at least 2: the last token and one draft)")
         lo, hi = self.speculative_ngram_min_match_window_size, self.speculative_ngram_max_match_window_size
         if not 1 <= lo <= hi:
-            raise ValueError(f"invalid server argument speculative_ngram_min_match_window_size={lo} "
-                             f"(1 <= min <= max={hi})")
+            raise ValueError(f"--speculative-ngram-min-match-window-size: invalid value {lo} "
+                             f"(1 <= min <= --speculative-ngram-max-match-window-size {hi})")
         limit = self.speculative_disable_batch_size
         if limit is not None and limit < 0:
-            raise ValueError(f"invalid server argument speculative_disable_batch_size={limit} (>= 0)")
+            raise ValueError(f"--speculative-disable-batch-size: invalid value {limit} (>= 0)")
 
     # -- resolved views -------------------------------------------------------------------------
     def resolved_device(self) -> str:
@@ -300,3 +300,8 @@ def _cli_type(type_name: Any):
     if text.startswith("float"):
         return float
     return str
+
+
+def _is_port(text: str) -> bool:
+    """A port torch.distributed can rendezvous on: it refuses 0 and past 65535 only once the ranks start."""
+    return text.isdigit() and 0 < int(text) < 65536

@@ -41,16 +41,16 @@ def test_speculative_flags():
                  "--speculative-disable-batch-size", "8"])
     assert (args.speculative_algorithm, args.speculative_num_draft_tokens, args.speculative_disable_batch_size) == (
         "NGRAM", 6, 8)
-    for bad, fragment in [({"speculative_algorithm": "EAGLE"}, "speculative_algorithm='EAGLE'"),
-                          ({"speculative_algorithm": "STANDALONE"}, "speculative_draft_model_path is needed"),
+    for bad, fragment in [({"speculative_algorithm": "EAGLE"}, "--speculative-algorithm: invalid value 'EAGLE'"),
+                          ({"speculative_algorithm": "STANDALONE"}, "--speculative-draft-model-path is needed"),
                           ({"speculative_algorithm": "NGRAM", "speculative_draft_model_path": "d"},
-                           "speculative_draft_model_path is needed by, and only by"),
+                           "--speculative-draft-model-path is needed by, and only by"),
                           ({"speculative_algorithm": "STANDALONE", "speculative_draft_model_path": "d",
-                            "speculative_num_steps": 5}, "speculative_num_steps=5 must be"),
+                            "speculative_num_steps": 5}, "--speculative-num-steps 5 must be"),
                           ({"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": 1},
-                           "speculative_num_draft_tokens=1"),
+                           "--speculative-num-draft-tokens: invalid value 1"),
                           ({"speculative_algorithm": "NGRAM", "speculative_ngram_min_match_window_size": 5,
-                            "speculative_ngram_max_match_window_size": 2}, "min_match_window_size=5")]:
+                            "speculative_ngram_max_match_window_size": 2}, "--speculative-ngram-min-match-window-size: invalid value 5")]:
         with pytest.raises(ValueError, match=fragment.replace("(", r"\(").replace(")", r"\)")):
             ServerArgs(**bad)
 
@@ -71,12 +71,14 @@ def test_reasoning_parser_names():
 def test_parallelism_flags():
     args = _cli(["--tp-size", "4", "--nnodes", "2", "--node-rank", "1", "--dist-init-addr", "10.0.0.1:5000"])
     assert (args.tp_size, args.nnodes, args.node_rank, args.dist_init_addr) == (4, 2, 1, "10.0.0.1:5000")
-    for bad, fragment in [({"tp_size": 3, "nnodes": 2, "dist_init_addr": "h:1"}, "tp_size=3 must be a multiple of nnodes=2"),
-                          ({"tp_size": 2, "nnodes": 2}, "dist_init_addr (HOST:PORT on node 0) is needed"),
+    for bad, fragment in [({"tp_size": 3, "nnodes": 2, "dist_init_addr": "h:1"}, "--tp-size 3 must be a multiple of --nnodes 2"),
+                          ({"tp_size": 2, "nnodes": 2}, "--dist-init-addr (HOST:PORT on node 0) is needed"),
                           ({"node_rank": 1}, "--node-rank: invalid value 1"),
                           ({"dist_init_addr": "host"}, "--dist-init-addr: invalid value 'host'"),
+                          ({"dist_init_addr": "h:99999"}, "--dist-init-addr: invalid value 'h:99999'"),
+                          ({"dist_init_addr": "h:0"}, "--dist-init-addr: invalid value 'h:0'"),
                           ({"tp_size": 2, "speculative_algorithm": "NGRAM"},
-                           "speculative_algorithm=NGRAM is not available with tp_size=2")]:
+                           "--speculative-algorithm NGRAM is not available with --tp-size 2")]:
         with pytest.raises(ValueError, match=fragment.replace("(", r"\(").replace(")", r"\)")):
             ServerArgs(**bad)
 
