@@ -119,8 +119,9 @@ def compute_logprobs_from_hidden(
     for start in range(0, n, chunk_size):
         stop = min(start + chunk_size, n)
         x = lm_head(hidden[start:stop]).float()
-        if temperatures is not None:
-            x = x / temperatures[start:stop, None].to(x)
+        if temperatures is not None:  # shifted first, as the sampler: a logit_bias near float32's
+            # maximum divided by a temperature < 1 would be inf, and its log-softmax NaN (null)
+            x = (x - x.amax(dim=-1, keepdim=True)) / temperatures[start:stop, None].to(x)
         if out is None:
             out = _allocate(n, max(0, min(top_logprobs_num, x.shape[1])), len(token_ids_logprob or ()), dev)
             _check_ids(req_ids, x.shape[1])

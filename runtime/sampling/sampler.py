@@ -73,7 +73,7 @@ def sample(logits: torch.Tensor, info: SamplingBatchInfo, positions: torch.Tenso
     if info.all_greedy:
         return greedy
     logits = logits.float()
-    probs = torch.softmax(logits / info.temperatures[:, None], dim=-1)
+    probs = torch.softmax(_scaled(logits, info.temperatures), dim=-1)
     noise = _exponential_noise(info.seeds, positions, logits.shape[1])
     if info.need_top_p_k or info.need_min_p:
         sorted_probs, sorted_ids = probs.sort(dim=-1, descending=True)
@@ -83,6 +83,13 @@ def sample(logits: torch.Tensor, info: SamplingBatchInfo, positions: torch.Tenso
     else:
         sampled = (probs / noise).argmax(dim=-1)
     return torch.where(info.is_greedy, greedy, sampled)
+
+
+def _scaled(logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
+    """logits / temperature, shifted by the row's maximum first (softmax does not see a shift): a
+    logit_bias near float32's maximum divided by a temperature below 1 would overflow to inf, and
+    softmax over an inf is NaN, whose argmax is token 0 instead of the biased token."""
+    return (logits - logits.amax(dim=-1, keepdim=True)) / temperatures[:, None]
 
 
 def _keep_mask(sorted_probs: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:

@@ -208,3 +208,11 @@ def test_temperatures_scale_rows_and_masked_tokens_read_the_float32_floor() -> N
     unscaled = batch_output_logprobs(logits, sampled, [0] * 4, [None] * 4)  # None: as they are
     plain = torch.log_softmax(logits, -1).clamp(min=floor).numpy()
     np.testing.assert_allclose([r.token_logprobs[0] for r in unscaled], plain[[0, 1, 2, 3], [3, 5, 8, 1]], rtol=1e-5)
+
+
+def test_a_logit_bias_near_float32s_maximum_has_logprob_zero_under_a_temperature_below_one() -> None:
+    # logit / 0.5 would be inf and its log-softmax NaN (a null logprob on the wire)
+    logits = torch.zeros(1, V)
+    logits[0, 3] = 3e38
+    row = batch_output_logprobs(logits, torch.tensor([3]), [1], [None], temperatures=torch.tensor([0.5]))[0]
+    assert row.token_logprobs[0] == 0.0 and row.top_vals[0, 0] == 0.0

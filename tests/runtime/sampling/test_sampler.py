@@ -68,3 +68,12 @@ def test_filters_never_sample_an_excluded_token(setting):
     assert set(got.tolist()) <= allowed
     if len(allowed) > 1:
         assert len(set(got.tolist())) > 1  # really sampling, not collapsing to the top token
+
+
+def test_a_logit_bias_near_float32s_maximum_forces_its_token_under_a_temperature_below_one():
+    """logit_bias takes any finite float32: divided by a temperature < 1 it must not overflow into
+    inf (softmax NaN, whose argmax is token 0)."""
+    logits = logits_of(4)
+    logits[:, 7] += 3e38
+    for top_p in (1.0, 0.9):  # the plain race and the filtered one
+        assert sample(logits, info(4, temperature=0.5, top_p=top_p), torch.arange(4)).tolist() == [7] * 4
