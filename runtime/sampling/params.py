@@ -190,9 +190,10 @@ class _Checker:
         )
         self._check(f32["temperature"] >= 0, "temperature", f"must be >= 0, got {self._got('temperature', f32)}")
         self._check(0 < f32["top_p"] <= 1, "top_p", f"must be in (0, 1], got {self._got('top_p', f32)}")
-        self._check(
-            p.top_k == -1 or p.top_k >= 1, "top_k", f"must be -1 (all) or >= 1, got {p.top_k}"
-        )
+        if f32["temperature"] < GREEDY_TEMPERATURE:  # SGLang: greedy is top_k 1, whatever top_k was given
+            self.out["top_k"] = p.top_k if p.top_k >= 1 else -1
+        else:
+            self._check(p.top_k == -1 or p.top_k >= 1, "top_k", f"must be -1 (all) or >= 1, got {p.top_k}")
         self._check(0 <= f32["min_p"] <= 1, "min_p", f"must be in [0, 1], got {self._got('min_p', f32)}")
         for name in ("frequency_penalty", "presence_penalty"):
             self._check(-2 <= f32[name] <= 2, name, f"must be in [-2, 2], got {self._got(name, f32)}")
@@ -202,7 +203,7 @@ class _Checker:
         self._check(1 <= p.n <= MAX_N, "n", f"must be in [1, {MAX_N}], got {p.n}")
         si = p.stream_interval
         self._check(si is None or si >= 1, "stream_interval", f"must be >= 1, got {si}")
-        if p.top_k >= self.vocab_size:
+        if self.out.get("top_k", p.top_k) >= self.vocab_size:
             self.out["top_k"] = -1  # a k covering the whole vocabulary is "all"; saves a top-k pass
 
     def _got(self, name: str, f32: dict[str, float]) -> str:
@@ -226,9 +227,9 @@ class _Checker:
             if not isinstance(ids, list):
                 got = type_name(ids)
                 raise self.fail("stop_token_ids", f"must be a list of integers, got {got}")
-            for i, t in enumerate(ids):
-                self._token_id(f"stop_token_ids[{i}]", t)
-            self.out["stop_token_ids"] = list(ids)
+            # SGLang's SamplingParams drops null entries (a client's unset optional ids)
+            self.out["stop_token_ids"] = [self._token_id(f"stop_token_ids[{i}]", t) for i, t in enumerate(ids)
+                                          if t is not None]
 
     def _string_list(self, name: str, v: Any) -> list[str]:
         """A string or a list of at most MAX_STOP_STRINGS strings (SGLang takes a bare string as
@@ -247,7 +248,7 @@ class _Checker:
         items = self._string_list("stop", stop)
         for i, s in enumerate(items):
             if not s:  # an empty stop string would match before the first token
-                raise self.fail(f"stop[{i}]", "must not be empty")
+                raise self.fail(_item("stop", i, stop), "must not be empty")
         return items
 
     def _stop_regexes(self, stop_regex: Any) -> list[str]:
@@ -255,12 +256,13 @@ class _Checker:
         here so a bad pattern is a 400 naming it."""
         items = self._string_list("stop_regex", stop_regex)
         for i, pattern in enumerate(items):
+            field = _item("stop_regex", i, stop_regex)
             try:
                 matches_empty = re.compile(pattern).search("") is not None
             except (re.error, RecursionError, OverflowError) as exc:
-                raise self.fail(f"stop_regex[{i}]", f"is not a valid regular expression: {exc}") from None
+                raise self.fail(field, f"is not a valid regular expression: {exc}") from None
             if matches_empty:  # would stop before the first token, as an empty stop string would
-                raise self.fail(f"stop_regex[{i}]", "matches the empty string")
+                raise self.fail(field, "matches the empty string")
         return items
 
     def _token_id(self, name: str, t: Any) -> int:
@@ -362,6 +364,11 @@ def _bias_key(key: Any) -> Any:
     if isinstance(key, str) and _INT_KEY.fullmatch(key.strip()):
         return int(key.strip())
     return key
+
+
+def _item(name: str, i: int, given: Any) -> str:
+    """Entry i of a string-or-list field, named as the client sent it: a bare string is the field."""
+    return name if isinstance(given, str) else f"{name}[{i}]"
 
 
 def _num(v: float) -> str:

@@ -126,6 +126,17 @@ def test_constraints_are_a_400_when_the_backend_is_off() -> None:
     assert SamplingParams.from_request({"regex": None}, VOCAB, guided_decoding=False) == SamplingParams()
 
 
+@pytest.mark.parametrize("top_k, taken", [(0, -1), (-2, -1), (5, 5), (VOCAB, -1)])
+def test_greedy_temperature_overrides_top_k_as_in_sglang(top_k: int, taken: int) -> None:
+    # SGLang's SamplingParams turns temperature < 1e-6 into top_k 1 before verify() checks top_k
+    p = parse({"temperature": 0, "top_k": top_k})
+    assert p.is_greedy and p.top_k == taken
+
+
+def test_null_stop_token_ids_are_dropped_as_in_sglang() -> None:
+    assert parse({"stop_token_ids": [None, 7, None]}).stop_token_ids == [7]
+
+
 def test_top_k_covering_vocab_means_all() -> None:
     assert parse({"top_k": VOCAB}).top_k == -1
     assert parse({"top_k": 50}).top_k == 50
@@ -182,9 +193,12 @@ BAD = [
     ({"stop": ["a", 1]}, "sampling_params.stop[1]", "must be a string"),
     ({"stop": ["a", ""]}, "sampling_params.stop[1]", "must not be empty"),
     ({"stop": ["x"] * 33}, "sampling_params.stop", "33 entries, at most 32"),
+    ({"stop": ""}, "sampling_params.stop", "must not be empty"),  # a bare string is named as sent
     ({"stop_regex": 5}, "sampling_params.stop_regex", "string or a list of strings"),
     ({"stop_regex": ["a", "(x"]}, "sampling_params.stop_regex[1]", "not a valid regular expression: missing )"),
     ({"stop_regex": ["a", "x*"]}, "sampling_params.stop_regex[1]", "matches the empty string"),
+    ({"stop_regex": "(x"}, "sampling_params.stop_regex", "not a valid regular expression"),
+    ({"top_k": 0, "temperature": 0.5}, "sampling_params.top_k", "-1 (all) or >= 1, got 0"),
     ({"stop_token_ids": 3}, "sampling_params.stop_token_ids", "list of integers"),
     ({"stop_token_ids": [1, VOCAB]}, "sampling_params.stop_token_ids[1]", "[0, 1000), got 1000"),
     ({"stop_token_ids": [-1]}, "sampling_params.stop_token_ids[0]", "[0, 1000)"),
