@@ -26,6 +26,8 @@ _SAMPLING = {
     "ignore_eos": None, "skip_special_tokens": None, "spaces_between_special_tokens": None, "no_stop_trim": None,
     "stop_token_ids": None, "min_tokens": "min_new_tokens", "regex": None, "ebnf": None, "json_schema": None,
     "max_thinking_tokens": None, "stop_regex": None,
+    # only a custom logit processor reads them (this server has none): /generate takes and drops them, as SGLang
+    "custom_params": None,
 }
 _CONSTRAINTS = ("regex", "ebnf", "json_schema")
 _NATIVE_TO_OPENAI = {"min_new_tokens": "min_tokens", "sampling_seed": "seed"}
@@ -34,7 +36,7 @@ _NATIVE_TO_OPENAI = {"min_new_tokens": "min_tokens", "sampling_seed": "seed"}
 _UNSUPPORTED = ("functions", "function_call", "audio", "modalities", "prediction", "suffix",
                 "web_search_options", "reasoning",
                 # SGLang's extensions of the OpenAI API that this server does not implement
-                "lora_path", "custom_logit_processor", "custom_params", "return_hidden_states",
+                "lora_path", "custom_logit_processor", "return_hidden_states",
                 "return_routed_experts", "session_params", "session_id", "return_token_ids",
                 "return_prompt_token_ids", "return_meta_info", "return_cached_tokens_details")
 # apply_chat_template's own arguments, which the server sets when it renders a chat

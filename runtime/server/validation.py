@@ -65,7 +65,8 @@ MEDIA_KEYS = frozenset(
         "lora_id", "custom_logit_processor", "return_routed_experts", "return_entropy",
         "return_sampling_mask", "return_bytes", "background", "session_id", "routed_experts_start_len",
         "return_indexer_topk", "mm_hashes", "mm_content_hashes", "use_audio_in_video", "video_config",
-        "images_config", "max_dynamic_patch", "positional_embed_overrides", "multi_item_delimiter_indices",
+        "images_config", "max_dynamic_patch", "min_dynamic_patch", "image_max_dynamic_patch",
+        "video_max_dynamic_patch", "positional_embed_overrides", "multi_item_delimiter_indices",
     }
 )  # fmt: skip
 MEDIA_DEFAULTS = {"routed_experts_start_len": 0}  # SGLang's defaults that are not empty values

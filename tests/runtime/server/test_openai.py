@@ -141,6 +141,12 @@ def test_bad_chat_fields(body, field):
     assert err.value.field == field
 
 
+def test_custom_params_reach_generate_as_in_sglang():
+    # SGLang's protocol takes them into sampling_params; with no logit processor they change nothing
+    for make, prompt in ((_chat, {"messages": [{"role": "user", "content": "x"}]}), (_completion, {"prompt": "a"})):
+        assert make({**prompt, "custom_params": {"k": 1}}).native["sampling_params"]["custom_params"] == {"k": 1}
+
+
 @pytest.mark.parametrize("field", ["lora_path", "custom_logit_processor", "return_hidden_states",
                                    "reasoning", "session_params", "return_token_ids", "return_meta_info"])
 def test_sglang_extensions_this_server_lacks_are_refused_not_ignored(field):

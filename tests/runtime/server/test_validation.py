@@ -162,10 +162,15 @@ def test_ignored_and_empty_media_keys_are_accepted() -> None:
     assert norm({"text": ["a", "b"], "image_data": [None, None]}).is_batch
     # a whole GenerateReqInput serialized by an SGLang client: its unused fields at their defaults
     defaults = {"session_id": None, "routed_experts_start_len": 0, "mm_hashes": None, "http_worker_ipc": "x",
-                "kv_router_hint": None, "positional_embed_overrides": None, "need_wait_for_mm_inputs": False}
+                "kv_router_hint": None, "positional_embed_overrides": None, "need_wait_for_mm_inputs": False,
+                # its multimodal tiling controls: without images they change nothing
+                "max_dynamic_patch": None, "min_dynamic_patch": None, "image_max_dynamic_patch": None,
+                "video_max_dynamic_patch": None}
     assert norm({"text": "a", **defaults}).items[0].input_ids == [ord("a") % VOCAB]
     with pytest.raises(ValidationError, match="routed_experts_start_len is not supported"):
         norm({"text": "a", "routed_experts_start_len": 2})
+    with pytest.raises(ValidationError, match="min_dynamic_patch is not supported"):
+        norm({"text": "a", "min_dynamic_patch": 4})
     with pytest.raises(ValidationError, match="multi_item_delimiter_indices is not supported"):
         norm({"text": "a", "multi_item_delimiter_indices": [0]})  # a 0 there is a value, not a default
 
