@@ -24,6 +24,9 @@ class StandaloneDrafter:
         self.model, self.attn, self.req_to_token = model, attn_backend, req_to_token
         self.num_drafts = num_drafts
         self.device = device
+        # the draft's rotary table ends here; a target with a longer context would take its positions
+        # past it, so rows that reach it decode plainly (verifies without drafts) instead
+        self.max_position = model.cfg.max_position
         num_rows, width = req_to_token.shape
         self.history = np.zeros((num_rows, width), dtype=np.int64)
         self.valid = np.zeros(num_rows, dtype=np.int64)
@@ -52,7 +55,9 @@ class StandaloneDrafter:
         drafts = np.zeros((len(rows), k), dtype=np.int64)
         lens = np.zeros(len(rows), dtype=np.int64)
         # a draft at position p + 1 needs the KV of position p; nothing is written at or past the limit
-        want = {i: min(k, limit - 1 - last) for i, (last, limit, ok) in enumerate(zip(seq_lens, pos_limits, make))
+        # (the request's last position, or the end of the draft model's own positions)
+        limits = [min(limit, self.max_position) for limit in pos_limits]
+        want = {i: min(k, limit - 1 - last) for i, (last, limit, ok) in enumerate(zip(seq_lens, limits, make))
                 if ok and limit - 1 - last >= 1}
         if not want:
             return drafts, lens
