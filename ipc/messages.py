@@ -204,7 +204,7 @@ class _BatchOutputBase(_Msg, kw_only=True):
     input_logprobs: list[LogprobArrays | None] = []
     hidden_states: list[F32Array2D | None] = []
     # speculative decoding, per request so far: (verify passes, drafts checked, drafts accepted);
-    # empty when no request of the step speculated
+    # empty on a server that does not speculate
     spec_counts: list[tuple[int, int, int]] = []
 
 

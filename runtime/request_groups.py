@@ -44,7 +44,7 @@ class ChoiceState:
     output_ids: list[int] = field(default_factory=list)
     completion_tokens: int = 0
     cached_tokens: int = 0
-    spec_counts: tuple[int, int, int] = (0, 0, 0)  # verify passes, drafts checked, drafts accepted
+    spec_counts: tuple[int, int, int] | None = None  # speculating servers: verify passes, drafts checked, accepted
     finish_reason: FinishReason | None = None
     finished_at: float | None = None  # perf_counter when finish_reason arrived
     last_output: float | None = None  # perf_counter of the latest output (metrics)
@@ -65,9 +65,10 @@ class ChoiceState:
         }
         if self.finished_at is not None:  # as SGLang's: a stream's earlier chunks have no latency yet
             meta["e2e_latency"] = round(self.finished_at - self.group.created, 6)
-        verify_ct, drafts, accepted = self.spec_counts
-        if verify_ct:  # SGLang's names; the accept length counts the bonus token
-            meta.update(spec_verify_ct=verify_ct, spec_accept_length=round(self.completion_tokens / verify_ct, 4),
+        if self.spec_counts is not None:  # SGLang's names, zeros before a first verify; the accept length counts the bonus
+            verify_ct, drafts, accepted = self.spec_counts
+            meta.update(spec_verify_ct=verify_ct,
+                        spec_accept_length=round(self.completion_tokens / verify_ct, 4) if verify_ct else 0,
                         spec_accept_rate=round(accepted / drafts, 4) if drafts else 0.0)
         if self.formatter is not None:
             meta.update(self.formatter.meta_info())

@@ -15,8 +15,9 @@ from tandem.runtime.scheduler.request import Req
 
 
 class OutputStreamer:
-    def __init__(self, default_stream_interval: int) -> None:
+    def __init__(self, default_stream_interval: int, speculative: bool = False) -> None:
         self.default_stream_interval = default_stream_interval
+        self.speculative = speculative  # every output carries its request's spec counts, 0 verifies too
         self.force_stream_interval = envs.FORCE_STREAM_INTERVAL.get()
         self._pending: dict[int, Req] = {}
 
@@ -45,10 +46,9 @@ class OutputStreamer:
                                  cached_tokens=[], detokenize_params=[])
         any_lp = any(r.return_logprob for r in reqs)
         any_hidden = any(r.return_hidden_states for r in reqs)
-        any_spec = any(r.spec_verify_ct for r in reqs)
         for r in reqs:
             self._append(out, r)
-            if any_spec:
+            if self.speculative:
                 out.spec_counts.append((r.spec_verify_ct, r.spec_draft_tokens, r.spec_accepted_drafts))
             if any_lp:
                 self._append_logprobs(out, r)

@@ -111,7 +111,7 @@ class Scheduler:
         self.planner = Planner(planner_config(args, runner), self.kv,
                                BatchContext(runner.config.vocab_size, eos_ids, runner.device, think_end_ids))
         self.checker = FinishChecker(eos_ids, lambda ids: self.tokenizer.decode(ids))
-        self.streamer = OutputStreamer(args.stream_interval)
+        self.streamer = OutputStreamer(args.stream_interval, args.speculative_algorithm is not None)
         self.num_outputs_sent = 0  # to the detokenizer: /health_generate checks they all came through
         self.grammar: GrammarBackend | None = None
         self.grammar_queue: GrammarQueue | None = None

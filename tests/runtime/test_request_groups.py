@@ -35,3 +35,14 @@ def test_a_scheduler_error_that_names_a_field_is_a_validation_error_each_surface
     assert isinstance(choice.error(), RequestError) and choice.error().status_code == 503
     choice.finish_reason = FinishReason(type="abort", status_code=200, message="aborted by the client")
     assert choice.error() is None  # an abort the client asked for is no error
+
+
+def test_spec_fields_as_sglang_zeros_before_a_first_verify_none_on_a_plain_server():
+    choice = _choice(Call(is_batch=False, indexed=False, received=time.perf_counter()))
+    assert "spec_verify_ct" not in choice.result()["meta_info"]
+    choice.completion_tokens, choice.spec_counts = 1, (0, 0, 0)
+    meta = choice.result()["meta_info"]
+    assert (meta["spec_verify_ct"], meta["spec_accept_length"], meta["spec_accept_rate"]) == (0, 0, 0.0)
+    choice.completion_tokens, choice.spec_counts = 7, (2, 6, 4)
+    meta = choice.result()["meta_info"]
+    assert (meta["spec_verify_ct"], meta["spec_accept_length"], meta["spec_accept_rate"]) == (2, 3.5, 0.6667)

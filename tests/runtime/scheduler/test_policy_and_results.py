@@ -201,3 +201,15 @@ def test_low_priority_values_first_flips_the_order_and_the_default():
     waiting = [none_, nine, one, very_low]
     SchedulePolicy("fcfs", True, tree).sort(waiting)
     assert waiting == [nine, one, none_, very_low]  # none and -2**63 tie (SGLang's default): arrival order
+
+
+def test_a_speculating_server_sends_spec_counts_for_every_request_even_before_a_verify():
+    """SGLang's meta_info has spec_verify_ct (and zeros) on every answer of a speculating server,
+    also one that finished in its prefill; a plain server sends none."""
+    checker = FinishChecker([2], lambda ids: "")
+    for speculative, want in ((True, [(0, 0, 0)]), (False, [])):
+        streamer = OutputStreamer(default_stream_interval=1, speculative=speculative)
+        r = _req(1, max_new_tokens=1)
+        assert apply_new_tokens(r, [9], None, None, checker)
+        streamer.add(r)
+        assert streamer.build().spec_counts == want
