@@ -71,12 +71,16 @@ def build_truncated_model(model_path: str | None, out_dir: str | Path, layers: i
     weights = {name: w.contiguous() for name, w in load_hf_weights(src, cfg).items()
                if not name.startswith("model.layers.") or int(name.split(".")[2]) < layers}
     save_file(weights, str(out / "model.safetensors"))
+    max_position, scaling = cfg.max_position, cfg.rope_scaling
+    if scaling and scaling["rope_type"] == "linear" and "original_max_position_embeddings" not in scaling:
+        max_position = int(max_position / scaling["factor"])  # the config stretches it by the factor again
     hf = {"architectures": [cfg.arch], "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
           "intermediate_size": cfg.intermediate_size, "num_hidden_layers": layers,
           "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
-          "rms_norm_eps": cfg.rms_norm_eps, "rope_theta": cfg.rope_theta, "rope_scaling": cfg.rope_scaling,
-          "max_position_embeddings": cfg.max_position, "tie_word_embeddings": cfg.tie_word_embeddings,
-          "attention_bias": cfg.qkv_bias, "eos_token_id": list(cfg.eos_token_ids), "torch_dtype": "float32"}
+          "rms_norm_eps": cfg.rms_norm_eps, "rope_theta": cfg.rope_theta, "rope_scaling": scaling,
+          "max_position_embeddings": max_position, "tie_word_embeddings": cfg.tie_word_embeddings,
+          "attention_bias": cfg.qkv_bias, "mlp_bias": cfg.mlp_bias, "eos_token_id": list(cfg.eos_token_ids),
+          "torch_dtype": "float32"}
     (out / "config.json").write_text(json.dumps(hf, indent=2))
     load_tokenizer(model_path).save_pretrained(str(out))
     return out

@@ -27,6 +27,8 @@ class Attention(nn.Module):
         self.q_size, self.kv_size = self.num_heads * cfg.head_dim, self.num_kv_heads * cfg.head_dim
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        # added after the all-reduce, once: inside the row-parallel linear every rank would add it
+        self.o_proj_bias = nn.Parameter(torch.zeros(cfg.hidden_size)) if cfg.o_bias else None
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.scale = cfg.head_dim ** -0.5
@@ -41,7 +43,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotary(batch.positions, q, k)
         out = attn.forward(q, k, v, self.layer_id, batch, self.scale)
-        return self.tp.all_reduce(self.o_proj(out.reshape(-1, self.q_size)))
+        return _add_bias(self.tp.all_reduce(self.o_proj(out.reshape(-1, self.q_size))), self.o_proj_bias)
 
 
 class MLP(nn.Module):
@@ -51,11 +53,17 @@ class MLP(nn.Module):
         super().__init__()
         self.tp = tp
         width = cfg.intermediate_size // tp.size
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * width, bias=False)
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * width, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(width, cfg.hidden_size, bias=False)
+        self.down_proj_bias = nn.Parameter(torch.zeros(cfg.hidden_size)) if cfg.mlp_bias else None  # as o_proj_bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.tp.all_reduce(self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x))))
+        out = self.tp.all_reduce(self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x))))
+        return _add_bias(out, self.down_proj_bias)
+
+
+def _add_bias(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return x if bias is None else x + bias
 
 
 class DecoderLayer(nn.Module):

@@ -18,7 +18,10 @@ _GGUF_ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3"
 
 def load_config(model_path: str) -> ModelConfig:
     if is_gguf(model_path):
-        return _gguf_config(_gguf_reader(model_path))
+        try:
+            return _gguf_config(_gguf_reader(model_path))
+        except ValueError as e:
+            raise ValueError(e if str(e).startswith(model_path) else f"{model_path}: {e}") from None
     return ModelConfig.from_hf_folder(Path(model_path))
 
 
@@ -28,7 +31,7 @@ def load_model(model_path: str, dtype: torch.dtype, device: torch.device | str =
     check_divisible(cfg, tp.size)
     with torch.device("meta"):
         model = CausalLM(cfg, tp)
-    _load_into(model, shard_weights(_fuse(load_hf_weights(model_path, cfg), cfg), cfg, tp), dtype, device)
+    _load_into(model, shard_weights(_fuse(load_hf_weights(model_path, cfg), cfg), cfg, tp), dtype, device, model_path)
     model.rotary.__init__(cfg.head_dim, cfg.max_position, cfg.rope_theta, cfg.rope_scaling)  # rebuild buffer off meta
     model.rotary.to(device)
     return model.eval()
@@ -39,16 +42,34 @@ def load_hf_weights(model_path: str, cfg: ModelConfig) -> dict[str, torch.Tensor
     return _cached_gguf_weights(model_path, cfg) if is_gguf(model_path) else _hf_weights(Path(model_path))
 
 
-def _load_into(model: CausalLM, weights: dict[str, torch.Tensor], dtype: torch.dtype, device) -> None:
+def _load_into(model: CausalLM, weights: dict[str, torch.Tensor], dtype: torch.dtype, device,
+               model_path: str) -> None:
     expected = {name for name, _ in model.named_parameters()}
     missing = expected - weights.keys()
     if missing:
-        raise ValueError(f"checkpoint lacks weights: {sorted(missing)[:5]}{' ...' if len(missing) > 5 else ''}")
+        raise ValueError(f"{model_path}: checkpoint lacks weights: {_some(missing)}")
+    # a weight nothing reads (a bias the config does not declare, say) would change no answer
+    # silently; rotary caches that old checkpoints saved are recomputed, as SGLang skips them
+    unused = {name for name in weights.keys() - expected if "rotary_emb." not in name}
+    if unused:
+        raise ValueError(f"{model_path}: checkpoint has weights its {model.cfg.arch} config does not use: "
+                         f"{_some({_checkpoint_name(name) for name in unused})}")
     params = {name: torch.nn.Parameter(weights[name].to(device=device, dtype=dtype), requires_grad=False)
               for name in expected}
     for name, param in params.items():
         module_name, _, attr = name.rpartition(".")
         setattr(model.get_submodule(module_name), attr, param)
+
+
+def _some(names: set[str]) -> str:
+    return f"{sorted(names)[:5]}{' ...' if len(names) > 5 else ''}"
+
+
+def _checkpoint_name(name: str) -> str:
+    """A fused name as the checkpoint spells it (_fuse in reverse), for errors."""
+    name = name.replace("qkv_proj", "{q,k,v}_proj").replace("gate_up_proj", "{gate,up}_proj")
+    name = name.replace("_proj_bias", "_proj.bias")
+    return name if name.startswith("lm_head.") else f"model.{name}"
 
 
 def _fuse(raw: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
@@ -63,8 +84,14 @@ def _fuse(raw: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Ten
             parts = [out.pop(f"{attn}.{p}_proj.{kind}", None) for p in "qkv"]
             if all(p is not None for p in parts):
                 out[f"{attn}.qkv_proj.{kind}"] = torch.cat(parts, dim=0)
-        out[f"{mlp}.gate_up_proj.weight"] = torch.cat([out.pop(f"{mlp}.gate_proj.weight"),
-                                                        out.pop(f"{mlp}.up_proj.weight")], dim=0)
+        for kind in ("weight", "bias"):
+            gate, up = out.pop(f"{mlp}.gate_proj.{kind}", None), out.pop(f"{mlp}.up_proj.{kind}", None)
+            if gate is not None and up is not None:
+                out[f"{mlp}.gate_up_proj.{kind}"] = torch.cat([gate, up], dim=0)
+        # row-parallel biases live beside their linears (llama.py adds them after the all-reduce)
+        for old, new in ((f"{attn}.o_proj.bias", f"{attn}.o_proj_bias"), (f"{mlp}.down_proj.bias", f"{mlp}.down_proj_bias")):
+            if old in out:
+                out[new] = out.pop(old)
     if cfg.tie_word_embeddings:
         out.pop("lm_head.weight", None)
     return out
@@ -78,14 +105,20 @@ def _hf_weights(folder: Path) -> dict[str, torch.Tensor]:
         raise FileNotFoundError(f"model folder {folder} has no *.safetensors files")
     weights: dict[str, torch.Tensor] = {}
     for f in files:
-        weights.update(load_file(str(f)))
+        try:
+            weights.update(load_file(str(f)))
+        except Exception as e:  # safetensors' errors name neither the file nor, some, anything
+            raise ValueError(f"{f}: not a readable safetensors file ({type(e).__name__}: {e})") from e
     return weights
 
 
 def _gguf_reader(path: str):
     from gguf import GGUFReader
 
-    return GGUFReader(path)
+    try:
+        return GGUFReader(path)
+    except Exception as e:  # gguf's errors ("GGUF magic invalid", numpy's on a cut file) name no file
+        raise ValueError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from e
 
 
 def _field(reader, key: str, default=None):
@@ -154,11 +187,13 @@ def _gguf_weights(path: str, cfg: ModelConfig) -> dict[str, torch.Tensor]:
     weights: dict[str, torch.Tensor] = {}
     for t in reader.tensors:
         stem, _, kind = t.name.rpartition(".")
-        if stem.startswith("blk."):
-            _, layer, part = stem.split(".", 2)
-            name = f"model.layers.{layer}.{_GGUF_NAMES[part]}.{kind}"
-        else:
-            name = f"{_GGUF_NAMES[stem]}.{kind}"
+        part = stem.split(".", 2)[2] if stem.startswith("blk.") else stem
+        if part == "rope_freqs":  # llama.cpp's Llama 3 rope factors: transformers' GGUF loader skips them too
+            continue
+        if part not in _GGUF_NAMES:
+            raise ValueError(f"{path}: tensor {t.name!r} is not one tandem reads")
+        name = f"model.layers.{stem.split('.')[1]}.{_GGUF_NAMES[part]}.{kind}" if stem.startswith("blk.") \
+            else f"{_GGUF_NAMES[part]}.{kind}"
         array = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
         array = array.reshape([int(d) for d in reversed(t.shape)])  # ggml lists dims innermost first
         if llama_layout and stem.endswith("attn_q"):

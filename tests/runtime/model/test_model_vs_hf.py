@@ -106,3 +106,29 @@ def test_seeded_sampling_is_reproducible_and_batch_independent(smol_runner, smol
     assert first == again == mixed
     different_seed = loop.generate([ids], 16, LoopSampling(temperature=0.9, top_p=0.95, top_k=50, seed=7)).output_ids[0]
     assert different_seed != first
+
+
+@pytest.mark.parametrize("arch,flag", [("llama", "attention_bias"), ("llama", "mlp_bias"), ("qwen3", "attention_bias")])
+def test_biases_the_config_declares_match_transformers(tmp_path, arch, flag):
+    """transformers' Llama biases q/k/v and o_proj with attention_bias, gate/up/down with mlp_bias;
+    Qwen3 q/k/v and o_proj with attention_bias."""
+    import transformers
+
+    name = {"llama": "Llama", "qwen3": "Qwen3"}[arch]
+    config = getattr(transformers, f"{name}Config")(
+        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=256, tie_word_embeddings=True, **{flag: True})
+    torch.manual_seed(0)
+    hf = getattr(transformers, f"{name}ForCausalLM")(config).eval()
+    with torch.no_grad():
+        for pname, p in hf.named_parameters():
+            if p.dim() == 2 or pname.endswith("bias"):  # the default init is tiny and its biases zero
+                p.normal_(0.0, 0.08 if p.dim() == 2 else 0.3)
+    hf.save_pretrained(str(tmp_path))
+    runner = ModelRunner(ServerArgs(model_path=str(tmp_path), max_total_tokens=512, max_running_requests=2,
+                                    dtype="float32"))
+    ids = list(range(100, 160))
+    ours = _prefill_logits(runner, ids)
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0]
+    assert (ours - ref).abs().max().item() < LOGIT_ATOL
