@@ -90,7 +90,7 @@ class TorchAttnBackend:
             if span.kv_slots is None:
                 ks, vs = k[span.q_start:span.q_end], v[span.q_start:span.q_end]
             else:
-                ks, vs = _read(k_pool, span.kv_slots, q.dtype), _read(v_pool, span.kv_slots, q.dtype)
+                ks, vs = _prefixed(k_pool, span, k), _prefixed(v_pool, span, v)
             o = F.scaled_dot_product_attention(qs, ks.transpose(0, 1)[None], vs.transpose(0, 1)[None],
                                                attn_mask=span.mask, is_causal=span.mask is None, scale=scale,
                                                enable_gqa=True)
@@ -104,6 +104,16 @@ class TorchAttnBackend:
         out = F.scaled_dot_product_attention(q[:, :, None, :], k_all, v_all, attn_mask=meta.mask, scale=scale,
                                              enable_gqa=True)
         return out[:, :, 0, :]
+
+
+def _prefixed(pool: torch.Tensor, span: _ExtendSpan, new: torch.Tensor) -> torch.Tensor:
+    """The span's whole sequence: its cached prefix from the pool, then this pass's K/V. From an fp8
+    pool only the prefix comes rounded: a pass attends over its own K/V as computed, as it does
+    without a prefix and as the Triton kernels do, so a chunk boundary does not round them."""
+    if pool.dtype == new.dtype:
+        return pool[span.kv_slots]  # the same values in one gather
+    prefix_len = len(span.kv_slots) - (span.q_end - span.q_start)
+    return torch.cat([_read(pool, span.kv_slots[:prefix_len], new.dtype), new[span.q_start:span.q_end]])
 
 
 def _read(pool: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
