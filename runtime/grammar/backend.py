@@ -1,11 +1,14 @@
 """GrammarBackend: compiles request grammars with xgrammar, off the scheduler thread.
 
-Compilation runs in a small thread pool. Results are cached by (kind, text) as futures, so
-every request with the same schema shares one compiled grammar and only the first one waits
-for it. A failed compile is cached too: the same bad schema fails at once the next time.
+Compilation runs in a thread pool (xgrammar releases the GIL while it compiles). Results are
+cached by (kind, text) as futures, so every request with the same schema shares one compiled
+grammar and only the first one waits for it. A failed compile is cached too: the same bad schema
+fails at once the next time. A compile no request waits for any more is cancelled if it has not
+started (`release`).
 """
 from __future__ import annotations
 
+import os
 import re
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -17,16 +20,24 @@ from tandem.runtime.grammar.matcher import RequestGrammar
 from tandem.runtime.sampling.params import ANY_JSON
 
 _CACHE_SIZE = 1024  # distinct grammars kept compiled
-_COMPILE_THREADS = 2  # grammars compiling at once, off the scheduler thread
+# grammars compiling at once, off the scheduler thread (xgrammar releases the GIL). Python's default
+# pool size, as SGLang's executor: with only 2, two slow schemas made a trivial regex queued behind
+# them time out
+_COMPILE_THREADS = min(32, (os.cpu_count() or 1) + 4)
 _XGRAMMAR_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:\d+: ")  # "[19:49:01] /project/cpp/x.cc:83: "
+_CHECK_FAILED = re.compile(r"^Check failed: \(.*?\) is false: ")  # xgrammar's internal assertion, not the cause
 
 
 class GrammarBackend:
-    def __init__(self, tokenizer: Any, vocab_size: int, any_whitespace: bool = True) -> None:
+    def __init__(self, tokenizer: Any, vocab_size: int, any_whitespace: bool = True,
+                 stop_token_ids: tuple[int, ...] | None = None) -> None:
         import xgrammar as xgr  # heavy (and imports torch): only schedulers with guided decoding load it
 
         self._xgr = xgr
-        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
+        # the model's EOS ids end a grammar, as SGLang passes them: xgrammar alone would take only
+        # the tokenizer's eos_token and mask the others (Llama 3's <|eom_id|>, Qwen's <|endoftext|>)
+        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
+                                                  stop_token_ids=list(stop_token_ids) if stop_token_ids else None)
         self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)  # cached here instead
         self._pool = ThreadPoolExecutor(max_workers=_COMPILE_THREADS, thread_name_prefix="tandem-grammar")
         self._cache: OrderedDict[tuple[str, str], Future] = OrderedDict()
@@ -34,7 +45,7 @@ class GrammarBackend:
         self._batch = xgr.BatchGrammarMatcher(max_threads=1)  # one C++ call per step, the GIL released
         self._turn = 0
         self.vocab_size = vocab_size
-        self._any_whitespace = any_whitespace  # False: JSON with SGLang's compact separators
+        self._any_whitespace = any_whitespace  # False: no whitespace but one blank after , and :
 
     def compile(self, kind: str, text: str) -> Future:
         """A future of the compiled grammar; resolves to an exception with xgrammar's message."""
@@ -47,6 +58,16 @@ class GrammarBackend:
         else:
             self._cache.move_to_end(key)
         return fut
+
+    def release(self, kind: str, text: str) -> None:
+        """No request waits for this grammar any more (aborted, timed out): a compile that has not
+        started is cancelled and forgotten, as SGLang cancels it, so abandoned grammars do not hold
+        the pool's threads from the ones requests still wait for. One already running finishes
+        and stays cached."""
+        key = (kind, text)
+        fut = self._cache.get(key)
+        if fut is not None and fut.cancel():
+            del self._cache[key]
 
     def matcher(self, compiled: Any, think_end_ids: tuple[int, ...] | None = None) -> RequestGrammar:
         """A request's grammar state; with `think_end_ids` it starts in the reasoning phase."""
@@ -77,9 +98,8 @@ class GrammarBackend:
         if kind == "json_schema":
             if text == ANY_JSON:
                 return c.compile_builtin_json_grammar()
-            if self._any_whitespace:
-                return c.compile_json_schema(text)
-            return c.compile_json_schema(text, any_whitespace=False, separators=(",", ":"))
+            # without free whitespace, xgrammar's own separators (", " and ": "), as SGLang compiles it
+            return c.compile_json_schema(text, any_whitespace=self._any_whitespace)
         if kind == "regex":
             return c.compile_regex(text)
         if kind == "ebnf":
@@ -90,19 +110,48 @@ class GrammarBackend:
 
     def _structural_tag(self, text: str) -> Any:
         """SGLang's two JSON forms: the legacy {"structures": [...], "triggers": [...]} and
-        xgrammar's own structural-tag format."""
+        xgrammar's own structural-tag format. A missing or null schema is any JSON (`{}`), as
+        SGLang's sanitizing makes it."""
         tag = orjson.loads(text)
-        if "structures" in tag:
-            items = [self._xgr.StructuralTagItem(begin=s["begin"], schema=orjson.dumps(s["schema"]).decode(),
-                                                 end=s["end"]) for s in tag["structures"]]
-            return self._compiler.compile_structural_tag(items, tag.get("triggers", []))
+        if (structures := tag.get("structures")) is not None:
+            if not isinstance(structures, list):
+                raise ValueError("structures must be a list")
+            items = [self._structure_item(i, s) for i, s in enumerate(structures)]
+            return self._compiler.compile_structural_tag(items, tag.get("triggers") or [])
+        if isinstance(tag.get("format"), dict):
+            _default_schemas(tag["format"])
+            text = orjson.dumps(tag).decode()
         return self._compiler.compile_structural_tag(text)
+
+    def _structure_item(self, i: int, s: Any) -> Any:
+        if not isinstance(s, dict):
+            raise ValueError(f"structures[{i}] must be an object")
+        for key in ("begin", "end"):
+            if not isinstance(s.get(key), str):
+                raise ValueError(f"structures[{i}].{key} must be a string")
+        schema = {} if s.get("schema") is None else s["schema"]
+        return self._xgr.StructuralTagItem(begin=s["begin"], schema=orjson.dumps(schema).decode(), end=s["end"])
 
     @staticmethod
     def error_message(exc: BaseException) -> str:
         """xgrammar's message without its timestamp and source location."""
         lines = [_XGRAMMAR_PREFIX.sub("", line).strip() for line in str(exc).strip().splitlines()]
+        lines = [_CHECK_FAILED.sub("", line) for line in lines]
         return " ".join(line for line in lines if line) or type(exc).__name__
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _default_schemas(fmt: Any) -> None:
+    """In place: every json_schema format without a schema gets `{}`, through tags, sequences and
+    alternatives (SGLang's _sanitize_structural_format)."""
+    if not isinstance(fmt, dict):
+        return
+    if fmt.get("type") in ("json_schema", "qwen_xml_parameter") and fmt.get("json_schema") is None:
+        fmt["json_schema"] = {}
+    children = [fmt.get("content")]
+    for key in ("elements", "tags"):  # sequence / or, and triggered_tags / tags_with_separator
+        children += fmt[key] if isinstance(fmt.get(key), list) else []
+    for child in children:
+        _default_schemas(child)

@@ -60,6 +60,7 @@ class GrammarQueue:
             else:
                 still.append(w)
         self._waiting = still
+        self._release([req for req, _ in failed])
         return ready, failed
 
     def take(self, group_prefixes: list[str], abort_all: bool) -> list[Req]:
@@ -68,4 +69,11 @@ class GrammarQueue:
             return []
         taken = [w.req for w in self._waiting if w.req.rid.startswith(prefixes)]
         self._waiting = [w for w in self._waiting if not w.req.rid.startswith(prefixes)]
+        self._release(taken)
         return taken
+
+    def _release(self, gone: list[Req]) -> None:
+        """Grammars that only requests now gone were waiting for: the backend may drop them."""
+        still_wanted = {w.req.sampling_params.constraint for w in self._waiting}
+        for key in {req.sampling_params.constraint for req in gone} - still_wanted:
+            self.backend.release(*key)  # type: ignore[misc]

@@ -3,6 +3,7 @@ xgrammar's errors come back readable, and a matcher walks a grammar to its end."
 from __future__ import annotations
 
 import json
+import threading
 
 import pytest
 import torch
@@ -95,3 +96,95 @@ def test_bitmask_buffers_alternate_and_reused_rows_allow_everything(backend):
     backend.bitmask_buffer(1)  # the next fill gets buffer `a` again
     mask.fill([None, None], backend, torch.device("cpu"))  # finished rows: no stale bits
     assert torch.isfinite(mask.apply(torch.zeros(2, 49152))).all()
+
+
+@pytest.mark.parametrize("tag", [
+    {"structures": [{"begin": "<a>", "end": "</a>"}], "triggers": ["<a>"]},
+    {"structures": [{"begin": "<a>", "schema": None, "end": "</a>"}], "triggers": ["<a>"]},
+    {"type": "structural_tag", "format": {"type": "tag", "begin": "<a>", "end": "</a>",
+                                          "content": {"type": "json_schema"}}},
+    {"type": "structural_tag", "format": {"type": "sequence", "elements": [
+        {"type": "const_string", "value": "x"}, {"type": "json_schema", "json_schema": None}]}},
+])
+def test_a_structural_tag_without_a_schema_takes_any_json(backend, smol_tokenizer, tag):
+    """SGLang's backend fills a missing or null schema with {} in both forms; before, a 400
+    ("does not compile: 'schema'")."""
+    matcher = backend.matcher(backend.compile("structural_tag", json.dumps(tag)).result(timeout=60)).constraining
+    text = "x[1]" if tag.get("format", {}).get("type") == "sequence" else "<a>[1]</a>"
+    for tok in smol_tokenizer.encode(text, add_special_tokens=False):
+        assert matcher.accept_token(tok), text
+
+
+@pytest.mark.parametrize("tag, fragment", [
+    ({"structures": [1], "triggers": ["<a>"]}, "structures[0] must be an object"),
+    ({"structures": [{"begin": "<a>", "schema": {}}], "triggers": ["<a>"]}, "structures[0].end must be a string"),
+    ({"structures": "x", "triggers": ["<a>"]}, "structures must be a list"),
+    ({"type": "structural_tag", "format": {"type": "nonsense"}}, "Invalid structural tag error"),
+])
+def test_a_malformed_structural_tag_names_what_is_wrong(backend, tag, fragment):
+    message = backend.error_message(backend.compile("structural_tag", json.dumps(tag)).exception(timeout=60))
+    assert fragment in message and "Check failed" not in message, message
+
+
+def test_every_model_eos_id_ends_a_grammar(smol_tokenizer):
+    """SGLang hands the model's EOS ids to xgrammar as its stop tokens: a model whose config lists
+    another EOS than the tokenizer's (id 0 here) may end a complete grammar with it; xgrammar on
+    its own takes only the tokenizer's eos_token and masked id 0."""
+    be = GrammarBackend(smol_tokenizer, 49152, stop_token_ids=(0, smol_tokenizer.eos_token_id))
+    try:
+        matcher = be.matcher(be.compile("regex", "ab").result(timeout=60)).constraining
+        for tok in smol_tokenizer.encode("ab", add_special_tokens=False):
+            assert matcher.accept_token(tok)
+        assert matcher.accept_token(0) and matcher.is_terminated()
+    finally:
+        be.close()
+
+
+def test_releasing_a_grammar_cancels_a_compile_that_has_not_started(smol_tokenizer):
+    be = GrammarBackend(smol_tokenizer, 49152)
+    try:
+        blockers = [threading.Event() for _ in range(be._pool._max_workers)]
+        for ev in blockers:  # every compile thread busy until we let go
+            be._pool.submit(ev.wait, 60)
+        queued = be.compile("regex", "abandoned")
+        be.release("regex", "abandoned")
+        assert queued.cancelled()
+        assert be.compile("regex", "abandoned") is not queued  # compiled afresh when asked again
+        for ev in blockers:
+            ev.set()
+        done = be.compile("regex", "abandoned")
+        assert done.result(timeout=60) is not None
+        be.release("regex", "abandoned")  # a finished compile stays cached
+        assert be.compile("regex", "abandoned") is done
+    finally:
+        be.close()
+
+
+def test_a_quick_grammar_compiles_while_two_slow_ones_do(smol_tokenizer):
+    """Two long compiles (a schema of hundreds of patterned strings takes seconds) used to hold
+    both compile threads: a trivial regex behind them timed out. The pool is Python's default
+    size now, as SGLang's executor."""
+    be = GrammarBackend(smol_tokenizer, 49152)
+    slow_done = threading.Event()
+    try:
+        for _ in range(2):
+            be._pool.submit(slow_done.wait, 60)
+        assert be.compile("regex", "a|b").result(timeout=10) is not None
+    finally:
+        slow_done.set()
+        be.close()
+
+
+def test_json_without_free_whitespace_has_sglangs_separators(smol_tokenizer):
+    """--constrained-json-disable-any-whitespace: SGLang compiles with any_whitespace=False and
+    xgrammar's default separators, so `{"a": 1, "b": 2}`; before, compact `{"a":1,"b":2}`."""
+    be = GrammarBackend(smol_tokenizer, 49152, any_whitespace=False)
+    schema = json.dumps({"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+                         "required": ["a", "b"]})
+    try:
+        compiled = be.compile("json_schema", schema).result(timeout=60)
+        for text, ok in (('{"a": 1, "b": 2}', True), ('{"a":1,"b":2}', False), ('{ "a": 1, "b": 2}', False)):
+            matcher = be.matcher(compiled).constraining
+            assert matcher.accept_string(text) is ok, text
+    finally:
+        be.close()

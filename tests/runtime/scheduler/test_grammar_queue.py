@@ -18,12 +18,16 @@ class FakeBackend:
 
     def __init__(self) -> None:
         self.futures: dict[tuple[str, str], Future] = {}
+        self.released: list[tuple[str, str]] = []
 
     def compile(self, kind: str, text: str) -> Future:
         return self.futures.setdefault((kind, text), Future())
 
     def matcher(self, compiled: object, think_end_ids: tuple[int, ...] | None = None) -> str:
         return f"matcher of {compiled}" + (f" after {think_end_ids}" if think_end_ids else "")
+
+    def release(self, kind: str, text: str) -> None:
+        self.released.append((kind, text))
 
     @staticmethod
     def error_message(exc: BaseException) -> str:
@@ -79,3 +83,24 @@ def test_abort_reaches_requests_still_compiling():
     queue.add(b)
     assert queue.take(["g2_"], abort_all=False) == [b] and len(queue) == 1
     assert queue.take([], abort_all=True) == [a] and len(queue) == 0
+
+
+def test_a_grammar_nobody_waits_for_any_more_is_released(monkeypatch):
+    """Aborted or timed out, the last request waiting for a grammar lets the backend cancel a
+    compile that has not started (SGLang cancels it): abandoned grammars must not hold the pool
+    from the ones requests still wait for. One another request still waits for is kept."""
+    from tandem.runtime.scheduler import grammar_queue
+
+    clock = [100.0]
+    monkeypatch.setattr(grammar_queue, "time", SimpleNamespace(monotonic=lambda: clock[0]))
+    backend = FakeBackend()
+    queue = GrammarQueue(backend, timeout_s=1.0)  # type: ignore[arg-type]
+    a, b, c = _req("g1_0", regex="x"), _req("g2_0", regex="x"), _req("g3_0", ebnf="root ::= y")
+    for r in (a, b, c):
+        queue.add(r)
+    queue.take(["g1_"], abort_all=False)
+    assert backend.released == []  # g2 still waits for "x"
+    queue.take(["g2_"], abort_all=False)
+    assert backend.released == [("regex", "x")]
+    clock[0] += 2
+    assert [r for r, _ in queue.poll()[1]] == [c] and backend.released[-1] == ("ebnf", "root ::= y")

@@ -22,6 +22,9 @@ class _SlowCompiler:
     def compile(self, kind: str, text: str) -> Future:
         return Future()
 
+    def release(self, kind: str, text: str) -> None:
+        pass
+
 
 class _PrefillLog:
     """Records the numbers of each `Prefill batch.` log line."""
