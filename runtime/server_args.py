@@ -75,7 +75,7 @@ class ServerArgs:
     enable_docs: bool = False  # serve /docs and /openapi.json
     grammar_backend: str = "xgrammar"  # guided decoding: xgrammar | none
     grammar_compile_timeout: float = 30.0  # a grammar not compiled by then: the request gets a 400
-    constrained_json_disable_any_whitespace: bool = False  # JSON schemas: compact separators, no free whitespace
+    constrained_json_disable_any_whitespace: bool = False  # JSON schemas: no free whitespace, ", " and ": "
     speculative_algorithm: str | None = None  # NGRAM | STANDALONE; None: plain decoding
     speculative_num_draft_tokens: int = 4  # tokens one verify checks per request: the last token + drafts
     speculative_num_steps: int | None = None  # STANDALONE: draft steps = num_draft_tokens - 1 (a chain)
