@@ -88,7 +88,11 @@ class OpenAIRequest:
         elif name.startswith("top_logprobs_num"):
             name = "top_logprobs" if self.kind == "chat" else "logprobs"
         # a message that compares with another field names it as this client knows it too
-        return ValidationError(name, exc.message.replace("max_new_tokens", self.renames["max_new_tokens"]))
+        # ("regex cannot be combined with json_schema" when the schema came as response_format)
+        message = exc.message
+        for native, sent in self.renames.items():
+            message = re.sub(rf"\b{native}\b", sent, message)
+        return ValidationError(name, message)
 
 
 # -- requests ---------------------------------------------------------------------------------------------

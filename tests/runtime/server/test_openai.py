@@ -306,3 +306,11 @@ def test_chat_template_kwargs_cannot_set_the_renderers_own_arguments(key):
     with pytest.raises(ValidationError) as err:
         _chat({"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": {key: True}})
     assert err.value.field == f"chat_template_kwargs.{key}"
+
+def test_a_constraint_clash_names_response_format_as_the_client_sent_it():
+    """`regex` with `response_format` json_object: the clash is a 400 naming both fields the client
+    sent; the message said "json_schema", a field this client never used."""
+    req = _completion({"prompt": "a", "response_format": {"type": "json_object"}})
+    exc = req.rename(ValidationError("sampling_params.regex",
+                                     "cannot be combined with json_schema; give one constraint"))
+    assert (exc.field, exc.message) == ("regex", "cannot be combined with response_format; give one constraint")
