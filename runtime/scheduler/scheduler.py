@@ -117,7 +117,8 @@ class Scheduler:
         self.grammar_queue: GrammarQueue | None = None
         if args.grammar_backend == "xgrammar" and args.tp_size == 1:  # compile times differ across ranks
             self.grammar = GrammarBackend(self.tokenizer, runner.config.vocab_size,
-                                          any_whitespace=not args.constrained_json_disable_any_whitespace)
+                                          any_whitespace=not args.constrained_json_disable_any_whitespace,
+                                          stop_token_ids=eos_ids)
             self.grammar_queue = GrammarQueue(self.grammar, args.grammar_compile_timeout, think_end_ids)
         self.watchdog = Watchdog(args.watchdog_timeout)
         self._arrivals = 0
