@@ -20,16 +20,17 @@ step's tokens long whatever the output length.
 
 Stops are the scheduler's decision (it ends the request at the token that completes a stop): a
 state only applies it, as SGLang's detokenizer does. At finish a matched stop token's text is
-dropped, and a matched stop string cut off where the last token completed it (both kept with
-no_stop_trim); before finish, a tail that could still grow into a stop string is held back, so a
-client never sees text it would have to un-see. A stop string in the text that did not end the
+dropped, and a matched stop string cut off where the last token completed it (with
+no_stop_trim both stay, and so does the rest of the last token's text, as in SGLang); before
+finish, a tail that could still grow into a stop string is held back, so a client never sees
+text it would have to un-see. A stop string in the text that did not end the
 request (the last allowed token ends by length; special tokens this state skips but the
 scheduler's decode keeps) is ordinary text.
 """
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Union
+from typing import Any, TypeGuard, Union
 
 Matched = Union[int, str, None]  # FinishReason.matched: the stop token id or stop string, if any
 
@@ -90,7 +91,7 @@ class DecodeState:
             ids.pop()  # the stop token is the request's last; its text is not part of the output
         self.ids.extend(ids)
         windows = [self.ids[self.surrogate_offset : self.read_offset], self.ids[self.surrogate_offset :]]
-        if finished and isinstance(matched, str) and len(self.ids) > self.context_len:
+        if finished and self._cuts(matched) and len(self.ids) > self.context_len:
             return [*windows, self.ids[:-1], self.ids[:self.context_len]]
         return windows if self.read_offset < len(self.ids) else []
 
@@ -122,12 +123,18 @@ class DecodeState:
     def _visible_text(self, finished: bool, matched: Matched, before_last: str) -> str:
         """The part of the committed text that may be shown now."""
         if finished:
-            if isinstance(matched, str):
+            if self._cuts(matched):
                 return self._decoded[:self._stop_cut(matched, before_last)]
             return self._decoded
         if not self.stop_strings:
             return self._decoded
         return self._decoded[: len(self._decoded) - self._stop_prefix_len()]
+
+    def _cuts(self, matched: Matched) -> TypeGuard[str]:
+        """Whether the finish cuts a matched stop string off the text. With no_stop_trim nothing
+        is cut: the text is all the output's tokens, the last one whole even where the stop ends
+        inside it, as SGLang's trim_matched_stop returns it."""
+        return isinstance(matched, str) and not self.no_stop_trim
 
     def _stop_cut(self, stop: str, before_last: str) -> int:
         """Where the text ends for a request the scheduler stopped at `stop`: at the occurrence
@@ -136,7 +143,7 @@ class DecodeState:
         pos = completed_at(self._decoded, stop, before_last)
         if pos < 0:
             return len(self._decoded)
-        return max(pos + len(stop) if self.no_stop_trim else pos, len(self.text))
+        return max(pos, len(self.text))
 
     def _stop_prefix_len(self) -> int:
         """Length of the longest tail of the text that is a proper prefix of some stop string."""

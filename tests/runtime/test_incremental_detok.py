@@ -166,6 +166,16 @@ def test_stop_string_kept_with_no_stop_trim(tok: Any) -> None:
     assert state.text == "".join(deltas) == "The answer is 42. STOP here"
 
 
+def test_no_stop_trim_keeps_the_whole_last_token_when_the_stop_ends_inside_it(tok: Any) -> None:
+    # " is" completes "answer i": as SGLang's, no_stop_trim returns the output's whole text, which
+    # is what its output_ids decode to, not the text cut at the stop string's end
+    ids = ids_through(tok, "The answer is 42.", "answer i")
+    assert tok.decode(ids).endswith("answer is")
+    for chunks in (None, [len(ids)]):
+        state = DecodeState(tokenizer=tok, stop_strings=["answer i"], no_stop_trim=True)
+        assert "".join(stream_to_stop(state, ids, "answer i", chunks)) == state.text == "The answer is"
+
+
 def test_stop_string_the_scheduler_did_not_stop_at_is_text(tok: Any) -> None:
     # a stop string the scheduler did not end on (the last allowed token ends by length) is text
     ids = tok.encode(STOP_TEXT)
