@@ -43,6 +43,7 @@ class ServerArgs:
     nnodes: int = 1  # machines the tp ranks span: tp_size / nnodes ranks on each
     node_rank: int = 0  # this machine's index; node 0 runs the HTTP server, tokenizer and detokenizer too
     dist_init_addr: str | None = None  # HOST:PORT of torch.distributed's rendezvous (node 0); needed with nnodes > 1
+    dist_timeout: int | None = None  # seconds torch.distributed waits for the ranks (its join and collectives); None: torch's 30 min
     dtype: str = "auto"  # auto = float32 on CPU, bfloat16 on GPU
     device: str = "auto"  # auto = cuda when available
     attention_backend: str = "auto"  # auto = triton on CUDA, cpu (torch + the paged decode op) on CPU
@@ -54,6 +55,7 @@ class ServerArgs:
     max_prefill_tokens: int = 8192
     chunked_prefill_size: int = 2048
     context_length: int | None = None
+    allow_auto_truncate: bool = False  # SGLang's: a prompt past the context keeps its head, an output too long is cut
     schedule_policy: str = "fcfs"
     enable_priority_scheduling: bool = False
     disable_priority_preemption: bool = False  # SGLang's: with priority scheduling, urgent arrivals preempt unless set
@@ -114,6 +116,7 @@ class ServerArgs:
             "tp_size": self.tp_size >= 1,
             "nnodes": self.nnodes >= 1,
             "node_rank": 0 <= self.node_rank < self.nnodes,
+            "dist_timeout": self.dist_timeout is None or self.dist_timeout > 0,
             "dist_init_addr": self.dist_init_addr is None or _is_port(self.dist_init_addr.rpartition(":")[2]),
             "max_batch_items": self.max_batch_items >= 1,
             "max_top_logprobs_num": self.max_top_logprobs_num >= 0,

@@ -113,7 +113,7 @@ class TokenizerManager:
             max_top_logprobs_num=args.max_top_logprobs_num,
             max_text_chars=context_len * max_chars_per_token(self.tokenizer) * TEXT_CHARS_SLACK,
             guided_decoding=args.grammar_backend != "none", strict_thinking=args.enable_strict_thinking,
-            reasoning_parser=args.reasoning_parser is not None)
+            reasoning_parser=args.reasoning_parser is not None, allow_auto_truncate=args.allow_auto_truncate)
         self._tasks = [asyncio.ensure_future(self._detok_loop()),
                        asyncio.ensure_future(self._control_loop(self.from_scheduler)),
                        asyncio.ensure_future(self._watch_children())]

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -90,16 +91,18 @@ def shard_weights(weights: dict[str, torch.Tensor], cfg: ModelConfig, tp: Tensor
     return out
 
 
-def init_tensor_parallel(rank: int, size: int, init_addr: str, device: torch.device) -> tuple[TensorParallel, object]:
+def init_tensor_parallel(rank: int, size: int, init_addr: str, device: torch.device,
+                         timeout_s: int | None = None) -> tuple[TensorParallel, object]:
     """Join the job: returns the model's group and a second group for the scheduler's control
     messages (the scheduler thread and the forward thread must never interleave collectives on
     one group, or ranks could pair different calls)."""
     backend = "nccl" if device.type == "cuda" else "gloo"
-    # the join blocks until every rank of every node arrives (torch's timeout: 30 minutes), and a
+    # the join blocks until every rank of every node arrives (--dist-timeout, or torch's 30 minutes), and a
     # node never started is otherwise a silent wait: say what is awaited, and when it is over
     logger.info("TP rank %d: waiting at %s for all %d ranks to join (%s)", rank, init_addr, size, backend)
-    dist.init_process_group(backend, init_method=f"tcp://{init_addr}", rank=rank, world_size=size)
-    control = dist.new_group(backend="gloo")
+    timeout = None if timeout_s is None else timedelta(seconds=timeout_s)  # --dist-timeout, as SGLang's
+    dist.init_process_group(backend, init_method=f"tcp://{init_addr}", rank=rank, world_size=size, timeout=timeout)
+    control = dist.new_group(backend="gloo", timeout=timeout)
     logger.info("TP rank %d: all %d ranks joined", rank, size)
     return TensorParallel(rank, size, dist.group.WORLD), control
 

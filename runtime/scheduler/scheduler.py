@@ -89,7 +89,7 @@ class Scheduler:
             intra_op_threads = max(1, intra_op_threads // len(node_tp_ranks(args)))
         tp, self.sync = SINGLE, None
         if args.tp_size > 1:  # rank 0 leads: it alone talks to the other processes (tp_sync.py)
-            tp, control = init_tensor_parallel(tp_rank, args.tp_size, args.dist_init_addr, device)
+            tp, control = init_tensor_parallel(tp_rank, args.tp_size, args.dist_init_addr, device, args.dist_timeout)
             self.sync = ControlSync(tp_rank, control)
             self.sync.agree(lockstep_settings(args))  # each node was launched on its own: refuse a mismatch
         self.runner = runner = ModelRunner(args, tp, pack_now=False)  # the forward worker packs

@@ -3,6 +3,7 @@ their token ids, and fitting each into the context with its max_new_tokens. Part
 `validation.normalize_generate_request`; errors name the prompt's field."""
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -12,6 +13,7 @@ from tandem.runtime.value_checks import ValidationError, is_int, short, type_nam
 if TYPE_CHECKING:
     from tandem.runtime.server.validation import RequestLimits
 
+logger = logging.getLogger(__name__)
 Prompt = tuple[str, Any]  # (field name for messages, raw text str or raw id list)
 
 
@@ -72,12 +74,14 @@ def prompt_ids(
             raise ValidationError(field, "must not be empty")
         cap = limits.max_text_chars
         if cap is not None and len(prompt) > cap:
-            msg = f"has {len(prompt)} characters; no text longer than {cap} fits the context ({limits.context_len} tokens)"
-            raise ValidationError(field, msg)
+            if not limits.allow_auto_truncate:
+                msg = f"has {len(prompt)} characters; no text longer than {cap} fits the context ({limits.context_len} tokens)"
+                raise ValidationError(field, msg)
+            prompt = prompt[:cap]  # still more tokens than fit: cut to the context below
         ids = list(tokenize(prompt))
         if not ids:
             raise ValidationError(field, "tokenizes to zero tokens")
-        return ids, prompt
+        return _truncated(field, ids, limits), prompt
     if not prompt:
         raise ValidationError(field, "must not be empty")
     for j, t in enumerate(prompt):
@@ -86,7 +90,17 @@ def prompt_ids(
             raise ValidationError(f"{field}[{j}]", f"must be an integer token id, got {got}")
         if not 0 <= t < vocab_size:
             raise ValidationError(f"{field}[{j}]", f"must be in [0, {vocab_size}), got {short(t)}")
-    return list(prompt), None
+    return _truncated(field, list(prompt), limits), None
+
+
+def _truncated(field: str, ids: list[int], limits: RequestLimits) -> list[int]:
+    """--allow-auto-truncate, as SGLang's: a prompt that leaves no room for an output token in the
+    context (or the KV pool) keeps its head; otherwise it is a 400 further on."""
+    keep = limits.max_request_len - 1
+    if not limits.allow_auto_truncate or len(ids) <= keep:
+        return ids
+    logger.warning("%s has %d tokens: truncated to %d (--allow-auto-truncate)", field, len(ids), keep)
+    return ids[:keep]
 
 
 def explicit_max_new(body: dict, i: int) -> bool:
@@ -99,8 +113,8 @@ def fit_context(
     field: str, prompt_len: int, sp_field: str, sp: SamplingParams, explicit: bool, limits: RequestLimits
 ) -> None:
     """prompt + max_new_tokens must fit the context. Like SGLang, only an explicit
-    max_new_tokens is an error; the default (128) and null (fill the context) are clamped to the
-    room that is left, in the context and in the KV pool."""
+    max_new_tokens is an error, and not under --allow-auto-truncate; the default (128) and null
+    (fill the context) are clamped to the room that is left, in the context and in the KV pool."""
     ctx = limits.context_len
     if prompt_len >= ctx:  # SGLang's bound too: a prompt must leave the context room for a token
         msg = f"has {prompt_len} tokens; a prompt must be shorter than the context length ({ctx})"
@@ -108,7 +122,7 @@ def fit_context(
     kv = limits.max_total_tokens
     # a prompt that fills the KV pool is the scheduler's 400, not a clamp to an empty answer
     room = limits.max_request_len if kv and prompt_len < kv else ctx
-    if not explicit and prompt_len + sp.max_new_tokens > room:
+    if (not explicit or limits.allow_auto_truncate) and prompt_len + sp.max_new_tokens > room:
         sp.max_new_tokens = max(room - prompt_len, 0)
         if sp.min_new_tokens > sp.max_new_tokens:
             pool = f", {limits.max_total_tokens} KV slots" if room < ctx else ""

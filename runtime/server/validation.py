@@ -125,6 +125,7 @@ class RequestLimits:
     # --reasoning-parser: the server knows where reasoning ends, so require_reasoning can hold a
     # grammar back until then (SGLang wraps the grammar only with a parser)
     reasoning_parser: bool = False
+    allow_auto_truncate: bool = False  # --allow-auto-truncate: too long is cut instead of a 400
 
     @property
     def max_request_len(self) -> int:

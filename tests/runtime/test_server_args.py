@@ -69,14 +69,18 @@ def test_reasoning_parser_names():
 
 
 def test_parallelism_flags():
-    args = _cli(["--tp-size", "4", "--nnodes", "2", "--node-rank", "1", "--dist-init-addr", "10.0.0.1:5000"])
-    assert (args.tp_size, args.nnodes, args.node_rank, args.dist_init_addr) == (4, 2, 1, "10.0.0.1:5000")
+    args = _cli(["--tp-size", "4", "--nnodes", "2", "--node-rank", "1", "--dist-init-addr", "10.0.0.1:5000",
+                 "--dist-timeout", "60"])
+    assert (args.tp_size, args.nnodes, args.node_rank, args.dist_init_addr, args.dist_timeout) == (
+        4, 2, 1, "10.0.0.1:5000", 60)
+    assert _cli(["--allow-auto-truncate"]).allow_auto_truncate and not _cli([]).allow_auto_truncate
     for bad, fragment in [({"tp_size": 3, "nnodes": 2, "dist_init_addr": "h:1"}, "--tp-size 3 must be a multiple of --nnodes 2"),
                           ({"tp_size": 2, "nnodes": 2}, "--dist-init-addr (HOST:PORT on node 0) is needed"),
                           ({"node_rank": 1}, "--node-rank: invalid value 1"),
                           ({"dist_init_addr": "host"}, "--dist-init-addr: invalid value 'host'"),
                           ({"dist_init_addr": "h:99999"}, "--dist-init-addr: invalid value 'h:99999'"),
                           ({"dist_init_addr": "h:0"}, "--dist-init-addr: invalid value 'h:0'"),
+                          ({"dist_timeout": 0}, "--dist-timeout: invalid value 0"),
                           ({"tp_size": 2, "speculative_algorithm": "NGRAM"},
                            "--speculative-algorithm NGRAM is not available with --tp-size 2")]:
         with pytest.raises(ValueError, match=fragment.replace("(", r"\(").replace(")", r"\)")):

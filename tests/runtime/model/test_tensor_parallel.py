@@ -135,3 +135,20 @@ def test_joining_says_what_it_waits_for(caplog):
             f"TP rank 0: waiting at {addr} for all 1 ranks to join (gloo)", "TP rank 0: all 1 ranks joined"]
     finally:
         torch.distributed.destroy_process_group()
+
+
+@pytest.mark.timeout(120)
+def test_dist_timeout_bounds_the_wait_for_a_rank_that_never_joins():
+    """--dist-timeout, as SGLang's: a rank whose peer never starts fails after that many seconds
+    instead of torch's 30 minutes (in a child: a failed join leaves torch.distributed's state)."""
+    script = textwrap.dedent("""
+        import sys, torch
+        from tandem.runtime.model.tensor_parallel import init_tensor_parallel
+        try:
+            init_tensor_parallel(0, 2, sys.argv[1], torch.device("cpu"), timeout_s=3)
+        except Exception as exc:
+            print("refused:", type(exc).__name__)
+            sys.exit(3)
+    """)
+    proc = subprocess.run([sys.executable, "-c", script, free_addr()], capture_output=True, text=True, timeout=100)
+    assert proc.returncode == 3 and "refused:" in proc.stdout, (proc.stdout, proc.stderr[-2000:])

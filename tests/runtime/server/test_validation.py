@@ -211,6 +211,25 @@ def test_null_max_new_tokens_takes_the_room_left_in_the_context_and_the_kv_pool(
         norm({"text": "abcd", "sampling_params": {"max_new_tokens": None, "min_new_tokens": 37}}, max_total_tokens=40)
 
 
+def test_allow_auto_truncate_keeps_the_prompts_head_and_cuts_max_new_tokens() -> None:
+    """--allow-auto-truncate, as SGLang's: instead of a 400, a prompt past the context keeps its
+    first tokens (room for one output token), and an explicit max_new_tokens is cut to the room."""
+    long_ids = list(range(70))
+    it = norm({"input_ids": long_ids, "sampling_params": {"max_new_tokens": 10}}, allow_auto_truncate=True).items[0]
+    assert it.input_ids == long_ids[:CTX - 1] and it.sampling_params.max_new_tokens == 1
+    it = norm({"input_ids": long_ids}, allow_auto_truncate=True, max_total_tokens=40).items[0]
+    assert it.input_ids == long_ids[:39] and it.sampling_params.max_new_tokens == 1  # the KV pool's bound
+    it = norm({"text": "a" * 60, "sampling_params": {"max_new_tokens": 50}}, allow_auto_truncate=True).items[0]
+    assert len(it.input_ids) == 60 and it.sampling_params.max_new_tokens == CTX - 60
+    text = "b" * (4 * CTX + 10)  # past max_text_chars: cut before tokenizing, then to the context
+    assert norm({"text": text}, allow_auto_truncate=True).items[0].input_ids == tokenize(text)[:CTX - 1]
+    with pytest.raises(ValidationError, match="^input_ids has 70 tokens"):
+        norm({"input_ids": long_ids})
+    with pytest.raises(ValidationError, match=r"^sampling_params.min_new_tokens is 5, but only 4 tokens fit"):
+        norm({"input_ids": long_ids[:60], "sampling_params": {"max_new_tokens": 9, "min_new_tokens": 5}},
+             allow_auto_truncate=True)
+
+
 def test_context_boundary() -> None:
     """prompt + max_new_tokens may fill the context; the prompt alone must leave it a token
     (SGLang's `input_token_num >= context_len` check; the full prompt is a 400 in the cases above)."""
