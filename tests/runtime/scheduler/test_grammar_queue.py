@@ -6,6 +6,7 @@ from concurrent.futures import Future
 from types import SimpleNamespace
 
 import numpy as np
+import pytest
 
 from tandem.ipc.messages import TokenizedGenerateReq
 from tandem.runtime.sampling.params import SamplingParams
@@ -40,11 +41,17 @@ def _req(rid: str, require_reasoning: bool = False, **constraint) -> Req:
     return Req.from_message(msg, 1, default_seed=1)
 
 
-def test_ready_failed_and_timed_out(monkeypatch):
+@pytest.fixture
+def clock(monkeypatch) -> list[float]:
+    """The queue's clock, moved by the test: a pause of the test machine cannot time a compile out."""
     from tandem.runtime.scheduler import grammar_queue
 
-    clock = [100.0]  # a fake clock: a pause of the test machine cannot time a compile out early
-    monkeypatch.setattr(grammar_queue, "time", SimpleNamespace(monotonic=lambda: clock[0]))
+    now = [100.0]
+    monkeypatch.setattr(grammar_queue, "time", SimpleNamespace(monotonic=lambda: now[0]))
+    return now
+
+
+def test_ready_failed_and_timed_out(clock):
     backend = FakeBackend()
     queue = GrammarQueue(backend, timeout_s=0.2)  # type: ignore[arg-type]
     ok, bad, slow = _req("a_0", regex="a+"), _req("b_0", regex="("), _req("c_0", ebnf="root ::= x")
@@ -85,14 +92,10 @@ def test_abort_reaches_requests_still_compiling():
     assert queue.take([], abort_all=True) == [a] and len(queue) == 0
 
 
-def test_a_grammar_nobody_waits_for_any_more_is_released(monkeypatch):
+def test_a_grammar_nobody_waits_for_any_more_is_released(clock):
     """Aborted or timed out, the last request waiting for a grammar lets the backend cancel a
     compile that has not started (SGLang cancels it): abandoned grammars must not hold the pool
     from the ones requests still wait for. One another request still waits for is kept."""
-    from tandem.runtime.scheduler import grammar_queue
-
-    clock = [100.0]
-    monkeypatch.setattr(grammar_queue, "time", SimpleNamespace(monotonic=lambda: clock[0]))
     backend = FakeBackend()
     queue = GrammarQueue(backend, timeout_s=1.0)  # type: ignore[arg-type]
     a, b, c = _req("g1_0", regex="x"), _req("g2_0", regex="x"), _req("g3_0", ebnf="root ::= y")
