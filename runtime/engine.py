@@ -36,11 +36,13 @@ async def _pump(tm: TokenizerManager, body: dict[str, Any], put: Callable[[Any],
     """On the engine's loop: a chunk of a streamed call through `put` each time the consumer asks
     for one (`wanted`), then the error that ended it (re-raised on the caller's side), then
     _STREAM_END. A chunk is taken only when asked for, as SGLang's Engine takes it: while the
-    consumer is busy its choice's results coalesce into the next, latest one. The stream is
-    closed however the pump ends (a cancel when the consumer stopped early aborts the request)."""
+    consumer is busy its choice's results coalesce into the next, latest one (with
+    --incremental-streaming-output, into one delta of everything since its previous chunk). The
+    stream is closed however the pump ends (a cancel when the consumer stopped early aborts the
+    request)."""
     stream = None
     try:
-        stream = await tm.generate_stream(body)
+        stream = await tm.generate_stream(body, incremental=tm.args.incremental_streaming_output)
         while True:
             await wanted.acquire()
             put(await stream.__anext__())
@@ -165,7 +167,7 @@ class Engine:
                  input_ids: list[int] | list[list[int]] | None = None, stream: bool = False,
                  **kwargs: Any) -> dict | list[dict] | Iterator[dict]:
         """Like POST /generate: a dict (a list for batch input or n > 1), or an iterator of
-        cumulative chunks when stream=True."""
+        chunks when stream=True (cumulative; deltas with incremental_streaming_output)."""
         tm, body = self._live(), self._body(prompt, sampling_params, input_ids, stream, kwargs)
         if stream:
             return self._sync_stream(tm, body)

@@ -13,6 +13,9 @@ from tandem.runtime.sampling.logprob_format import LogprobFormatter
 from tandem.runtime.value_checks import ValidationError
 
 WEIGHT_VERSION = "default"  # SGLang's meta_info.weight_version before any weight update
+# SGLang's INCREMENTAL_STREAMING_META_INFO_KEYS: the meta_info lists an incremental chunk slices
+# (input logprobs, output_token_logprobs_length and hidden_states stay whole, as in SGLang's)
+INCREMENTAL_META_KEYS = ("output_token_logprobs", "output_top_logprobs", "output_token_ids_logprobs")
 
 
 class RequestError(RuntimeError):
@@ -49,12 +52,34 @@ class ChoiceState:
     finished_at: float | None = None  # perf_counter when finish_reason arrived
     last_output: float | None = None  # perf_counter of the latest output (metrics)
     version: int = 0  # bumped on every update; streaming sends each version once
+    # --incremental-streaming-output: how much of the text, output_ids and each sliced meta_info
+    # list earlier chunks carried
+    streamed_chars: int = 0
+    streamed_ids: int = 0
+    streamed_meta: dict[str, int] = field(default_factory=dict)
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
 
     def result(self) -> dict[str, Any]:
+        return self._response(self.text, list(self.output_ids))
+
+    def incremental_result(self) -> dict[str, Any]:
+        """The next chunk of an --incremental-streaming-output stream: the text, output_ids and
+        output logprob lists new since this choice's previous chunk (SGLang's
+        slice_streaming_output_meta_info), so a client that joins the chunks has result()'s."""
+        out = self._response(self.text[self.streamed_chars:], self.output_ids[self.streamed_ids:])
+        self.streamed_chars, self.streamed_ids = len(self.text), len(self.output_ids)
+        meta = out["meta_info"]
+        for key in INCREMENTAL_META_KEYS:
+            if key in meta:
+                full = meta[key]
+                meta[key] = full[self.streamed_meta.get(key, 0):]
+                self.streamed_meta[key] = len(full)
+        return out
+
+    def _response(self, text: str, output_ids: list[int]) -> dict[str, Any]:
         meta: dict[str, Any] = {
             "id": self.group.logical_rid,
             "finish_reason": self.finish_reason.to_json() if self.finish_reason else None,
@@ -74,7 +99,7 @@ class ChoiceState:
             meta.update(self.formatter.meta_info())
         if self.hidden_states is not None:
             meta["hidden_states"] = list(self.hidden_states)
-        out: dict[str, Any] = {"text": self.text, "output_ids": list(self.output_ids), "meta_info": meta}
+        out: dict[str, Any] = {"text": text, "output_ids": output_ids, "meta_info": meta}
         if self.prompt_token_ids is not None:
             out["prompt_token_ids"] = list(self.prompt_token_ids)  # each result its own list, as output_ids
         if self.group.call.indexed:
@@ -146,12 +171,12 @@ class Call:
 
 
 class CallStream:
-    """A streamed call's cumulative results, each chunk with the choice it is of. A failed choice
-    ends the stream with its last chunk in the usual shape (SGLang's: finish_reason an abort with
-    the status); `error` holds that choice's error from then on. Closing the stream ends the call
-    even when it was never iterated: a client can vanish between the response's start and its
-    first chunk, and an async generator that never started never runs its `finally` (the request
-    would run on, unaborted, its rid held)."""
+    """A streamed call's results (cumulative, or deltas with --incremental-streaming-output), each
+    chunk with the choice it is of. A failed choice ends the stream with its last chunk in the
+    usual shape (SGLang's: finish_reason an abort with the status); `error` holds that choice's
+    error from then on. Closing the stream ends the call even when it was never iterated: a
+    client can vanish between the response's start and its first chunk, and an async generator
+    that never started never runs its `finally` (the request would run on, unaborted, its rid held)."""
 
     def __init__(self, items: AsyncGenerator[tuple[ChoiceState, dict], None], end: Callable[[], None]) -> None:
         self._items = items

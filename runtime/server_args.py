@@ -91,6 +91,9 @@ class ServerArgs:
     sampling_defaults: str = "model"  # model: OpenAI chat takes generation_config.json's sampling for fields it omits; openai: the API's
     enable_strict_thinking: bool = False  # allow max_thinking_tokens (a forced end of the reasoning)
     stream_interval: int = 1
+    # SGLang's: each streamed /generate (and Engine) chunk carries only the text, output_ids and output
+    # logprobs new since the previous one; off, chunks are cumulative. OpenAI streams are deltas either way.
+    incremental_streaming_output: bool = False
     log_level: str = "info"
     random_seed: int | None = None  # None: drawn once per launch (launcher.resolve_random_seed), as SGLang's
     served_model_name: str | None = None

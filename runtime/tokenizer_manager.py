@@ -245,23 +245,29 @@ class TokenizerManager:
                 self._validation_pool, lambda: [c.result() for c in call.choices])
         return [c.result() for c in call.choices]
 
-    async def generate_stream(self, body: Any, add_special_tokens: bool = True) -> CallStream:
+    async def generate_stream(self, body: Any, add_special_tokens: bool = True,
+                              incremental: bool = False) -> CallStream:
         """Streaming: cumulative results as they grow; ends when every choice has finished.
+        `incremental` (native /generate and the Engine under --incremental-streaming-output):
+        each chunk carries only what is new since its choice's previous one; the OpenAI and gRPC
+        front ends build their own deltas from cumulative chunks, so they leave it off.
         Validation runs now, before any byte of the stream is sent (so bad input is still a 400);
         a failed choice (scheduler-initiated, or a dead child) ends the stream with its last chunk,
         its finish_reason an abort with the status (and CallStream.error set), as SGLang's, and
         the other choices are aborted."""
         call = await self._submit(body, add_special_tokens)
-        return CallStream(self._stream(call), lambda: self._end_call(call))
+        return CallStream(self._stream(call, incremental), lambda: self._end_call(call))
 
-    async def _stream(self, call: Call) -> AsyncGenerator[tuple[ChoiceState, dict], None]:
+    async def _stream(self, call: Call, incremental: bool) -> AsyncGenerator[tuple[ChoiceState, dict], None]:
         sent = {id(c): 0 for c in call.choices}  # version 0: nothing received yet
         try:
             while True:
                 for c in call.choices:
                     if sent[id(c)] != c.version:
                         sent[id(c)] = c.version
-                        yield c, c.result()  # a failure too, as SGLang: finish_reason abort with its status
+                        # a failure too, as SGLang: finish_reason abort with its status. A chunk is
+                        # built when taken, so deltas a busy consumer missed join into it.
+                        yield c, c.incremental_result() if incremental else c.result()
                         if c.error() is not None:
                             return
                 if all(c.finished and sent[id(c)] == c.version for c in call.choices):

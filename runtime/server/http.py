@@ -95,7 +95,9 @@ def create_app(args: ServerArgs, on_child_death: Callable[[str], None] | None = 
         tm = app.state.tm
         body = await read_json(request, args)
         if isinstance(body, dict) and body.get("stream"):
-            return _CallResponse(await tm.generate_stream(body))
+            # --incremental-streaming-output: native chunks carry only what is new (SGLang's);
+            # the OpenAI and gRPC streams below stay on cumulative chunks, their deltas their own
+            return _CallResponse(await tm.generate_stream(body, incremental=args.incremental_streaming_output))
         result = await tm.generate(body, request.is_disconnected)
         if isinstance(body, dict) and (body.get("return_logprob") or body.get("return_hidden_states")):
             # encoding a large logprob / hidden-state answer must not stall the event loop

@@ -110,6 +110,35 @@ def test_a_busy_stream_consumer_gets_the_latest_chunk(engine):
     assert len(rest) == 1 and len(rest[0]["output_ids"]) == 200
 
 
+def test_incremental_streams_yield_deltas_as_sglangs_engine(tiny_model_dir):
+    """With incremental_streaming_output, SGLang's Engine yields each chunk's new text, ids and
+    output logprobs; a busy consumer's next chunk is one delta of all it missed (sync and async),
+    so the joined chunks are the non-streamed answer."""
+    params = {"max_new_tokens": 40, "temperature": 0, "ignore_eos": True}
+    with Engine(tiny_model_dir("llama"), max_total_tokens=4000, dtype="float32", log_level="warning",
+                incremental_streaming_output=True) as engine:
+        whole = engine.generate(input_ids=[1, 2, 3], sampling_params=params, return_logprob=True)
+        stream = engine.generate(input_ids=[1, 2, 3], sampling_params=params, stream=True, return_logprob=True)
+        chunks = [next(stream)]
+        _wait_idle(engine)
+        chunks += list(stream)
+        assert len(chunks[0]["output_ids"]) < 40 and max(len(c["output_ids"]) for c in chunks[1:]) > 1
+        assert chunks[1]["meta_info"]["output_token_logprobs_length"] == 40
+        assert "".join(c["text"] for c in chunks) == whole["text"]
+        assert [i for c in chunks for i in c["output_ids"]] == whole["output_ids"]
+        joined = [row[1] for c in chunks for row in c["meta_info"]["output_token_logprobs"]]
+        assert joined == [row[1] for row in whole["meta_info"]["output_token_logprobs"]]
+
+        async def batch() -> list:
+            return [c async for c in await engine.async_generate(input_ids=[[1, 2, 3], [4, 5]],
+                                                                  sampling_params=params, stream=True)]
+
+        whole = engine.generate(input_ids=[[1, 2, 3], [4, 5]], sampling_params=params)
+        chunks = asyncio.run(batch())
+        for i in (0, 1):
+            assert [t for c in chunks if c["index"] == i for t in c["output_ids"]] == whole[i]["output_ids"]
+
+
 class _Interrupted(Exception):
     pass
 

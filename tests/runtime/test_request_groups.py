@@ -3,8 +3,11 @@ from __future__ import annotations
 
 import time
 
-from tandem.ipc.messages import FinishReason
-from tandem.runtime.request_groups import Call, ChoiceState, RequestError, RequestGroup
+import numpy as np
+
+from tandem.ipc.messages import FinishReason, LogprobArrays
+from tandem.runtime.request_groups import INCREMENTAL_META_KEYS, Call, ChoiceState, RequestError, RequestGroup
+from tandem.runtime.sampling.logprob_format import LogprobFormatOptions, LogprobFormatter
 from tandem.runtime.value_checks import ValidationError
 
 
@@ -46,3 +49,71 @@ def test_spec_fields_as_sglang_zeros_before_a_first_verify_none_on_a_plain_serve
     choice.completion_tokens, choice.spec_counts = 7, (2, 6, 4)
     meta = choice.result()["meta_info"]
     assert (meta["spec_verify_ct"], meta["spec_accept_length"], meta["spec_accept_rate"]) == (2, 3.5, 0.6667)
+
+
+def _positions(ids: list[int], null_prefix: int = 0) -> LogprobArrays:
+    n = len(ids)
+    return LogprobArrays(token_logprobs=-np.arange(1, n + 1, dtype=np.float32), token_ids=np.asarray(ids, np.int32),
+                         top_vals=np.full((n, 2), -0.5, np.float32),
+                         top_idx=np.tile(np.asarray([3, 4], np.int32), (n, 1)),
+                         ids_logprobs=np.full((n, 1), -2.0, np.float32), null_prefix=null_prefix)
+
+
+def _logprob_choice() -> ChoiceState:
+    choice = _choice(Call(is_batch=False, indexed=False, received=time.perf_counter()))
+    choice.formatter = LogprobFormatter(LogprobFormatOptions(top_logprobs_num=2, token_ids_logprob=(7,)))
+    choice.hidden_states = []
+    return choice
+
+
+def _receive(choice: ChoiceState, text: str, ids: list[int], finished: bool = False) -> None:
+    """What TokenizerManager._apply does with one detokenizer output of this choice."""
+    choice.text += text
+    choice.output_ids.extend(ids)
+    choice.formatter.extend_output(_positions(ids))
+    choice.hidden_states.extend([[float(i)] for i in ids])
+    choice.completion_tokens = len(choice.output_ids)
+    if finished:
+        choice.finish_reason, choice.finished_at = FinishReason(type="length"), time.perf_counter()
+
+
+def test_incremental_chunks_join_into_the_whole_answer_as_sglangs():
+    """--incremental-streaming-output, as SGLang's slice_streaming_output_meta_info: a chunk has
+    the text, output_ids and output logprob lists new since the previous chunk (outputs that
+    arrived while the consumer was busy join into one); the prompt's logprobs, the logprob count
+    and hidden_states stay whole in every chunk; the joined chunks are the non-streamed answer."""
+    choice = _logprob_choice()
+    choice.formatter.extend_input(_positions([1, 2, 3], null_prefix=1))
+    _receive(choice, "He", [10])
+    chunks = [choice.incremental_result()]
+    _receive(choice, "llo", [11, 12])
+    _receive(choice, "", [13])  # a stop string held back: ids without text yet
+    chunks.append(choice.incremental_result())
+    chunks.append(choice.incremental_result())  # nothing new: an empty delta
+    _receive(choice, " w", [14], finished=True)
+    chunks.append(choice.incremental_result())
+    whole = choice.result()
+    assert [c["output_ids"] for c in chunks] == [[10], [11, 12, 13], [], [14]]
+    assert "".join(c["text"] for c in chunks) == whole["text"] == "Hello w"
+    assert [i for c in chunks for i in c["output_ids"]] == whole["output_ids"]
+    for key in INCREMENTAL_META_KEYS:
+        assert [row for c in chunks for row in c["meta_info"][key]] == whole["meta_info"][key], key
+    for chunk in chunks:
+        meta = chunk["meta_info"]
+        assert meta["input_token_logprobs"] == whole["meta_info"]["input_token_logprobs"]
+        assert meta["input_top_logprobs"] == whole["meta_info"]["input_top_logprobs"]
+        assert meta["output_token_logprobs_length"] == len(meta["hidden_states"])  # both cumulative
+    assert chunks[-1]["meta_info"]["hidden_states"] == whole["meta_info"]["hidden_states"]
+    assert chunks[-1]["meta_info"]["finish_reason"] == whole["meta_info"]["finish_reason"]
+
+
+def test_incremental_chunks_leave_the_cumulative_ones_unchanged():
+    """result() (non-streamed answers, cumulative streams, the OpenAI streams' source) is the
+    whole answer however many incremental chunks were taken before it."""
+    choice = _logprob_choice()
+    _receive(choice, "a", [5])
+    choice.incremental_result()
+    _receive(choice, "b", [6])
+    assert (choice.result()["text"], choice.result()["output_ids"]) == ("ab", [5, 6])
+    assert len(choice.result()["meta_info"]["output_token_logprobs"]) == 2
+    assert choice.incremental_result()["output_ids"] == [6]

@@ -28,6 +28,19 @@ def test_cli_and_toml_build_the_same_args(tmp_path):
         from_cli.port = 2  # type: ignore[misc]
 
 
+def test_incremental_streaming_output_from_cli_toml_and_keywords(tmp_path):
+    """SGLang's --incremental-streaming-output (an SGLang launch command that used it exited with
+    'unrecognized arguments'): off by default, a flag, a TOML bool and an Engine keyword."""
+    assert not ServerArgs().incremental_streaming_output
+    toml = tmp_path / "preset.toml"
+    toml.write_text("[server]\nincremental_streaming_output = true\n")
+    assert _cli(["--incremental-streaming-output"]) == ServerArgs.from_toml(toml) == ServerArgs(
+        incremental_streaming_output=True)
+    toml.write_text('incremental_streaming_output = "true"\n')
+    with pytest.raises(ValueError, match="^incremental_streaming_output = 'true': expected bool, got str$"):
+        ServerArgs.from_toml(toml)
+
+
 def test_default_preset_loads_and_bad_values_name_the_argument():
     assert ServerArgs.from_toml(DEFAULT_CONFIG).port == 30000
     with pytest.raises(ValueError, match="^--schedule-policy: 'random' is not one of fcfs, lpm$"):

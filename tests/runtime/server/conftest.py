@@ -36,6 +36,9 @@ def servers(tmp_path_factory, tiny_model_dir):
                 "tiny_retract_8": (["--model-path", tiny, "--max-total-tokens", "12000", "--max-running-requests", "8"],
                                    {"TANDEM_TEST_RETRACT": "1", "TANDEM_DEBUG_FUTURE_MAP": "1",
                                     "TANDEM_FORCE_STREAM_INTERVAL": "3"}),
+                # SGLang's --incremental-streaming-output, its deltas under chunked prefill and retraction
+                "tiny_incremental_retract": (["--model-path", tiny, *TINY_ARGS, "--chunked-prefill-size", "16",
+                                              "--incremental-streaming-output"], {"TANDEM_TEST_RETRACT": "1"}),
                 "smol": (["--max-total-tokens", "20000", "--max-running-requests", "32"], None),
                 # speculative decoding (NGRAM): plain, under retraction with and without overlap, and
                 # switched off above two running requests

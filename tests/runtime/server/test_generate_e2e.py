@@ -75,6 +75,78 @@ def test_streaming_is_cumulative_and_ends_with_done(tiny_server):
     assert "e2e_latency" in chunks[-1]["meta_info"] and not any("e2e_latency" in c["meta_info"] for c in chunks[:-1])
 
 
+def _sse(server, path: str, body: dict, after_first=None) -> list[dict]:
+    resp = requests.post(server.url + path, json={**body, "stream": True}, stream=True, timeout=120)
+    chunks = []
+    for line in resp.iter_lines():
+        if line.startswith(b"data: {"):
+            chunks.append(orjson.loads(line[len(b"data: "):]))
+            if len(chunks) == 1 and after_first is not None:
+                after_first()
+    return chunks
+
+
+def _joined(chunks: list[dict], index: int = 0) -> dict:
+    mine = [c for c in chunks if c.get("index", 0) == index]
+    meta = {key: [row for c in mine for row in c["meta_info"].get(key, [])]
+            for key in ("output_token_logprobs", "output_top_logprobs", "output_token_ids_logprobs")}
+    return {"text": "".join(c["text"] for c in mine), "output_ids": [i for c in mine for i in c["output_ids"]],
+            "meta_info": {**mine[-1]["meta_info"], **meta}}
+
+
+def _rows(rows: list) -> list:
+    """A logprob list's token ids, and its values to float noise (a prompt cached or not)."""
+    out: list = []
+    for row in rows:
+        if not row or isinstance(row[0], list):  # a position without values, or its top rows
+            out.append(row and _rows(row))
+        else:
+            out.append((row[1], None if row[0] is None else pytest.approx(row[0], abs=1e-4)))
+    return out
+
+
+def test_incremental_streaming_output_chunks_join_into_the_answer(servers):
+    """--incremental-streaming-output, as SGLang's: each /generate chunk has only the text,
+    output_ids and output logprobs new since the previous one, the joined chunks are the
+    non-streamed answer (single with every output logprob list and stream_interval 3, a stop
+    string held back, batch and n > 1), also when aborted mid-stream; OpenAI streams are as without it."""
+    server = servers("tiny_incremental_retract")
+    assert server.info()["incremental_streaming_output"] is True  # /server_info lists it, as SGLang's
+    greedy = {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True}
+    text = server.generate({"text": "Hello there", "sampling_params": greedy})["text"]
+    bodies = [{"text": "Hello there", "sampling_params": {**greedy, "stream_interval": 3}, "return_logprob": True,
+               "top_logprobs_num": 2, "token_ids_logprob": [5, 9], "logprob_start_len": 0},
+              {"text": "Hello there", "sampling_params": {**greedy, "stop": [text[6:9]]}},
+              {"text": ["Hello there", "one two"], "sampling_params": greedy},
+              {"text": "x y", "sampling_params": {**greedy, "n": 2, "temperature": 0.8, "sampling_seed": 5}}]
+    for body in bodies:
+        whole = server.generate(body)
+        chunks = _sse(server, "/generate", body)
+        for i, answer in enumerate(whole if isinstance(whole, list) else [whole]):
+            joined = _joined(chunks, i)
+            assert (joined["text"], joined["output_ids"]) == (answer["text"], answer["output_ids"]), body
+            for key in ("input_token_logprobs", "output_token_logprobs", "output_top_logprobs",
+                        "output_token_ids_logprobs"):
+                assert _rows(joined["meta_info"].get(key, [])) == _rows(answer["meta_info"].get(key, [])), key
+            assert joined["meta_info"]["output_token_logprobs_length" if body.get("return_logprob") else
+                                       "completion_tokens"] == len(answer["output_ids"])
+    assert len(_sse(server, "/generate", bodies[0])) >= 3  # deltas, not one final chunk
+    def abort() -> None:
+        requests.post(server.url + "/abort_request", json={"rid": "inc-abort"}, timeout=30)
+
+    chunks = _sse(server, "/generate", {"rid": "inc-abort", "text": "Hello", "return_logprob": True,
+                                        "sampling_params": {**greedy, "max_new_tokens": 2000}}, abort)
+    joined = _joined(chunks)
+    assert joined["meta_info"]["finish_reason"]["type"] == "abort"
+    assert len(joined["output_ids"]) == joined["meta_info"]["completion_tokens"] == len(
+        joined["meta_info"]["output_token_logprobs"]) < 2000
+    openai = {"model": "m", "prompt": "Hello there", "max_tokens": 24, "temperature": 0}
+    deltas = _sse(server, "/v1/completions", openai)
+    full = server.post("/v1/completions", json=openai).json()["choices"][0]["text"]
+    assert "".join(c["choices"][0]["text"] for c in deltas if c["choices"]) == full
+    assert_no_leaks(server)
+
+
 def test_64_concurrent_mixed_lengths_equal_one_at_a_time(tiny_server):
     prompts = _prompts(64, seed=3)
     bodies = [_greedy(p, 4 + i % 13) for i, p in enumerate(prompts)]
