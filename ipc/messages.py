@@ -203,9 +203,17 @@ class _BatchOutputBase(_Msg, kw_only=True):
     output_logprobs: list[LogprobArrays | None] = []
     input_logprobs: list[LogprobArrays | None] = []
     hidden_states: list[F32Array2D | None] = []
-    # speculative decoding, per request so far: (verify passes, drafts checked, drafts accepted);
-    # empty on a server that does not speculate
+    # speculative decoding, per request so far: (verify passes, drafts proposed, drafts accepted),
+    # proposed as SGLang counts them (verify passes x drafts per verify), and how many verifies
+    # accepted 0, 1, 2, ... drafts (SGLang's spec_accept_histogram); empty on a server that does
+    # not speculate
     spec_counts: list[tuple[int, int, int]] = []
+    spec_accept_histograms: list[list[int]] = []
+    # per request so far, SGLang's meta_info counts: times retracted (empty when no request of the
+    # step ever was) and output tokens through the think end (empty when no request of the step
+    # has require_reasoning)
+    retraction_counts: list[int] = []
+    reasoning_tokens: list[int] = []
 
 
 class BatchTokenIDOutput(_BatchOutputBase, kw_only=True):

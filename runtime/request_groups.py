@@ -47,7 +47,11 @@ class ChoiceState:
     output_ids: list[int] = field(default_factory=list)
     completion_tokens: int = 0
     cached_tokens: int = 0
-    spec_counts: tuple[int, int, int] | None = None  # speculating servers: verify passes, drafts checked, accepted
+    # speculating servers: verify passes, drafts proposed, drafts accepted, verifies by drafts accepted
+    spec_counts: tuple[int, int, int] | None = None
+    spec_accept_histogram: list[int] = field(default_factory=list)
+    num_retractions: int = 0
+    reasoning_tokens: int = 0  # require_reasoning: output tokens through the think end
     finish_reason: FinishReason | None = None
     finished_at: float | None = None  # perf_counter when finish_reason arrived
     last_output: float | None = None  # perf_counter of the latest output (metrics)
@@ -86,15 +90,14 @@ class ChoiceState:
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
             "cached_tokens": self.cached_tokens,
+            "num_retractions": self.num_retractions,
+            "reasoning_tokens": self.reasoning_tokens,
             "weight_version": WEIGHT_VERSION,  # SGLang's; this server never updates its weights
         }
         if self.finished_at is not None:  # as SGLang's: a stream's earlier chunks have no latency yet
             meta["e2e_latency"] = round(self.finished_at - self.group.created, 6)
-        if self.spec_counts is not None:  # SGLang's names, zeros before a first verify; the accept length counts the bonus
-            verify_ct, drafts, accepted = self.spec_counts
-            meta.update(spec_verify_ct=verify_ct,
-                        spec_accept_length=round(self.completion_tokens / verify_ct, 4) if verify_ct else 0,
-                        spec_accept_rate=round(accepted / drafts, 4) if drafts else 0.0)
+        if self.spec_counts is not None and self.finished:
+            meta.update(spec_meta_info(*self.spec_counts, self.completion_tokens, self.spec_accept_histogram))
         if self.formatter is not None:
             meta.update(self.formatter.meta_info())
         if self.hidden_states is not None:
@@ -115,6 +118,23 @@ class ChoiceState:
         if fr.field is not None and fr.status_code == 400:
             return ValidationError(fr.field, fr.message or "is invalid")
         return RequestError(fr.status_code, fr.message or "request failed")
+
+
+def spec_meta_info(verify_ct: int, proposed: int, accepted: int, completion_tokens: int,
+                   histogram: list[int]) -> dict[str, Any]:
+    """SGLang's fill_spec_decoding_meta: on a finished answer with at least one verify, the rate over
+    every draft a verify proposes (no bonus), the length over verifies (the bonus counted), the counts
+    under v0.5's names (spec_accept_token_num, spec_draft_token_num) and today's
+    (spec_num_correct_drafts, spec_num_proposed_drafts), and the histogram when there is one."""
+    if not verify_ct or not proposed:
+        return {}
+    meta: dict[str, Any] = {
+        "spec_accept_rate": accepted / proposed, "spec_accept_length": completion_tokens / verify_ct,
+        "spec_verify_ct": verify_ct, "spec_accept_token_num": accepted, "spec_draft_token_num": proposed,
+        "spec_num_correct_drafts": accepted, "spec_num_proposed_drafts": proposed}
+    if histogram:
+        meta["spec_accept_histogram"] = list(histogram)
+    return meta
 
 
 def stream_error(item: dict[str, Any]) -> RequestError | None:

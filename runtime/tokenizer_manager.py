@@ -348,6 +348,11 @@ class TokenizerManager:
             c.cached_tokens = msg.cached_tokens[i]
             if msg.spec_counts:
                 c.spec_counts = tuple(msg.spec_counts[i])  # type: ignore[assignment]
+                c.spec_accept_histogram = list(msg.spec_accept_histograms[i])
+            if msg.retraction_counts:
+                c.num_retractions = msg.retraction_counts[i]
+            if msg.reasoning_tokens:
+                c.reasoning_tokens = msg.reasoning_tokens[i]
             if c.formatter is not None:
                 if msg.input_logprobs and (lp := msg.input_logprobs[i]) is not None:
                     c.formatter.extend_input(lp)

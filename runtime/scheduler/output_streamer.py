@@ -46,10 +46,16 @@ class OutputStreamer:
                                  cached_tokens=[], detokenize_params=[])
         any_lp = any(r.return_logprob for r in reqs)
         any_hidden = any(r.return_hidden_states for r in reqs)
+        any_retracted = any(r.retract_count for r in reqs)
+        any_reasoning = any(r.require_reasoning for r in reqs)
         for r in reqs:
             self._append(out, r)
             if self.speculative:
-                out.spec_counts.append((r.spec_verify_ct, r.spec_draft_tokens, r.spec_accepted_drafts))
+                self._append_spec(out, r)
+            if any_retracted:
+                out.retraction_counts.append(r.retract_count)
+            if any_reasoning:
+                out.reasoning_tokens.append(r.reasoning_tokens)
             if any_lp:
                 self._append_logprobs(out, r)
             if any_hidden:
@@ -67,6 +73,11 @@ class OutputStreamer:
         out.detokenize_params.append(None if r.sent_any else _detokenize_params(r))
         r.sent_any = True
         r.sent_token_len = len(r.output_ids)
+
+    @staticmethod
+    def _append_spec(out: BatchTokenIDOutput, r: Req) -> None:
+        out.spec_counts.append((r.spec_verify_ct, r.spec_draft_tokens, r.spec_accepted_drafts))
+        out.spec_accept_histograms.append(list(r.spec_accept_histogram))
 
     @staticmethod
     def _append_logprobs(out: BatchTokenIDOutput, r: Req) -> None:

@@ -15,9 +15,11 @@ _UNBOUNDED = 1 << 30  # a stop_regex window past any output: the whole output is
 
 
 class FinishChecker:
-    def __init__(self, eos_ids: Sequence[int], decode: Callable[[list[int]], str]) -> None:
+    def __init__(self, eos_ids: Sequence[int], decode: Callable[[list[int]], str],
+                 think_end_ids: Sequence[int] = ()) -> None:
         self.eos_ids = set(eos_ids)
         self.decode = decode
+        self.think_end_ids = list(think_end_ids)  # "</think>" tokenized: where reasoning_tokens stop
 
     def finished_len(self, req: Req, new_tokens: list[int]) -> tuple[int, FinishReason | None]:
         """How many of `new_tokens` to keep, and why the request ends (None: it goes on).
@@ -90,6 +92,8 @@ def apply_new_tokens(req: Req, new_tokens: list[int], logprobs: list[LogprobArra
     else:
         req.output_ids.extend(new_tokens[:keep])
         keep_extras = keep
+        if req.require_reasoning and not req.reasoning_over:
+            _count_reasoning(req, keep, checker.think_end_ids)
     if logprobs:
         req.output_logprobs.extend(logprobs[:keep_extras])
     if hidden:
@@ -97,3 +101,16 @@ def apply_new_tokens(req: Req, new_tokens: list[int], logprobs: list[LogprobArra
     if reason is not None:
         req.finished_reason = reason
     return reason is not None
+
+
+def _count_reasoning(req: Req, added: int, think_end: list[int]) -> None:
+    """SGLang's reasoning_tokens: every output token up to and including the think end (here the
+    last token of its tokenized sequence); without a think end known, none are counted."""
+    if not think_end:
+        return
+    end = len(req.output_ids)
+    for pos in range(end - added + 1, end + 1):
+        req.reasoning_tokens += 1
+        if req.output_ids[max(pos - len(think_end), 0):pos] == think_end:
+            req.reasoning_over = True
+            return

@@ -278,12 +278,12 @@ def _arguments_object(where: str, arguments: str) -> dict:
 
 
 def _require_reasoning(body: dict, native: dict[str, Any], parser: ReasoningParser | None) -> None:
-    """Chat on a reasoning server: a constrained answer is reasoned freely first and the grammar
-    holds after `</think>` (SGLang's chat default), unless the client says otherwise or the
-    template switched thinking off."""
+    """Chat on a reasoning server reasons first unless the client says otherwise or the template
+    switched thinking off (SGLang's _get_reasoning_from_request): a constrained answer's grammar
+    holds after `</think>`, and the tokens through it count as usage.reasoning_tokens."""
     if body.get("require_reasoning") is not None:
         native["require_reasoning"] = body["require_reasoning"]
-    elif parser is not None and any(k in native["sampling_params"] for k in _CONSTRAINTS):
+    elif parser is not None:
         native["require_reasoning"] = parser.starts_inside
 
 

@@ -29,12 +29,18 @@ def _finish(meta: dict) -> tuple[str | None, Any]:
 
 
 def usage(results: list[dict], n: int) -> dict[str, Any]:
-    """Prompt tokens once per prompt (not per choice), as OpenAI counts them."""
+    """Prompt tokens once per prompt (not per choice), as OpenAI counts them; SGLang's
+    `reasoning_tokens` (its UsageInfo field) sums every choice's."""
     metas = [r["meta_info"] for r in results]
     prompt = sum(m["prompt_tokens"] for m in metas[::max(n, 1)])
+    return {**_counts(prompt, metas),
+            "prompt_tokens_details": {"cached_tokens": sum(m.get("cached_tokens", 0) for m in metas[::max(n, 1)])}}
+
+
+def _counts(prompt: int, metas: list[dict]) -> dict[str, int]:
     completion = sum(m["completion_tokens"] for m in metas)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": sum(m.get("cached_tokens", 0) for m in metas[::max(n, 1)])}}
+            "reasoning_tokens": sum(m.get("reasoning_tokens", 0) for m in metas)}
 
 
 def _chat_logprobs(meta: dict, start: int = 0) -> dict[str, Any]:
@@ -147,9 +153,7 @@ async def stream_chunks(req: OpenAIRequest, cumulative: CallStream, n: int) -> A
                       "logprobs": _completion_logprobs(meta, offset, lp_start, with_prompt) if req.logprobs else None}
         out = chunk({**choice, "finish_reason": reason, "matched_stop": matched})
         if req.continuous_usage:  # this choice's counts so far, as SGLang's continuous_usage_stats
-            prompt, completion = meta["prompt_tokens"], meta["completion_tokens"]
-            out["usage"] = {"prompt_tokens": prompt, "completion_tokens": completion,
-                            "total_tokens": prompt + completion}
+            out["usage"] = _counts(meta["prompt_tokens"], [meta])
         yield out
     if req.include_usage and last:
         yield {"id": rid, "object": obj, "created": created, "model": req.model, "choices": [],

@@ -150,7 +150,7 @@ def _responses_usage(meta: dict) -> dict[str, Any]:
     prompt, completion = meta["prompt_tokens"], meta["completion_tokens"]
     return {"input_tokens": prompt, "output_tokens": completion, "total_tokens": prompt + completion,
             "input_tokens_details": {"cached_tokens": meta.get("cached_tokens", 0), "cache_write_tokens": 0},
-            "output_tokens_details": {"reasoning_tokens": 0}}
+            "output_tokens_details": {"reasoning_tokens": meta.get("reasoning_tokens", 0)}}
 
 
 def _reasoning_item(item_id: str, text: str | None, status: str) -> dict[str, Any]:

@@ -40,15 +40,25 @@ def test_a_scheduler_error_that_names_a_field_is_a_validation_error_each_surface
     assert choice.error() is None  # an abort the client asked for is no error
 
 
-def test_spec_fields_as_sglang_zeros_before_a_first_verify_none_on_a_plain_server():
+def test_spec_fields_are_sglangs_and_only_on_a_finished_answer_with_a_verify():
+    """SGLang's fill_spec_decoding_meta runs on the finished answer only, and only after a verify;
+    num_retractions and reasoning_tokens are on every answer; a plain server sends no spec field."""
     choice = _choice(Call(is_batch=False, indexed=False, received=time.perf_counter()))
-    assert "spec_verify_ct" not in choice.result()["meta_info"]
-    choice.completion_tokens, choice.spec_counts = 1, (0, 0, 0)
+    choice.finish_reason = FinishReason(type="length", length=8)
+    assert not any(k.startswith("spec_") for k in choice.result()["meta_info"])  # plain server
+    choice.finish_reason = None
+    choice.spec_counts, choice.spec_accept_histogram, choice.completion_tokens = (4, 12, 3), [2, 1, 1], 8
     meta = choice.result()["meta_info"]
-    assert (meta["spec_verify_ct"], meta["spec_accept_length"], meta["spec_accept_rate"]) == (0, 0, 0.0)
-    choice.completion_tokens, choice.spec_counts = 7, (2, 6, 4)
+    assert not any(k.startswith("spec_") for k in meta)  # a stream's earlier chunk
+    assert (meta["num_retractions"], meta["reasoning_tokens"]) == (0, 0)
+    choice.finish_reason = FinishReason(type="length", length=8)
     meta = choice.result()["meta_info"]
-    assert (meta["spec_verify_ct"], meta["spec_accept_length"], meta["spec_accept_rate"]) == (2, 3.5, 0.6667)
+    assert {k: v for k, v in meta.items() if k.startswith("spec_")} == {
+        "spec_accept_rate": 0.25, "spec_accept_length": 2.0, "spec_verify_ct": 4, "spec_accept_token_num": 3,
+        "spec_draft_token_num": 12, "spec_num_correct_drafts": 3, "spec_num_proposed_drafts": 12,
+        "spec_accept_histogram": [2, 1, 1]}
+    choice.spec_counts = (0, 0, 0)  # finished in its prefill: no verify, no spec fields
+    assert not any(k.startswith("spec_") for k in choice.result()["meta_info"])
 
 
 def _positions(ids: list[int], null_prefix: int = 0) -> LogprobArrays:

@@ -204,8 +204,8 @@ def test_low_priority_values_first_flips_the_order_and_the_default():
 
 
 def test_a_speculating_server_sends_spec_counts_for_every_request_even_before_a_verify():
-    """SGLang's meta_info has spec_verify_ct (and zeros) on every answer of a speculating server,
-    also one that finished in its prefill; a plain server sends none."""
+    """Every output of a speculating server carries its request's counts, zeros too (the tokenizer
+    manager shows them only on a finished answer with a verify, as SGLang); a plain server sends none."""
     checker = FinishChecker([2], lambda ids: "")
     for speculative, want in ((True, [(0, 0, 0)]), (False, [])):
         streamer = OutputStreamer(default_stream_interval=1, speculative=speculative)
@@ -213,3 +213,54 @@ def test_a_speculating_server_sends_spec_counts_for_every_request_even_before_a_
         assert apply_new_tokens(r, [9], None, None, checker)
         streamer.add(r)
         assert streamer.build().spec_counts == want
+
+
+def test_verify_counts_and_the_acceptance_histogram_travel_with_the_output():
+    """SGLang's spec_accept_histogram: how many verifies accepted 0, 1, 2, ... drafts."""
+    streamer = OutputStreamer(default_stream_interval=1, speculative=True)
+    r = _req(1, max_new_tokens=50)
+    for accepted in (2, 1, 0, 0):
+        r.record_verify(3, accepted)
+    streamer.add(r)
+    r.finished_reason = FinishChecker([2], lambda ids: "").finished_len(r, [2])[1]
+    out = streamer.build()
+    assert out.spec_counts == [(4, 12, 3)]
+    assert out.spec_accept_histograms == [[2, 1, 1]]
+
+
+def test_retraction_counts_travel_when_a_request_of_the_step_was_retracted():
+    """SGLang's meta_info.num_retractions: the column is sent when any request of the step was
+    retracted, aligned with rids."""
+    checker = FinishChecker([2], lambda ids: "")
+    streamer = OutputStreamer(default_stream_interval=1)
+    a, b = _req(1, stream=True, max_new_tokens=5), _req(2, stream=True, max_new_tokens=5)
+    for r in (a, b):
+        apply_new_tokens(r, [9], None, None, checker)
+        streamer.add(r)
+    assert streamer.build().retraction_counts == []
+    b.retract_count = 2
+    for r in (a, b):
+        apply_new_tokens(r, [9], None, None, checker)
+        streamer.add(r)
+    assert streamer.build().retraction_counts == [0, 2]
+
+
+def test_reasoning_tokens_count_through_the_think_end_for_require_reasoning():
+    """SGLang's Req.update_reasoning_tokens: with require_reasoning, every output token up to and
+    including the one that ends the think block counts, also inside one multi-token run."""
+    think_end = [9617, 17400, 46]  # "</think>" in SmolLM2's tokenizer
+    checker = FinishChecker([2], lambda ids: "", think_end_ids=think_end)
+    streamer = OutputStreamer(default_stream_interval=1)
+    r, plain = _req(1, stream=True, max_new_tokens=50), _req(2, stream=True, max_new_tokens=50)
+    r.require_reasoning = True
+    for run in ([5, 9617], [17400, 46, 7, 8], [9617, 17400, 46]):
+        apply_new_tokens(r, run, None, None, checker)
+        apply_new_tokens(plain, run, None, None, checker)
+    assert (r.reasoning_tokens, r.reasoning_over, plain.reasoning_tokens) == (4, True, 0)
+    streamer.add(r)
+    streamer.add(plain)
+    assert streamer.build().reasoning_tokens == [4, 0]
+    never_closed = _req(3, max_new_tokens=50)
+    never_closed.require_reasoning = True
+    apply_new_tokens(never_closed, [5, 6, 46], None, None, checker)
+    assert never_closed.reasoning_tokens == 3 and not never_closed.reasoning_over

@@ -94,7 +94,7 @@ def test_require_reasoning_defaults_on_for_constrained_chat_on_a_reasoning_serve
     assert native({**fmt, "chat_template_kwargs": {"enable_thinking": False}}, "qwen3")["require_reasoning"] is False
     assert native({**fmt, "require_reasoning": False}, "deepseek-r1")["require_reasoning"] is False  # explicit wins
     assert "require_reasoning" not in native(fmt, None)  # no parser: the grammar holds from the start
-    assert "require_reasoning" not in native({}, "deepseek-r1")  # nothing to constrain
+    assert native({}, "deepseek-r1")["require_reasoning"] is True  # SGLang: every chat reasons first
     assert _completion({"prompt": "a", "regex": "b", "require_reasoning": True}).native["require_reasoning"] is True
 
 

@@ -26,7 +26,7 @@ def test_response_shapes_and_usage_count_each_prompt_once():
     req = _completion({"prompt": ["p", "q"], "echo": True, "logprobs": 1})
     # two prompts, n = 2 for the first only in this toy; prompts counted at choices 0 and 2
     out = oar.response(req, results, 2)
-    assert out["usage"] == {"prompt_tokens": 12, "completion_tokens": 6, "total_tokens": 18,
+    assert out["usage"] == {"prompt_tokens": 12, "completion_tokens": 6, "total_tokens": 18, "reasoning_tokens": 0,
                             "prompt_tokens_details": {"cached_tokens": 2}}
     first = out["choices"][0]
     assert first["text"] == "pab" and first["finish_reason"] == "stop" and first["matched_stop"] == "\n"
@@ -109,6 +109,22 @@ def test_stream_chunks_are_deltas_then_usage():
     req.continuous_usage = True
     chunks = asyncio.run(collect())
     assert [c["usage"]["completion_tokens"] for c in chunks] == [1, 2, 2]
+
+
+def test_usage_carries_sglangs_reasoning_tokens_summed_over_choices():
+    """SGLang's UsageInfo.reasoning_tokens: every choice's meta_info.reasoning_tokens, summed (the
+    prompt counted once); on the final usage chunk and continuous usage too."""
+    results = [result("ab", 0), result("cd", 1)]
+    results[0]["meta_info"]["reasoning_tokens"], results[1]["meta_info"]["reasoning_tokens"] = 2, 1
+    body = {"messages": [{"role": "user", "content": "x"}], "n": 2}
+    assert oar.response(_chat(body), results, 2)["usage"]["reasoning_tokens"] == 3
+    req = _chat({**body, "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}})
+
+    async def collect():
+        return [c async for c in oar.stream_chunks(req, stream_of(*results), 2)]
+
+    chunks = asyncio.run(collect())
+    assert [c["usage"]["reasoning_tokens"] for c in chunks] == [2, 1, 3]
 
 
 def test_errors_have_openai_shape():

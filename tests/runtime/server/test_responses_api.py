@@ -77,7 +77,9 @@ def _events(req: OpenAIRequest, stream: CallStream) -> list[dict]:
 
 def test_a_response_holds_its_reasoning_and_message_items_and_responses_usage():
     req = _request({"input": "x", "max_output_tokens": 2, "metadata": {"k": 1}}, parser="deepseek-r1")
-    out = responses_response(req, result("ab</think>cd", 0, finish={"type": "stop", "matched": 2}))
+    answer = result("ab</think>cd", 0, finish={"type": "stop", "matched": 2})
+    answer["meta_info"]["reasoning_tokens"] = 0  # the scheduler's count (SGLang's), 3 below
+    out = responses_response(req, answer)
     assert out["id"] == req.native["rid"] and out["object"] == "response" and out["status"] == "completed"
     assert [(i["type"], i["status"]) for i in out["output"]] == [("reasoning", "completed"), ("message", "completed")]
     assert out["output"][0]["content"] == [{"type": "reasoning_text", "text": "ab"}]
@@ -85,6 +87,8 @@ def test_a_response_holds_its_reasoning_and_message_items_and_responses_usage():
     assert out["usage"] == {"input_tokens": 5, "output_tokens": 2, "total_tokens": 7, "output_tokens_details":
                             {"reasoning_tokens": 0}, "input_tokens_details": {"cached_tokens": 1, "cache_write_tokens": 0}}
     assert (out["metadata"], out["max_output_tokens"], out["store"], out["temperature"]) == ({"k": 1}, 2, False, 0.7)
+    answer["meta_info"]["reasoning_tokens"] = 3
+    assert responses_response(req, answer)["usage"]["output_tokens_details"] == {"reasoning_tokens": 3}
     cut = responses_response(_request({"input": "x"}), result("ab", 0, finish={"type": "length"}))
     assert (cut["status"], cut["incomplete_details"]) == ("incomplete", {"reason": "max_output_tokens"})
     assert [i["type"] for i in cut["output"]] == ["message"]  # no reasoning parser: all of it is the message

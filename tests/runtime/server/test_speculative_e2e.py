@@ -163,3 +163,20 @@ def test_smollm2_with_a_truncated_draft_model_equals_plain_decoding(servers):
 def _view_no_top(outs: list[dict]) -> list[tuple]:
     return [(o["output_ids"], o["meta_info"]["finish_reason"], [t[0] for t in o["meta_info"]["output_token_logprobs"]],
              []) for o in outs]
+
+
+def test_spec_meta_info_is_sglangs_on_the_final_chunk_only(servers):
+    """SGLang's fill_spec_decoding_meta: drafts proposed are verifies x (speculative_num_draft_tokens
+    - 1) whatever the n-gram lookup found, the rate is over them, the histogram counts verifies;
+    a stream's earlier chunks carry none of it."""
+    server = servers("tiny_ngram")
+    body = {"input_ids": LOOPY[0], "sampling_params": {"temperature": 0, "max_new_tokens": 30, "ignore_eos": True}}
+    meta = server.generate(body)["meta_info"]
+    verify_ct = meta["spec_verify_ct"]
+    assert verify_ct > 0 and meta["spec_draft_token_num"] == meta["spec_num_proposed_drafts"] == 3 * verify_ct
+    assert meta["spec_accept_rate"] == meta["spec_accept_token_num"] / (3 * verify_ct)
+    assert sum(meta["spec_accept_histogram"]) == verify_ct and meta["num_retractions"] == 0
+    with server.post("/generate", {**body, "stream": True}, stream=True) as resp:
+        chunks = [json.loads(line[6:]) for line in resp.iter_lines() if line.startswith(b"data: {")]
+    assert len(chunks) > 1 and "spec_verify_ct" in chunks[-1]["meta_info"]
+    assert not any(k.startswith("spec_") for c in chunks[:-1] for k in c["meta_info"])
