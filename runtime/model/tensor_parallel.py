@@ -59,7 +59,7 @@ def check_divisible(cfg: ModelConfig, size: int) -> None:
     bad = {name: n for name, n in counts.items() if n % size}
     if bad:
         have = ", ".join(f"{n} {name}" for name, n in counts.items())
-        raise ValueError(f"tp_size={size} does not divide the model's {' and '.join(bad)} (it has {have}); "
+        raise ValueError(f"--tp-size {size} does not divide the model's {' and '.join(bad)} (it has {have}); "
                          f"tensor parallelism splits each evenly across ranks, without replication")
 
 

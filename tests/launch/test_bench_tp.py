@@ -28,5 +28,5 @@ def test_a_size_that_does_not_split_the_model_is_refused_before_any_run(tiny_mod
         bench_tp.main(["--model-path", tiny_model_dir("llama"), "--tp-sizes", "1", "3", "--num-seqs", "2"])
     assert exit_info.value.code == 2
     err = capsys.readouterr()
-    assert "--tp-sizes 3: tp_size=3 does not divide the model's query heads and KV heads" in err.err
+    assert "--tp-sizes 3: --tp-size 3 does not divide the model's query heads and KV heads" in err.err
     assert "tok/s" not in err.out

@@ -115,7 +115,7 @@ def test_uneven_heads_are_refused_naming_the_counts():
     smollm2 = ModelConfig.from_hf_dict({"architectures": ["LlamaForCausalLM"], "vocab_size": 49152,
                                         "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
                                         "num_attention_heads": 9, "num_key_value_heads": 3})
-    with pytest.raises(ValueError, match=r"tp_size=2 does not divide the model's query heads and KV heads "
+    with pytest.raises(ValueError, match=r"--tp-size 2 does not divide the model's query heads and KV heads "
                                          r"\(it has 9 query heads, 3 KV heads"):
         check_divisible(smollm2, 2)
     check_divisible(smollm2, 3)
