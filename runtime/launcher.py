@@ -69,13 +69,13 @@ def _detokenizer_main(args: ServerArgs, addrs: IPCAddresses, parent_pid: int) ->
 def resolve_random_seed(args: ServerArgs) -> ServerArgs:
     """`args` with the seed drawn when none was given, as SGLang's random.randint(0, 1 << 30), so
     seedless sampling differs from launch to launch. Drawn once, in the main process, before the
-    schedulers start: every TP rank samples the same token with it. Each node of a multi-node job
-    would draw its own, so there it stays 0 unless --random-seed sets it."""
+    schedulers start: every TP rank samples the same token with it. A node of a multi-node job
+    leaves it 0: its ranks take node 0's when they join (tp_sync.ADOPTED_FIELDS), as SGLang's."""
     if args.random_seed is not None:
         return args
     seed = 0 if args.nnodes > 1 else random.randint(0, 1 << 30)
     logging.info("random seed: %d (%s; --random-seed sets it)", seed,
-                 "the nodes must agree" if args.nnodes > 1 else "drawn for this launch")
+                 "other nodes take node 0's" if args.nnodes > 1 else "drawn for this launch")
     return args.replace(random_seed=seed)
 
 

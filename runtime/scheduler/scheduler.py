@@ -91,7 +91,8 @@ class Scheduler:
         if args.tp_size > 1:  # rank 0 leads: it alone talks to the other processes (tp_sync.py)
             tp, control = init_tensor_parallel(tp_rank, args.tp_size, args.dist_init_addr, device, args.dist_timeout)
             self.sync = ControlSync(tp_rank, control)
-            self.sync.agree(lockstep_settings(args))  # each node was launched on its own: refuse a mismatch
+            rank0 = self.sync.agree(lockstep_settings(args))  # each node was launched on its own: refuse a mismatch
+            self.args = args = args.replace(random_seed=rank0["random_seed"])
         self.runner = runner = ModelRunner(args, tp, pack_now=False)  # the forward worker packs
         self.tokenizer = load_tokenizer(args.tokenizer_path or args.model_path)
         eos = set(runner.config.eos_token_ids)

@@ -20,15 +20,20 @@ from tandem.runtime.server_args import ServerArgs
 # the settings the planner and the sampler read: ranks that differ in one of them plan different
 # batches or sample different tokens, and their collectives then pair calls of different sizes,
 # which gloo does not notice (wrong tokens, then a hang), so they must agree before the first step
-LOCKSTEP_FIELDS = ("random_seed", "dtype", "kv_cache_dtype", "max_total_tokens", "max_running_requests",
+LOCKSTEP_FIELDS = ("dtype", "kv_cache_dtype", "max_total_tokens", "max_running_requests",
                    "max_queued_requests", "max_prefill_tokens", "chunked_prefill_size", "context_length",
                    "schedule_policy", "enable_priority_scheduling", "disable_priority_preemption",
                    "schedule_low_priority_values_first", "priority_scheduling_preemption_threshold",
                    "disable_radix_cache", "disable_overlap_schedule")
 
 
+# taken from rank 0 instead of compared: SGLang's scheduler broadcasts rank 0's seed, so nodes
+# launched with another --random-seed, or without one (0 there), sample with the head node's
+ADOPTED_FIELDS = ("random_seed",)
+
+
 def lockstep_settings(args: ServerArgs) -> dict[str, object]:
-    return {name: getattr(args, name) for name in LOCKSTEP_FIELDS}
+    return {name: getattr(args, name) for name in LOCKSTEP_FIELDS + ADOPTED_FIELDS}
 
 
 class IterationInputs(msgspec.Struct, frozen=True):
@@ -43,12 +48,13 @@ class ControlSync:
         # travels over the gloo group and not over the IPC sockets ipc.codec serves
         self._encoder, self._decoder = msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder(IterationInputs)
 
-    def agree(self, settings: dict[str, object]) -> None:
-        """Every rank: raise (naming the flags on the rank that differs) unless all ranks have rank
-        0's settings. Each node is launched on its own (--nnodes), so nothing else makes them agree."""
+    def agree(self, settings: dict[str, object]) -> dict[str, object]:
+        """Every rank: rank 0's settings; raise (naming the flags on the rank that differs) unless all
+        ranks have rank 0's LOCKSTEP_FIELDS. Each node is launched on its own (--nnodes), so nothing
+        else makes them agree."""
         theirs = msgspec.json.decode(self._broadcast(msgspec.json.encode(settings) if self.rank == 0 else None))
         differ = [f"--{name.replace('_', '-')} is {settings.get(name)!r} here but {value!r} on rank 0"
-                  for name, value in theirs.items() if settings.get(name) != value]
+                  for name, value in theirs.items() if name not in ADOPTED_FIELDS and settings.get(name) != value]
         flag = torch.tensor([int(bool(differ))], dtype=torch.int64)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)  # so that every rank stops, not one
         if differ:
@@ -57,6 +63,7 @@ class ControlSync:
         if flag.item():
             raise ValueError(f"TP rank {self.rank}: another node was started with other flags than rank 0's "
                              f"(its log names them)")
+        return theirs
 
     def _broadcast(self, payload: bytes | None) -> bytes:
         """Rank 0's bytes to every rank: the length, then the bytes."""
