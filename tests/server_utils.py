@@ -13,6 +13,7 @@ import requests
 from tandem.runtime.launcher import free_port
 
 STARTUP_TIMEOUT_S = 180
+LEAK_MESSAGE = "KV memory leak detected"  # scheduler.py's idle check
 
 
 @dataclass
@@ -41,7 +42,9 @@ class ServerHandle:
             return f.read()
 
     def stop(self) -> int | None:
-        """SIGTERM (a drain), a second SIGTERM if requests keep it busy, SIGKILL as the last resort."""
+        """SIGTERM (a drain), a second SIGTERM if requests keep it busy, SIGKILL as the last resort;
+        then fail if the scheduler's idle check found a leak (TANDEM_STRICT_MEM_CHECK): one after a
+        server's last request stops a scheduler nobody asks any more, which only its log tells."""
         for sig, wait in ((signal.SIGTERM, 10), (signal.SIGTERM, 10), (signal.SIGKILL, 5)):
             if self.proc.poll() is not None:
                 break
@@ -50,6 +53,8 @@ class ServerHandle:
                 self.proc.wait(wait)
             except (subprocess.TimeoutExpired, ProcessLookupError):
                 pass
+        leaks = [line for line in self.log().splitlines() if LEAK_MESSAGE in line]
+        assert not leaks, f"{self.log_path}: {leaks[0]}"
         return self.proc.returncode
 
 
