@@ -15,9 +15,11 @@ from tandem.runtime.scheduler.request import Req
 
 
 class OutputStreamer:
-    def __init__(self, default_stream_interval: int, speculative: bool = False) -> None:
+    def __init__(self, default_stream_interval: int, drafts_per_verify: int = 0) -> None:
         self.default_stream_interval = default_stream_interval
-        self.speculative = speculative  # every output carries its request's spec counts, 0 verifies too
+        # a speculating server (> 0): every output carries its request's spec counts, 0 verifies too;
+        # drafts proposed are verifies x this, as SGLang counts them (whatever the lookup found)
+        self.drafts_per_verify = drafts_per_verify
         self.force_stream_interval = envs.FORCE_STREAM_INTERVAL.get()
         self._pending: dict[int, Req] = {}
 
@@ -50,7 +52,7 @@ class OutputStreamer:
         any_reasoning = any(r.require_reasoning for r in reqs)
         for r in reqs:
             self._append(out, r)
-            if self.speculative:
+            if self.drafts_per_verify:
                 self._append_spec(out, r)
             if any_retracted:
                 out.retraction_counts.append(r.retract_count)
@@ -74,9 +76,9 @@ class OutputStreamer:
         r.sent_any = True
         r.sent_token_len = len(r.output_ids)
 
-    @staticmethod
-    def _append_spec(out: BatchTokenIDOutput, r: Req) -> None:
-        out.spec_counts.append((r.spec_verify_ct, r.spec_draft_tokens, r.spec_accepted_drafts))
+    def _append_spec(self, out: BatchTokenIDOutput, r: Req) -> None:
+        proposed = r.spec_verify_ct * self.drafts_per_verify
+        out.spec_counts.append((r.spec_verify_ct, proposed, r.spec_accepted_drafts))
         out.spec_accept_histograms.append(list(r.spec_accept_histogram))
 
     @staticmethod

@@ -53,11 +53,9 @@ class Req:
     # most tokens the planned but not yet processed steps can still add (1 per plain step,
     # 1 + drafts per verify): the planner's upper bound on the output length
     outputs_in_flight: int = 0
-    # speculative decoding: verify passes, drafts proposed (as SGLang counts them: every verify
-    # proposes speculative_num_draft_tokens - 1, whatever the lookup found) and drafts accepted,
-    # and how many verifies accepted 0, 1, 2, ... drafts (SGLang's spec_accept_histogram)
+    # speculative decoding: verify passes, drafts accepted, and how many verifies accepted 0, 1,
+    # 2, ... drafts (SGLang's spec_accept_histogram); drafts proposed follow from the verify count
     spec_verify_ct: int = 0
-    spec_draft_tokens: int = 0
     spec_accepted_drafts: int = 0
     spec_accept_histogram: list[int] = field(default_factory=list)
     # require_reasoning: output tokens through the think end (SGLang's reasoning_tokens), and
@@ -149,10 +147,9 @@ class Req:
     def max_total_len(self) -> int:
         return len(self.origin_input_ids) + self.sampling_params.max_new_tokens
 
-    def record_verify(self, proposed: int, accepted: int) -> None:
-        """One verify pass that proposed `proposed` drafts and kept `accepted` of them."""
+    def record_verify(self, accepted: int) -> None:
+        """One verify pass that kept `accepted` of its drafts."""
         self.spec_verify_ct += 1
-        self.spec_draft_tokens += proposed
         self.spec_accepted_drafts += accepted
         hist = self.spec_accept_histogram
         hist.extend([0] * (accepted + 1 - len(hist)))

@@ -112,9 +112,8 @@ class Scheduler:
         self.planner = Planner(planner_config(args, runner), self.kv,
                                BatchContext(runner.config.vocab_size, eos_ids, runner.device, think_end_ids))
         self.checker = FinishChecker(eos_ids, lambda ids: self.tokenizer.decode(ids), think_end_ids)
-        self.streamer = OutputStreamer(args.stream_interval, args.speculative_algorithm is not None)
-        # drafts one verify proposes, as SGLang counts them for spec_accept_rate (however many were found)
-        self.drafts_per_verify = args.speculative_num_draft_tokens - 1 if args.speculative_algorithm else 0
+        self.streamer = OutputStreamer(args.stream_interval,
+                                       args.speculative_num_draft_tokens - 1 if args.speculative_algorithm else 0)
         self.num_outputs_sent = 0  # to the detokenizer: /health_generate checks they all came through
         self.grammar: GrammarBackend | None = None
         self.grammar_queue: GrammarQueue | None = None
@@ -305,7 +304,7 @@ class Scheduler:
                 continue
             tokens = result.next_token_ids[j]
             if result.num_drafts:
-                req.record_verify(self.drafts_per_verify, len(tokens) - 1)
+                req.record_verify(len(tokens) - 1)
             lp = result.output_logprobs[j] if result.output_logprobs else None
             hidden = result.output_hidden[j] if result.output_hidden else None
             done = apply_new_tokens(req, tokens, lp, hidden, self.checker)

@@ -208,7 +208,7 @@ def test_a_speculating_server_sends_spec_counts_for_every_request_even_before_a_
     manager shows them only on a finished answer with a verify, as SGLang); a plain server sends none."""
     checker = FinishChecker([2], lambda ids: "")
     for speculative, want in ((True, [(0, 0, 0)]), (False, [])):
-        streamer = OutputStreamer(default_stream_interval=1, speculative=speculative)
+        streamer = OutputStreamer(default_stream_interval=1, drafts_per_verify=3 if speculative else 0)
         r = _req(1, max_new_tokens=1)
         assert apply_new_tokens(r, [9], None, None, checker)
         streamer.add(r)
@@ -217,10 +217,10 @@ def test_a_speculating_server_sends_spec_counts_for_every_request_even_before_a_
 
 def test_verify_counts_and_the_acceptance_histogram_travel_with_the_output():
     """SGLang's spec_accept_histogram: how many verifies accepted 0, 1, 2, ... drafts."""
-    streamer = OutputStreamer(default_stream_interval=1, speculative=True)
+    streamer = OutputStreamer(default_stream_interval=1, drafts_per_verify=3)
     r = _req(1, max_new_tokens=50)
     for accepted in (2, 1, 0, 0):
-        r.record_verify(3, accepted)
+        r.record_verify(accepted)
     streamer.add(r)
     r.finished_reason = FinishChecker([2], lambda ids: "").finished_len(r, [2])[1]
     out = streamer.build()
