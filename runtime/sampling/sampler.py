@@ -86,10 +86,12 @@ def sample(logits: torch.Tensor, info: SamplingBatchInfo, positions: torch.Tenso
 
 
 def _scaled(logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
-    """logits / temperature, shifted by the row's maximum first (softmax does not see a shift): a
-    logit_bias near float32's maximum divided by a temperature below 1 would overflow to inf, and
-    softmax over an inf is NaN, whose argmax is token 0 instead of the biased token."""
-    return (logits - logits.amax(dim=-1, keepdim=True)) / temperatures[:, None]
+    """logits / temperature, +inf capped at float32's maximum: a logit_bias near that maximum
+    divided by a temperature below 1 overflows, and softmax over an inf is NaN, whose argmax is
+    token 0 instead of the biased token. The cap is an in-place pass on the fresh quotient (a
+    max-shift would add a reduction over the vocabulary to every sampled step); -inf, the masks'
+    value, stays."""
+    return (logits / temperatures[:, None]).clamp_(max=torch.finfo(torch.float32).max)
 
 
 def _keep_mask(sorted_probs: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
