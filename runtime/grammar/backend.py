@@ -109,15 +109,20 @@ class GrammarBackend:
         raise ValueError(f"unknown grammar kind {kind!r}")
 
     def _structural_tag(self, text: str) -> Any:
-        """SGLang's two JSON forms: the legacy {"structures": [...], "triggers": [...]} and
-        xgrammar's own structural-tag format. A missing or null schema is any JSON (`{}`), as
-        SGLang's sanitizing makes it."""
+        """SGLang's two JSON forms: the legacy {"structures": [...], "triggers": [...],
+        "at_least_one": false} and xgrammar's own structural-tag format. A missing or null schema
+        is any JSON (`{}`), as SGLang's sanitizing makes it."""
         tag = orjson.loads(text)
         if (structures := tag.get("structures")) is not None:
             if not isinstance(structures, list):
                 raise ValueError("structures must be a list")
+            if not isinstance(at_least_one := tag.get("at_least_one") or False, bool):
+                raise ValueError("at_least_one must be a boolean")
             items = [self._structure_item(i, s) for i, s in enumerate(structures)]
-            return self._compiler.compile_structural_tag(items, tag.get("triggers") or [])
+            legacy = self._xgr.StructuralTag.from_legacy_structural_tag(items, tag.get("triggers") or [])
+            # xgrammar's legacy call has no such argument; true: the output must open with a tag
+            legacy.format.at_least_one = at_least_one
+            return self._compiler.compile_structural_tag(legacy)
         if isinstance(tag.get("format"), dict):
             _default_schemas(tag["format"])
             text = orjson.dumps(tag).decode()

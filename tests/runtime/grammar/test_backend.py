@@ -115,10 +115,27 @@ def test_a_structural_tag_without_a_schema_takes_any_json(backend, smol_tokenize
         assert matcher.accept_token(tok), text
 
 
+@pytest.mark.parametrize("at_least_one", [False, True])
+def test_a_legacy_structural_tag_with_at_least_one_opens_with_a_tag(backend, smol_tokenizer, at_least_one):
+    """SGLang sets the legacy form's at_least_one on xgrammar's triggered tags: text before the
+    first tag is then refused. Before, the flag was dropped and free text always passed."""
+    tag = {"structures": [{"begin": "<a>", "schema": {"type": "object"}, "end": "</a>"}], "triggers": ["<a>"],
+           "at_least_one": at_least_one}
+    compiled = backend.compile("structural_tag", json.dumps(tag)).result(timeout=60)
+
+    def accepts(text: str) -> bool:
+        matcher = backend.matcher(compiled).constraining
+        return all(matcher.accept_token(tok) for tok in smol_tokenizer.encode(text, add_special_tokens=False))
+
+    assert accepts('<a>{"k": 1}</a> done')
+    assert accepts("free text") is not at_least_one
+
+
 @pytest.mark.parametrize("tag, fragment", [
     ({"structures": [1], "triggers": ["<a>"]}, "structures[0] must be an object"),
     ({"structures": [{"begin": "<a>", "schema": {}}], "triggers": ["<a>"]}, "structures[0].end must be a string"),
     ({"structures": "x", "triggers": ["<a>"]}, "structures must be a list"),
+    ({"structures": [], "triggers": ["<a>"], "at_least_one": "yes"}, "at_least_one must be a boolean"),
     ({"type": "structural_tag", "format": {"type": "nonsense"}}, "Invalid structural tag error"),
 ])
 def test_a_malformed_structural_tag_names_what_is_wrong(backend, tag, fragment):
