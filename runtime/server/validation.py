@@ -7,7 +7,8 @@ prompts themselves (shapes, token ids, fitting the context) are `prompts.py`'s.
 
 Top-level keys: the ones below are handled; a small allowlist of other SGLang fields
 (`IGNORED_KEYS`: disaggregation, DP routing, logging, tracing) is accepted and dropped, so
-SGLang clients and the SGLang Model Gateway work unchanged; inputs and outputs this server does
+SGLang clients and the SGLang Model Gateway work unchanged (a DP rank must name this server's
+one rank, 0, as SGLang refuses a rank out of range); inputs and outputs this server does
 not have (`MEDIA_KEYS`: media, sessions, LoRA, custom logit processors, ...) are accepted only
 when empty, because silently dropping one would change the answer; anything else is a 400
 naming the key, which catches typos like `max_tokens`.
@@ -44,14 +45,14 @@ HANDLED_KEYS = frozenset(
         "priority", "extra_key", "return_flat_raw_top_logprobs",
         "return_flat_raw_output_top_logprobs", "return_flat_raw_top_logprobs_b64",
         "return_hidden_states", "require_reasoning", "max_thinking_tokens", "cache_salt",
-        "return_prompt_token_ids",
+        "return_prompt_token_ids", "routed_dp_rank", "data_parallel_rank",
     }
 )  # fmt: skip
 # Routing, disaggregation, logging and tracing fields: they do not change the answer.
 IGNORED_KEYS = frozenset(
     {
         "bootstrap_host", "bootstrap_port", "bootstrap_room", "bootstrap_pair_key",
-        "decode_tp_size", "data_parallel_rank", "routed_dp_rank", "disagg_prefill_dp_rank",
+        "decode_tp_size", "disagg_prefill_dp_rank",
         "log_metrics", "no_logs", "custom_labels", "conversation_id", "routing_key",
         "received_time", "external_trace_header", "modalities", "model", "http_worker_ipc",
         "kv_router_hint", "need_wait_for_mm_inputs", "encoder_urls", "num_items_assigned",
@@ -139,6 +140,7 @@ def normalize_generate_request(
     if not isinstance(body, dict):
         raise ValidationError("body", f"must be a JSON object, got {type_name(body)}")
     _check_keys(body)
+    _check_dp_ranks(body)
     prompts_, is_batch = prompts(body)
     n = len(prompts_)
     vocab_size = limits.vocab_size
@@ -238,6 +240,16 @@ def _check_keys(body: dict) -> None:
                 continue
             raise ValidationError(key, "is not supported by this server")
         raise ValidationError(key_name(key), "is not a known /generate field")
+
+
+def _check_dp_ranks(body: dict) -> None:
+    """SGLang's routed_dp_rank (and its deprecated name data_parallel_rank) picks a DP rank; this
+    server is one rank, 0: another rank is out of range, a 400 as in SGLang and on gRPC, never a
+    request silently served by a rank it did not ask for."""
+    for name in ("routed_dp_rank", "data_parallel_rank"):
+        rank = body.get(name)
+        if rank is not None and _int(name, rank) != 0:
+            raise ValidationError(name, f"this server has one rank (0), got {rank}")
 
 
 def _is_empty(v: Any) -> bool:

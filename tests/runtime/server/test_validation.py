@@ -175,6 +175,18 @@ def test_ignored_and_empty_media_keys_are_accepted() -> None:
         norm({"text": "a", "multi_item_delimiter_indices": [0]})  # a 0 there is a value, not a default
 
 
+def test_a_dp_rank_other_than_this_servers_one_is_refused() -> None:
+    # SGLang refuses a routed_dp_rank out of [0, dp_size); it was accepted here and the request
+    # served as if it had asked for no rank
+    for name in ("routed_dp_rank", "data_parallel_rank"):
+        assert norm({"text": "a", name: 0}).items[0].input_ids == [ord("a") % VOCAB]
+        assert norm({"text": "a", name: None}).items[0].input_ids == [ord("a") % VOCAB]
+        with pytest.raises(ValidationError, match=rf"^{name} this server has one rank \(0\), got 3$"):
+            norm({"text": "a", name: 3})
+        with pytest.raises(ValidationError, match=rf"^{name} must be an integer, got str$"):
+            norm({"text": "a", name: "0"})
+
+
 def test_what_the_gateway_adds_to_generate_is_accepted() -> None:
     # smg 1.13.0 re-serializes /generate bodies with these fields (observed with a logging worker)
     body = {"model": "unknown", "input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 4},
