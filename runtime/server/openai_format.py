@@ -127,7 +127,7 @@ async def stream_chunks(req: OpenAIRequest, cumulative: CallStream, n: int) -> A
         sent_text[i] = len(text)
         reason, matched = _finish(meta)
         lp_start, text_start = sent_lp.get(i, 0), len(text) - len(delta_text)
-        sent_lp[i] = len(meta.get("output_token_logprobs") or [])
+        lp_end = len(meta.get("output_token_logprobs") or [])
         if req.kind == "chat":
             delta: dict[str, Any] = {"role": "assistant"} if first else {}
             if req.reasoning is not None:
@@ -141,11 +141,19 @@ async def stream_chunks(req: OpenAIRequest, cumulative: CallStream, n: int) -> A
                         delta = {}
             if delta_text:
                 delta["content"] = delta_text
-            logprobs = _chat_logprobs(meta, lp_start) if req.logprobs else None
-            if not delta and reason is None and not (logprobs and logprobs["content"]):
-                continue  # text held back (a think tag, a stop string's start): nothing to send, as SGLang
-            choice = {"index": i, "delta": delta, "logprobs": logprobs}
+            # logprobs ride with text: a held-back token's wait for the chunk that shows its text (or
+            # the last), so no chunk has an empty delta and logprobs, which SGLang never sends
+            shows = reason is not None or "content" in delta or "reasoning_content" in delta
+            if not shows:
+                if not first:
+                    continue  # text held back (a think tag, a stop string's start): nothing to send, as SGLang
+                delta["content"] = ""  # the role's chunk, as SGLang's and OpenAI's first one
+            choice = {"index": i, "delta": delta, "logprobs": _chat_logprobs(meta, lp_start) if req.logprobs and shows
+                      else None}
+            if shows:
+                sent_lp[i] = lp_end
         else:
+            sent_lp[i] = lp_end
             echo = req.echo_texts[i // max(n, 1)] if req.echo_texts else ""
             with_prompt = first and req.echo_logprobs
             offset = 0 if with_prompt else len(echo) + text_start

@@ -157,6 +157,28 @@ def test_a_chat_stream_sends_no_empty_delta_while_text_is_held_back():
                                                                   ({}, "stop")]
 
 
+def test_a_chat_streams_held_back_logprobs_with_the_text_that_shows_them():
+    """With logprobs too, a step whose text is held back sends nothing (SGLang never sends an empty
+    delta with logprobs): its tokens' logprobs come with the next chunk that has text, or the last,
+    so every token's logprob is streamed once, in order. A first step with no text sends the role
+    alone, with SGLang's (and OpenAI's) empty content."""
+    def cumulative():
+        return stream_of(result("", 0, completion=1), result("ab", 0, completion=2),
+                       result("ab", 0, completion=2, finish={"type": "length"}))
+
+    def collect(req):
+        async def run():
+            return [c["choices"][0] async for c in oar.stream_chunks(req, cumulative(), 1)]
+        return asyncio.run(run())
+
+    req = _chat({"messages": [{"role": "user", "content": "x"}], "stream": True, "logprobs": True})
+    chunks = collect(req)
+    assert [c["delta"] for c in chunks] == [{"role": "assistant", "content": ""}, {"content": "ab"}, {}]
+    assert [[t["logprob"] for t in c["logprobs"]["content"]] if c["logprobs"] else None for c in chunks] == \
+        [None, [-0.5, -1.0], []]
+    assert chunks[-1]["finish_reason"] == "length"
+
+
 def test_a_step_that_crosses_the_think_end_streams_reasoning_then_content_as_two_deltas():
     req = oa.chat_request({"messages": [{"role": "user", "content": "x"}], "stream": True}, "served",
                           lambda m, kw: "<prompt>", reasoning_parser="deepseek-r1")
