@@ -12,6 +12,7 @@ from typing import Any
 import msgspec
 import orjson
 
+from tandem.runtime import bounded_json
 from tandem.runtime.value_checks import (ValidationError, finite_float32, fits_int64, is_int, is_number, key_name, short,
                                          type_name)
 
@@ -345,7 +346,7 @@ class _Checker:
         if not v.strip():
             raise self.fail(name, "is an empty constraint")
         try:
-            parsed = orjson.loads(v)
+            parsed = bounded_json.loads(v)
         except orjson.JSONDecodeError as exc:
             raise self.fail(name, f"is not valid JSON: {exc}") from None
         if not isinstance(parsed, dict) and not (name == "json_schema" and isinstance(parsed, bool)):

@@ -110,6 +110,15 @@ def test_bad_constraints_name_the_field(field: str, value: object, fragment: str
         parse({field: value})
 
 
+@pytest.mark.parametrize("field, text", ids=["json_schema", "structural_tag"], argvalues=[
+    ("json_schema", '{"a":' * 50_000 + "1" + "}" * 50_000),  # orjson 3.8 recursed this deep and crashed
+    ("structural_tag", "[" * 1025 + "]" * 1025),
+])
+def test_constraint_text_nested_too_deep_is_refused(field: str, text: str) -> None:
+    with pytest.raises(ValidationError, match=f"sampling_params.{field} is not valid JSON: nesting deeper than 1024"):
+        parse({field: text})
+
+
 def test_choice_is_an_alternation_of_escaped_literals() -> None:
     choices = ["a.b", "(x)", "1+1", "c|d", "[e]", "f\\g", "plain"]
     pattern = parse({"choice": choices}).regex

@@ -31,11 +31,20 @@ def test_values_that_break_float32_are_a_400_and_the_server_lives(tiny_server, s
     ('{"text": "hi", "return_logprob": true, "token_ids_logprob": %s}' % DEEP, "token_ids_logprob"),
     ('{"text": ["a", "b"], "rid": ["x", %s]}' % DEEP, "rid[1]"),
     ('{"text": "hi", "sampling_params": {"json_schema": {"a": %s}}}' % DEEP[700:-700], "json_schema"),
-    ('{"text": "hi", "sampling_params": {"stop": %s}}' % ("[" * 1100 + "]" * 1100), "stop"),
+    ('{"text": "hi", "sampling_params": {"stop": %s}}' % ("[" * 1020 + "]" * 1020), "stop"),
 ])
 def test_deeply_nested_json_is_a_400(tiny_server, body, field):
     resp = requests.post(tiny_server.url + "/generate", data=body.encode(), timeout=60)
     assert resp.status_code == 400 and field in resp.json()["error"]["message"], resp.text[:300]
+
+
+def test_a_body_nested_past_the_parser_limit_is_a_400_not_a_crash(tiny_server):
+    # orjson 3.8 recursed without a bound: 100,000 nested objects killed the server with SIGSEGV
+    body = '{"text": "hi", "x": ' + '{"a":' * 100_000 + "1" + "}" * 100_000 + "}"
+    resp = requests.post(tiny_server.url + "/generate", data=body.encode(), timeout=60)
+    assert resp.status_code == 400, resp.text[:300]
+    assert "body is not valid JSON: nesting deeper than 1024 levels" in resp.json()["error"]["message"]
+    assert tiny_server.generate({"text": "hi", "sampling_params": {"max_new_tokens": 1}})["output_ids"]
 
 
 def test_a_huge_text_is_refused_without_freezing_the_server(tiny_server):
