@@ -143,10 +143,11 @@ async def stream_chunks(req: OpenAIRequest, cumulative: CallStream, n: int) -> A
                 delta["content"] = delta_text
             # logprobs ride with text: a held-back token's wait for the chunk that shows its text (or
             # the last), so no chunk has an empty delta and logprobs, which SGLang never sends
-            shows = reason is not None or "content" in delta or "reasoning_content" in delta
-            if not shows:
-                if not first:
-                    continue  # text held back (a think tag, a stop string's start): nothing to send, as SGLang
+            has_text = "content" in delta or "reasoning_content" in delta
+            shows = reason is not None or has_text
+            if not shows and not first:
+                continue  # text held back (a think tag, a stop string's start): nothing to send, as SGLang
+            if first and not has_text:
                 delta["content"] = ""  # the role's chunk, as SGLang's and OpenAI's first one
             choice = {"index": i, "delta": delta, "logprobs": _chat_logprobs(meta, lp_start) if req.logprobs and shows
                       else None}

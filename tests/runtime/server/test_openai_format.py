@@ -166,17 +166,21 @@ def test_a_chat_streams_held_back_logprobs_with_the_text_that_shows_them():
         return stream_of(result("", 0, completion=1), result("ab", 0, completion=2),
                        result("ab", 0, completion=2, finish={"type": "length"}))
 
-    def collect(req):
-        async def run():
-            return [c["choices"][0] async for c in oar.stream_chunks(req, cumulative(), 1)]
-        return asyncio.run(run())
-
     req = _chat({"messages": [{"role": "user", "content": "x"}], "stream": True, "logprobs": True})
-    chunks = collect(req)
+    chunks = asyncio.run(_first_choices(oar.stream_chunks(req, cumulative(), 1)))
     assert [c["delta"] for c in chunks] == [{"role": "assistant", "content": ""}, {"content": "ab"}, {}]
     assert [[t["logprob"] for t in c["logprobs"]["content"]] if c["logprobs"] else None for c in chunks] == \
         [None, [-0.5, -1.0], []]
     assert chunks[-1]["finish_reason"] == "length"
+    # an answer with no tokens (max_tokens 0): one chunk, the role's with the finish reason
+    empty = stream_of(result("", 0, completion=0, finish={"type": "length"}))
+    only = asyncio.run(_first_choices(oar.stream_chunks(req, empty, 1)))
+    assert [(c["delta"], c["finish_reason"], c["logprobs"]) for c in only] == \
+        [({"role": "assistant", "content": ""}, "length", {"content": []})]
+
+
+async def _first_choices(chunks) -> list[dict]:
+    return [c["choices"][0] async for c in chunks]
 
 
 def test_a_step_that_crosses_the_think_end_streams_reasoning_then_content_as_two_deltas():
