@@ -15,6 +15,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 Prompt = tuple[str, Any]  # (field name for messages, raw text str or raw id list)
+SGLANG_TRUNCATE_SLACK = 5  # SGLang's scheduler: max_req_input_len = max_req_len - 5
 
 
 def prompts(body: dict) -> tuple[list[Prompt], bool]:
@@ -81,7 +82,7 @@ def prompt_ids(
         ids = list(tokenize(prompt))
         if not ids:
             raise ValidationError(field, "tokenizes to zero tokens")
-        return _truncated(field, ids, limits), prompt
+        return ids, prompt
     if not prompt:
         raise ValidationError(field, "must not be empty")
     for j, t in enumerate(prompt):
@@ -90,17 +91,7 @@ def prompt_ids(
             raise ValidationError(f"{field}[{j}]", f"must be an integer token id, got {got}")
         if not 0 <= t < vocab_size:
             raise ValidationError(f"{field}[{j}]", f"must be in [0, {vocab_size}), got {short(t)}")
-    return _truncated(field, list(prompt), limits), None
-
-
-def _truncated(field: str, ids: list[int], limits: RequestLimits) -> list[int]:
-    """--allow-auto-truncate, as SGLang's: a prompt that leaves no room for an output token in the
-    context (or the KV pool) keeps its head; otherwise it is a 400 further on."""
-    keep = limits.max_request_len - 1
-    if not limits.allow_auto_truncate or len(ids) <= keep:
-        return ids
-    logger.warning("%s has %d tokens: truncated to %d (--allow-auto-truncate)", field, len(ids), keep)
-    return ids[:keep]
+    return list(prompt), None
 
 
 def explicit_max_new(body: dict, i: int) -> bool:
@@ -110,11 +101,37 @@ def explicit_max_new(body: dict, i: int) -> bool:
 
 
 def fit_context(
-    field: str, prompt_len: int, sp_field: str, sp: SamplingParams, explicit: bool, limits: RequestLimits
-) -> None:
-    """prompt + max_new_tokens must fit the context. Like SGLang, only an explicit
+    field: str, ids: list[int], sp_field: str, sp: SamplingParams, explicit: bool, limits: RequestLimits
+) -> list[int]:
+    """The prompt's ids, cut under --allow-auto-truncate when they leave no room for an output
+    token. prompt + max_new_tokens must fit the context. Like SGLang, only an explicit
     max_new_tokens is an error, and not under --allow-auto-truncate; the default (128) and null
     (fill the context) are clamped to the room that is left, in the context and in the KV pool."""
+    if limits.allow_auto_truncate and len(ids) >= limits.max_request_len:
+        ids = _truncated(field, ids, sp, explicit, limits)
+    _fit_max_new(field, len(ids), sp_field, sp, explicit, limits)
+    return ids
+
+
+def _truncated(field: str, ids: list[int], sp: SamplingParams, explicit: bool, limits: RequestLimits) -> list[int]:
+    """--allow-auto-truncate, as SGLang users see it: its scheduler holds a request to max_req_len
+    tokens (one less than the context, or the KV pool when smaller), cuts a prompt to its first
+    max_req_len - 5 and leaves the output max_req_len - prompt - 1 (4). An explicit max_new_tokens
+    was cut before that, by its tokenizer manager, to what the context leaves the prompt: none
+    when the prompt passed the context (it cut that prompt to the context first)."""
+    max_req_len = limits.max_request_len - 1
+    keep = max(max_req_len - SGLANG_TRUNCATE_SLACK, 1)
+    logger.warning("%s has %d tokens: truncated to %d (--allow-auto-truncate)", field, len(ids), keep)
+    room = max(max_req_len - keep - 1, 0)
+    if explicit:
+        room = min(room, max(limits.context_len - len(ids), 0))
+    sp.max_new_tokens = min(sp.max_new_tokens, room)
+    return ids[:keep]
+
+
+def _fit_max_new(
+    field: str, prompt_len: int, sp_field: str, sp: SamplingParams, explicit: bool, limits: RequestLimits
+) -> None:
     ctx = limits.context_len
     if prompt_len >= ctx:  # SGLang's bound too: a prompt must leave the context room for a token
         msg = f"has {prompt_len} tokens; a prompt must be shorter than the context length ({ctx})"
@@ -124,13 +141,13 @@ def fit_context(
     room = limits.max_request_len if kv and prompt_len < kv else ctx
     if (not explicit or limits.allow_auto_truncate) and prompt_len + sp.max_new_tokens > room:
         sp.max_new_tokens = max(room - prompt_len, 0)
-        if sp.min_new_tokens > sp.max_new_tokens:
-            pool = f", {limits.max_total_tokens} KV slots" if room < ctx else ""
-            msg = (
-                f"is {sp.min_new_tokens}, but only {sp.max_new_tokens} tokens fit after the "
-                f"{prompt_len}-token prompt (context length {ctx}{pool})"
-            )
-            raise ValidationError(f"{sp_field}.min_new_tokens", msg)
+    if sp.min_new_tokens > sp.max_new_tokens:  # parsing checked the client's: a cut made it so
+        pool = f", {limits.max_total_tokens} KV slots" if room < ctx else ""
+        msg = (
+            f"is {sp.min_new_tokens}, but only {sp.max_new_tokens} tokens fit after the "
+            f"{prompt_len}-token prompt (context length {ctx}{pool})"
+        )
+        raise ValidationError(f"{sp_field}.min_new_tokens", msg)
     max_new = sp.max_new_tokens
     if prompt_len + max_new > ctx:
         msg = (

@@ -168,7 +168,7 @@ def normalize_generate_request(
     for i, (field, prompt) in enumerate(prompts_):
         ids, text = prompt_ids(field, prompt, tokenize, limits)
         sp_field, sp = params[i]
-        fit_context(field, len(ids), sp_field, sp, explicit_max_new(body, i), limits)
+        ids = fit_context(field, ids, sp_field, sp, explicit_max_new(body, i), limits)
         start_field, start = start_lens[i]
         # SGLang refuses a logprob start at the prompt's end (no prompt token left to score);
         # hidden states alone may start there (no prompt rows)

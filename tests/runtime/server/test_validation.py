@@ -224,21 +224,37 @@ def test_null_max_new_tokens_takes_the_room_left_in_the_context_and_the_kv_pool(
 
 
 def test_allow_auto_truncate_keeps_the_prompts_head_and_cuts_max_new_tokens() -> None:
-    """--allow-auto-truncate, as SGLang's: instead of a 400, a prompt past the context keeps its
-    first tokens (room for one output token), and an explicit max_new_tokens is cut to the room."""
+    """--allow-auto-truncate, as SGLang users see it: instead of a 400, a prompt that leaves no room
+    for an output token keeps its first max_req_len - 5 tokens (SGLang's scheduler's cut, its
+    max_req_len one less than the context or the KV pool) and its output max_req_len - prompt - 1 = 4
+    tokens at most; an explicit max_new_tokens was cut first to what the context leaves the prompt
+    (SGLang's tokenizer manager), none for a prompt past the context. A prompt that fits keeps all
+    its tokens, and an explicit max_new_tokens past the room is cut to it."""
     long_ids = list(range(70))
     it = norm({"input_ids": long_ids, "sampling_params": {"max_new_tokens": 10}}, allow_auto_truncate=True).items[0]
-    assert it.input_ids == long_ids[:CTX - 1] and it.sampling_params.max_new_tokens == 1
-    it = norm({"input_ids": long_ids}, allow_auto_truncate=True, max_total_tokens=40).items[0]
-    assert it.input_ids == long_ids[:39] and it.sampling_params.max_new_tokens == 1  # the KV pool's bound
+    assert it.input_ids == long_ids[:CTX - 6] and it.sampling_params.max_new_tokens == 0
+    for sp in ({}, {"max_new_tokens": None}):
+        it = norm({"input_ids": long_ids, "sampling_params": sp}, allow_auto_truncate=True).items[0]
+        assert it.input_ids == long_ids[:CTX - 6] and it.sampling_params.max_new_tokens == 4
+    # the KV pool's bound: a prompt within the context keeps room for an explicit max_new_tokens
+    it = norm({"input_ids": long_ids[:50], "sampling_params": {"max_new_tokens": 10}}, allow_auto_truncate=True,
+              max_total_tokens=40).items[0]
+    assert it.input_ids == long_ids[:34] and it.sampling_params.max_new_tokens == 4
+    it = norm({"input_ids": long_ids[:62], "sampling_params": {"max_new_tokens": 10}}, allow_auto_truncate=True,
+              max_total_tokens=40).items[0]
+    assert it.input_ids == long_ids[:34] and it.sampling_params.max_new_tokens == 2  # SGLang's cut to the context
     it = norm({"text": "a" * 60, "sampling_params": {"max_new_tokens": 50}}, allow_auto_truncate=True).items[0]
     assert len(it.input_ids) == 60 and it.sampling_params.max_new_tokens == CTX - 60
     text = "b" * (4 * CTX + 10)  # past max_text_chars: cut before tokenizing, then to the context
-    assert norm({"text": text}, allow_auto_truncate=True).items[0].input_ids == tokenize(text)[:CTX - 1]
+    assert norm({"text": text}, allow_auto_truncate=True).items[0].input_ids == tokenize(text)[:CTX - 6]
     with pytest.raises(ValidationError, match="^input_ids has 70 tokens"):
         norm({"input_ids": long_ids})
     with pytest.raises(ValidationError, match=r"^sampling_params.min_new_tokens is 5, but only 4 tokens fit"):
         norm({"input_ids": long_ids[:60], "sampling_params": {"max_new_tokens": 9, "min_new_tokens": 5}},
+             allow_auto_truncate=True)
+    with pytest.raises(ValidationError, match=r"^sampling_params.min_new_tokens is 1, but only 0 tokens fit after "
+                                              r"the 58-token prompt"):
+        norm({"input_ids": long_ids, "sampling_params": {"max_new_tokens": 9, "min_new_tokens": 1}},
              allow_auto_truncate=True)
 
 
