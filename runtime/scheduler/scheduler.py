@@ -297,13 +297,15 @@ class Scheduler:
         self._apply_prompt_rows(batch, result)
         self.stats.count_generated(sum(map(len, result.next_token_ids)))
         batch.mark_processed()
-        if result.num_drafts:
-            self.stats.record_verify(result.num_drafts, result.next_token_ids)
+        verified = self._verified(batch, result)
+        if verified:
+            self.stats.record_verify([result.num_drafts[j] for j in verified],
+                                     [result.next_token_ids[j] for j in verified])
         for j, req in enumerate(batch.sampling_reqs):
             if req.finished:  # finished or aborted while this step was in flight
                 continue
             tokens = result.next_token_ids[j]
-            if result.num_drafts:
+            if j in verified:
                 req.record_verify(len(tokens) - 1)
             lp = result.output_logprobs[j] if result.output_logprobs else None
             hidden = result.output_hidden[j] if result.output_hidden else None
@@ -315,6 +317,18 @@ class Scheduler:
                 self.streamer.add(req)
         self.rows.on_processed(batch.step_id)
         return waited
+
+    @staticmethod
+    def _verified(batch: ScheduleBatch, result: GenerationBatchResult) -> set[int]:
+        """The sampling requests this verify step verified: those speculating in it (the ones the
+        drafter drafts for), whatever the lookup found or the room left allowed, as SGLang counts
+        every request of its verify batch. One decoding plainly inside the pass (a grammar,
+        penalties, hidden states, above the disable batch size) never enters SGLang's verify:
+        counting it would report drafts it was never offered."""
+        spec = batch.job.spec
+        if not result.num_drafts or spec is None:
+            return set()
+        return {j for j, speculates in enumerate(spec.make_drafts) if speculates}
 
     @staticmethod
     def _apply_prompt_rows(batch: ScheduleBatch, result: GenerationBatchResult) -> None:

@@ -103,16 +103,40 @@ def test_guided_requests_share_the_batch(servers):
 
 def test_above_the_disable_batch_size_requests_decode_plainly(servers):
     """Four concurrent requests on a server that speculates only up to two: the same outputs, and
-    the accept length shows verifies without drafts while the batch was large."""
+    no verify counted for steps that decoded plainly (the four run together throughout, so none)."""
+    server = servers("tiny_ngram_disable_2")
     body = {"input_ids": LOOPY[:4], "sampling_params": {"temperature": 0, "max_new_tokens": 30, "ignore_eos": True}}
     want = [o["output_ids"] for o in servers("tiny").generate(body)]
-    outs = servers("tiny_ngram_disable_2").generate(body)
+    before = server.info().get("spec_verify_ct", 0)
+    outs = server.generate(body)
     assert [o["output_ids"] for o in outs] == want
-    single = servers("tiny_ngram_disable_2").generate({"input_ids": LOOPY[0], "sampling_params": {
+    assert not any(k.startswith("spec_") for o in outs for k in o["meta_info"])
+    assert server.info().get("spec_verify_ct", 0) == before
+    single = server.generate({"input_ids": LOOPY[0], "sampling_params": {
         "temperature": 0, "max_new_tokens": 30, "ignore_eos": True}})
-    assert single["output_ids"] == want[0]
-    assert single["meta_info"]["spec_accept_length"] > max(o["meta_info"]["spec_accept_length"] for o in outs)
-    assert_no_leaks(servers("tiny_ngram_disable_2"))
+    assert single["output_ids"] == want[0] and single["meta_info"]["spec_accept_length"] > 1.0
+    assert_no_leaks(server)
+
+
+def test_plain_decoding_inside_a_verify_is_no_verify(servers):
+    """A grammar, penalties or hidden states decode plainly inside the verify pass: as in SGLang,
+    where such a request would not be in the verify, they report no speculative counts (they reported
+    a verify per step, all drafts rejected). The requests beside them count every decode step."""
+    schema = json.dumps({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]})
+    server = servers("tiny_ngram")
+    plain = [{"json_schema": schema}, {"frequency_penalty": 0.5}, {}]
+    body = {"input_ids": [LOOPY[0]] * 5, "return_hidden_states": [False, False, True, False, False],
+            "sampling_params": [{"temperature": 0, "max_new_tokens": 24, "ignore_eos": True, **p}
+                                for p in [*plain, {}, {"temperature": 0.9, "seed": 2}]]}
+    before = server.info().get("spec_verify_ct", 0)
+    outs = server.generate(body)
+    assert not any(k.startswith("spec_") for o in outs[:3] for k in o["meta_info"]), [o["meta_info"] for o in outs]
+    for o in outs[3:]:
+        meta = o["meta_info"]
+        # the prefill's token, then one verify per step keeping its accepted drafts and one more
+        assert meta["completion_tokens"] == 1 + meta["spec_verify_ct"] + meta["spec_accept_token_num"], meta
+        assert sum(meta["spec_accept_histogram"]) == meta["spec_verify_ct"]
+    assert server.info()["spec_verify_ct"] - before == sum(o["meta_info"]["spec_verify_ct"] for o in outs[3:])
 
 
 @pytest.mark.parametrize("name", ["tiny_ngram_overlap_chunked_retract", "tiny_standalone_overlap_chunked_retract"])
