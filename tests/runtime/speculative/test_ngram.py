@@ -1,6 +1,8 @@
 """NGRAM drafting: longest recurring suffix first, most recent occurrence, bounded length."""
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 
@@ -61,3 +63,86 @@ def test_a_large_max_window_costs_the_longest_match_not_every_window() -> None:
     history[-3:] = history[100:103]  # a 3-token suffix that recurred once, early on
     for _ in range(20):
         assert propose_ngram(history, 3, 1, 8192).tolist() == history[103:106].tolist()
+
+
+def _candidates_extended_together(seq: np.ndarray, k: int, lo: int, hi: int) -> list[int]:
+    """The previous implementation, kept as the reference for long histories: every candidate
+    extended one token per round up to the longest match (0.1 s per call on the worst case below)."""
+    n = len(seq)
+    longest = min(hi, n - 1)
+    ends = np.flatnonzero(seq[:n - 1] == seq[n - 1]) if longest >= 1 else seq[:0]
+    width = 1
+    while len(ends) and width < longest:
+        still = ends >= width
+        still[still] = seq[ends[still] - width] == seq[n - 1 - width]
+        if not still.any():
+            break
+        ends, width = ends[still], width + 1
+    if not len(ends) or width < lo:
+        return []
+    return seq[int(ends[-1]) + 1:int(ends[-1]) + 1 + k].tolist()
+
+
+def _long_histories(rng: np.random.Generator):
+    """Histories whose longest recurring suffix runs past the short-match phase: one token repeated
+    after a random prefix, short loops with rare slips, a passage copied again, small alphabets."""
+    for case in range(400):
+        n = int(rng.integers(2, 700))
+        kind = case % 4
+        if kind == 0:
+            seq = np.concatenate([rng.integers(0, 50, int(rng.integers(0, n))), np.full(n, 7)])[:n]
+        elif kind == 1:
+            seq = np.tile(rng.integers(0, 1 << 20, int(rng.integers(1, 30))), n)[:n]
+            slips = rng.integers(0, n, int(rng.integers(0, 4)))
+            seq[slips] = rng.integers(0, 3, len(slips))
+        elif kind == 2:
+            passage = rng.integers(0, 49152, int(rng.integers(1, n // 2 + 2)))
+            copied = passage[int(rng.integers(0, len(passage))):]
+            seq = np.concatenate([rng.integers(0, 49152, int(rng.integers(0, 50))), passage,
+                                  rng.integers(0, 49152, int(rng.integers(0, 50))), copied])
+        else:
+            seq = rng.integers(0, 2, n)
+        yield seq.astype(np.int64)
+
+
+def test_long_matches_equal_the_previous_implementation() -> None:
+    rng = np.random.default_rng(2)
+    for seq in _long_histories(rng):
+        lo = int(rng.integers(1, 40))
+        hi = int(rng.choice([lo, lo + int(rng.integers(0, 40)), 8192]))
+        want = _candidates_extended_together(seq, 4, lo, hi)
+        assert propose_ngram(seq, 4, lo, hi).tolist() == want, (seq.tolist(), lo, hi)
+
+
+def test_large_token_ids_match_whole_tokens_only() -> None:
+    """Ids past 21 bits take more bytes per token; a byte match straddling tokens must not count."""
+    rng = np.random.default_rng(3)
+    alphabet = np.array([0, 127, 128, 1 << 21, (1 << 30) + 1, (1 << 31) - 1])
+    for _ in range(100):
+        seq = alphabet[rng.integers(0, len(alphabet), int(rng.integers(2, 300)))]
+        seq[-40:] = seq[:40]  # a long match at the start
+        assert propose_ngram(seq, 4, 1, 8192).tolist() == _candidates_extended_together(seq, 4, 1, 8192)
+    a, c = 1 << 30, 5
+    assert drafts([c, *[a] * 20, c, *[a] * 20], k=2, hi=100) == [c, a]
+
+
+def _best_seconds(fn, repeats: int) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+@pytest.mark.timeout(120)
+def test_one_token_repeated_under_a_huge_window_costs_about_the_default_window() -> None:
+    """--speculative-ngram-max-match-window-size 8192 on an output repeating one token (8000
+    tokens): one round per matched token with every occurrence in it took 0.1 s per request and
+    step, ~500x the default window's lookup on the same history. Now a few byte searches."""
+    history = np.full(8000, 7, dtype=np.int64)
+    history[:100] = np.arange(100)  # the prompt, then the repetition
+    assert propose_ngram(history, 3, 1, 8192).tolist() == [7]
+    default = _best_seconds(lambda: propose_ngram(history, 3, 1, 12), 20)
+    huge = _best_seconds(lambda: propose_ngram(history, 3, 1, 8192), 5)
+    assert huge < 20 * default, (huge, default)
