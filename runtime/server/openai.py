@@ -16,6 +16,7 @@ from typing import Any, Callable
 
 import orjson
 
+from tandem.runtime.server.openai_response_format import response_format_constraint
 from tandem.runtime.server.reasoning import ReasoningParser
 from tandem.runtime.value_checks import ValidationError
 
@@ -358,21 +359,7 @@ def _sampling(body: dict, req: OpenAIRequest, default_max_tokens: int | None) ->
             break
     else:  # chat: None, as many as fit (SGLang's chat sends null); completions: OpenAI's 16
         sp["max_new_tokens"] = default_max_tokens
-    fmt = body.get("response_format")
-    if fmt is not None:
-        _response_format(fmt, sp, req)
+    if body.get("response_format") is not None and (constraint := response_format_constraint(body["response_format"])):
+        kind, sp[kind] = constraint
+        req.renames[kind] = "response_format"
     return sp
-
-
-def _response_format(fmt: Any, sp: dict[str, Any], req: OpenAIRequest) -> None:
-    if not isinstance(fmt, dict) or fmt.get("type") not in ("text", "json_object", "json_schema"):
-        raise ValidationError("response_format", "must be {\"type\": \"text\" | \"json_object\" | \"json_schema\"}")
-    if fmt["type"] != "text":
-        req.renames["json_schema"] = "response_format"
-    if fmt["type"] == "json_object":
-        sp["json_schema"] = '{"type": "object"}'
-    elif fmt["type"] == "json_schema":  # SGLang also takes the schema at the top level
-        spec = fmt.get("json_schema", {"schema": fmt.get("schema")})
-        if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
-            raise ValidationError("response_format.json_schema.schema", "is required: a JSON schema object")
-        sp["json_schema"] = orjson.dumps(spec["schema"]).decode()

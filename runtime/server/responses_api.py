@@ -28,6 +28,7 @@ _RESPONSES_UNSUPPORTED = {
     "max_tool_calls": "this server runs no tools"}
 _RESPONSES_DEFAULTS = {"temperature": 0.7}  # SGLang's ResponsesRequest default, under the model's own
 _RESPONSES_PARTS = ("input_text", "output_text", "text")
+_TEXT_FORMATS = ("text", "json_object", "json_schema")
 _MESSAGE_FIELD = re.compile(r"messages\[(\d+)\](.*)")
 
 
@@ -49,7 +50,7 @@ def responses_request(body: Any, served_model: str, render: Callable[[list, dict
         raise ValidationError("instructions", "must be a string")
     system = [{"role": "system", "content": instructions}] if instructions else []
     chat = {name: body[name] for name in _RESPONSES_CHAT if body.get(name) is not None}
-    chat.update(messages=system + _input_messages(body.get("input")), response_format=_only(body, "text", "format"),
+    chat.update(messages=system + _input_messages(body.get("input")), response_format=_text_format(body),
                 max_completion_tokens=body.get("max_output_tokens"),
                 reasoning_effort=_only(body, "reasoning", "effort"))
     try:
@@ -106,6 +107,15 @@ def _only(body: dict, name: str, key: str) -> Any:
         if value[other] is not None:
             raise ValidationError(f"{name}.{other}", "is not supported by this server")
     return value.get(key)
+
+
+def _text_format(body: dict) -> Any:
+    """`text.format`: OpenAI's ResponseTextConfig, which SGLang's ResponsesRequest takes; it has no
+    structural_tag (chat and completions' response_format has)."""
+    fmt = _only(body, "text", "format")
+    if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") not in _TEXT_FORMATS):
+        raise ValidationError("text.format", "must be {\"type\": \"" + "\" | \"".join(_TEXT_FORMATS) + "\"}")
+    return fmt
 
 
 def _responses_field(name: str, system: int) -> str:
