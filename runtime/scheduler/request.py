@@ -53,8 +53,9 @@ class Req:
     # most tokens the planned but not yet processed steps can still add (1 per plain step,
     # 1 + drafts per verify): the planner's upper bound on the output length
     outputs_in_flight: int = 0
-    # speculative decoding: verify passes, drafts accepted, and how many verifies accepted 0, 1,
-    # 2, ... drafts (SGLang's spec_accept_histogram); drafts proposed follow from the verify count
+    # speculative decoding: verifies (decode steps it drafted in; a plain decode inside a verify
+    # pass is none), drafts accepted, and how many verifies accepted 0, 1, 2, ... drafts (SGLang's
+    # spec_accept_histogram); drafts proposed follow from the verify count
     spec_verify_ct: int = 0
     spec_accepted_drafts: int = 0
     spec_accept_histogram: list[int] = field(default_factory=list)
