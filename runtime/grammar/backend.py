@@ -94,6 +94,17 @@ class GrammarBackend:
         return buf[:rows]
 
     def _compile(self, kind: str, text: str) -> Any:
+        compiled = self._compile_kind(kind, text)
+        # a grammar no token can start (a $ref loop, an empty character class) would mask every
+        # token of the first step and fail the request there with a 500: it is the client's 400
+        matcher = self._xgr.GrammarMatcher(compiled)
+        bitmask = self._xgr.allocate_token_bitmask(1, self.vocab_size)
+        matcher.fill_next_token_bitmask(bitmask)
+        if not bitmask.any():
+            raise ValueError("matches no text: no token can start it")
+        return compiled
+
+    def _compile_kind(self, kind: str, text: str) -> Any:
         c = self._compiler
         if kind == "json_schema":
             if text == ANY_JSON:

@@ -39,6 +39,9 @@ def test_every_kind_compiles_and_is_cached(backend, kind, text):
     ("regex", "(unclosed", "parenthesis is not closed"),
     ("json_schema", '{"type": "nonsense"}', 'Unsupported type "nonsense"'),
     ("ebnf", 'root ::= "a" |', "EBNF parser error"),
+    # a grammar that matches nothing used to fail its request at the first token, with a 500
+    ("json_schema", json.dumps({"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/a"}}}), "matches no text"),
+    ("regex", r"[^\s\S]", "matches no text: no token can start it"),
 ])
 def test_errors_are_xgrammars_message_without_its_prefix(backend, kind, text, fragment):
     exc = backend.compile(kind, text).exception(timeout=60)
