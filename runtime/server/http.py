@@ -17,6 +17,7 @@ from tandem.runtime.server.validation import ValidationError
 from tandem.runtime.server_args import ServerArgs
 from tandem.runtime.request_groups import CallStream, ClientDisconnected, RequestError
 from tandem.runtime.server import openai, openai_format, responses_api
+from tandem.runtime.server.reasoning import with_stream_reasoning
 from tandem.runtime.server.info import VERSION, current_loads, health_generate, model_info, served_model_name, server_info
 from tandem.runtime.server.auth import ApiKeyMiddleware, is_admin
 from tandem.runtime.tokenizer_manager import ChildStartError, TokenizerManager
@@ -132,8 +133,10 @@ def create_app(args: ServerArgs, on_child_death: Callable[[str], None] | None = 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         tm = app.state.tm
-        req = openai.chat_request(await read_json(request, args), served_name(), tm.render_chat, args.reasoning_parser,
+        body = await read_json(request, args)
+        req = openai.chat_request(body, served_name(), tm.render_chat, args.reasoning_parser,
                                   tm.chat_sampling_defaults, tm.chat_content_format)
+        req.reasoning = with_stream_reasoning(req.reasoning, body)
         return await openai_call(request, req)
 
     @app.post("/v1/responses")

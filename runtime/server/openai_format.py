@@ -132,7 +132,7 @@ async def stream_chunks(req: OpenAIRequest, cumulative: CallStream, n: int) -> A
             delta: dict[str, Any] = {"role": "assistant"} if first else {}
             if req.reasoning is not None:
                 splitter = splitters.setdefault(i, StreamSplitter(req.reasoning))
-                reasoning_delta, delta_text = splitter.feed(text, final=reason is not None)
+                reasoning_delta, delta_text = splitter.feed(text, reason is not None, aborted=reason == "abort")
                 if reasoning_delta:
                     delta["reasoning_content"] = reasoning_delta
                     if delta_text:  # the think end inside this step's text: one delta each, as SGLang's

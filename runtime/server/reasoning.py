@@ -7,11 +7,17 @@ false, as Qwen3's template reads it), whether the model writes `<think>` or the 
 it; with thinking off, reasoning only when the answer opens with `<think>`.
 
 Streaming splits the cumulative text each time, holding back a tail that could be the start of
-a tag, so what was sent as reasoning is never taken back.
+a tag, so what was sent as reasoning is never taken back. With SGLang's `stream_reasoning: false`
+the reasoning is held back whole and sent as one delta: in the step whose text closes it
+(`</think>`), or the finishing one when it never closes, but not when the request was aborted
+(SGLang flushes its held reasoning only at a finish that is not an abort).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Any
+
+from tandem.runtime.value_checks import ValidationError
 
 THINK_START, THINK_END = "<think>", "</think>"
 PARSERS = ("deepseek-r1", "qwen3")
@@ -21,6 +27,7 @@ PARSERS = ("deepseek-r1", "qwen3")
 class ReasoningParser:
     name: str
     starts_inside: bool  # the answer is reasoning until `</think>`, with or without `<think>`
+    stream_reasoning: bool = True  # False: a stream sends the reasoning in one piece once it is whole
 
     @classmethod
     def for_request(cls, name: str, template_kwargs: dict) -> "ReasoningParser":
@@ -44,6 +51,15 @@ class ReasoningParser:
         return body, ""
 
 
+def with_stream_reasoning(parser: ReasoningParser | None, body: dict) -> ReasoningParser | None:
+    """The chat request's `stream_reasoning` (SGLang's ChatCompletionRequest field, default true) on
+    its parser; checked whether or not the server has a parser, as SGLang's schema checks it."""
+    value: Any = body.get("stream_reasoning")
+    if value is not None and not isinstance(value, bool):
+        raise ValidationError("stream_reasoning", f"must be a boolean, got {value!r}")
+    return parser if parser is None or value is None else replace(parser, stream_reasoning=value)
+
+
 def _partial_tag(text: str, tag: str) -> int:
     """Length of the longest proper prefix of `tag` that `text` ends with."""
     for n in range(min(len(tag) - 1, len(text)), 0, -1):
@@ -60,8 +76,12 @@ class StreamSplitter:
         self.sent_reasoning = 0
         self.sent_content = 0
 
-    def feed(self, text: str, final: bool) -> tuple[str, str]:
+    def feed(self, text: str, final: bool, aborted: bool = False) -> tuple[str, str]:
+        """`final`: the request finished with this text; `aborted`: and it was an abort."""
         reasoning, content = self.parser.split(text, final)
+        whole = THINK_END in text or (final and not aborted)
+        if not self.parser.stream_reasoning and not whole:
+            reasoning = ""  # held back until it is whole: then one delta
         r_delta = reasoning[self.sent_reasoning:]
         c_delta = content[self.sent_content:]
         self.sent_reasoning = max(self.sent_reasoning, len(reasoning))

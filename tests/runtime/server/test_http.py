@@ -73,3 +73,21 @@ def test_control_routes_refuse_cross_site_requests_and_non_admin_keys(headers, j
     with pytest.raises(RequestError) as err:
         control_request(request, args, needs_admin, json_body)
     assert err.value.status_code == status and "/flush_cache" in err.value.message
+
+
+def test_chat_stream_reasoning_false_streams_the_reasoning_in_one_delta(servers):
+    """SGLang's stream_reasoning: false on a chat stream (--reasoning-parser): the reasoning comes
+    in one reasoning_content delta, equal to the unstreamed answer's (it was streamed piece by piece)."""
+    import json
+
+    server = servers("tiny_reasoning")
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "temperature": 0, "max_tokens": 40,
+            "regex": r"<think>[a-z]{4,12} [a-z]{4,12} [a-z]{4,12}</think>[A-Z][a-z]{3,10}", "require_reasoning": False}
+    whole = server.post("/v1/chat/completions", body).json()["choices"][0]["message"]
+    resp = server.post("/v1/chat/completions", {**body, "stream": True, "stream_reasoning": False}, stream=True)
+    deltas = [json.loads(line[6:])["choices"][0]["delta"] for line in resp.iter_lines(decode_unicode=True)
+              if line.startswith("data: ") and line != "data: [DONE]"]
+    assert [d["reasoning_content"] for d in deltas if "reasoning_content" in d] == [whole["reasoning_content"]]
+    assert "".join(d.get("content") or "" for d in deltas) == whole["content"]
+    bad = server.post("/v1/chat/completions", {**body, "stream_reasoning": "no"})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "stream_reasoning"

@@ -8,6 +8,7 @@ from call_fakes import result, stream_of
 from tandem.runtime.request_groups import RequestError
 from tandem.runtime.server import openai as oa
 from tandem.runtime.server import openai_format as oar
+from tandem.runtime.server.reasoning import with_stream_reasoning
 from tandem.runtime.value_checks import ValidationError
 
 
@@ -212,3 +213,26 @@ def test_the_answer_id_is_the_clients_rid_as_sglangs():
                         [result("ab", 0, finish=done), result("cd", 1, finish=done)], 1)["id"] == "r0"
     assert oar.response(_chat({"messages": [{"role": "user", "content": "x"}]}),
                         [result("ab", 0, finish=done)], 1)["id"].startswith("chatcmpl-")
+
+
+def test_stream_reasoning_false_sends_the_reasoning_in_one_chunk():
+    """SGLang's stream_reasoning false: the role's chunk first (empty content), nothing while the
+    reasoning grows, then one reasoning_content chunk, the content after it (with the held steps'
+    logprobs, as a step that crosses `</think>` sends them); a stream cut before `</think>` sends the
+    reasoning with its finish, an aborted one not."""
+    req = oa.chat_request({"messages": [{"role": "user", "content": "x"}], "stream": True, "logprobs": True},
+                          "served", lambda m, kw: "<prompt>", reasoning_parser="deepseek-r1")
+    req.reasoning = with_stream_reasoning(req.reasoning, {"stream_reasoning": False})
+
+    def chunks(*items: dict) -> list[tuple]:
+        out = asyncio.run(_first_choices(oar.stream_chunks(req, stream_of(*items), 1)))
+        return [(c["delta"], c["finish_reason"], c["logprobs"] and len(c["logprobs"]["content"])) for c in out]
+
+    assert chunks(result("a", 0, completion=1), result("ab", 0, completion=2), result("ab</think>c", 0, completion=2),
+                  result("ab</think>cd", 0, completion=2, finish={"type": "length"})) == [
+        ({"role": "assistant", "content": ""}, None, None), ({"reasoning_content": "ab"}, None, None),
+        ({"content": "c"}, None, 2), ({"content": "d"}, "length", 0)]
+    assert chunks(result("a", 0, completion=1), result("ab", 0, completion=2, finish={"type": "length"})) == [
+        ({"role": "assistant", "content": ""}, None, None), ({"reasoning_content": "ab"}, "length", 2)]
+    assert chunks(result("a", 0, completion=1), result("ab", 0, completion=2, finish={"type": "abort"})) == [
+        ({"role": "assistant", "content": ""}, None, None), ({}, "abort", 2)]

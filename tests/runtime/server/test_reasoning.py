@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from tandem.runtime.server.reasoning import ReasoningParser, StreamSplitter
+from tandem.runtime.server.reasoning import ReasoningParser, StreamSplitter, with_stream_reasoning
+from tandem.runtime.value_checks import ValidationError
 
 R1 = ReasoningParser.for_request("deepseek-r1", {"enable_thinking": False})  # the template opens <think>
 QWEN3 = ReasoningParser.for_request("qwen3", {"enable_thinking": False})
@@ -46,3 +47,32 @@ def test_streamed_deltas_add_up_to_the_whole_split(parser, text):
             reasoning += r
             content += c
         assert (reasoning, content) == parser.split(text), step
+
+
+def _fed(splitter: StreamSplitter, texts: list[str], aborted: bool = False) -> list[tuple[str, str]]:
+    return [splitter.feed(t, final=i == len(texts) - 1, aborted=aborted) for i, t in enumerate(texts)]
+
+
+def test_stream_reasoning_false_sends_the_reasoning_whole_when_it_ends():
+    """SGLang's stream_reasoning false: no reasoning delta while it grows; the step whose text
+    closes it sends all of it as one delta (its content beside it); one that never closes sends it
+    at the finish, except an abort's (SGLang flushes held reasoning only at a finish that is not one)."""
+    held = with_stream_reasoning(R1, {"stream_reasoning": False})
+    assert _fed(StreamSplitter(held), ["pla", "plan it\n", "plan it\n</think>\n\nAn", "plan it\n</think>\n\nAnswer"]) \
+        == [("", ""), ("", ""), ("plan it", "An"), ("", "swer")]
+    assert _fed(StreamSplitter(held), ["pla", "plan it", "plan it more"]) == [("", ""), ("", ""), ("plan it more", "")]
+    assert _fed(StreamSplitter(held), ["pla", "plan it"], aborted=True) == [("", ""), ("", "")]
+    # the default streams it as it comes, the split's deltas unchanged
+    assert _fed(StreamSplitter(with_stream_reasoning(R1, {"stream_reasoning": True})), ["pla", "plan it"]) \
+        == [("pla", ""), ("n it", "")]
+    assert _fed(StreamSplitter(with_stream_reasoning(QWEN3, {"stream_reasoning": False})), ["No", "No think"]) \
+        == [("", "No"), ("", " think")]  # no reasoning: the content streams as ever
+
+
+def test_stream_reasoning_must_be_a_boolean_with_or_without_a_parser():
+    assert with_stream_reasoning(None, {"stream_reasoning": False}) is None
+    assert with_stream_reasoning(R1, {}) is R1
+    for parser in (R1, None):
+        with pytest.raises(ValidationError) as err:
+            with_stream_reasoning(parser, {"stream_reasoning": "no"})
+        assert err.value.field == "stream_reasoning"
