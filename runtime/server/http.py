@@ -13,7 +13,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from fastapi.responses import PlainTextResponse, Response, StreamingResponse
 
 from tandem.runtime import bounded_json
-from tandem.runtime.server.validation import ValidationError
+from tandem.runtime.server.validation import ValidationError, check_dp_rank
 from tandem.runtime.server_args import ServerArgs
 from tandem.runtime.request_groups import CallStream, ClientDisconnected, RequestError
 from tandem.runtime.server import openai, openai_format, responses_api
@@ -23,6 +23,7 @@ from tandem.runtime.server.auth import ApiKeyMiddleware, is_admin
 from tandem.runtime.tokenizer_manager import ChildStartError, TokenizerManager
 
 METRICS_SCHEDULER_WAIT_S = 2.0  # a scrape waits this long for the scheduler's gauges
+DP_RANK_HEADER = "X-Data-Parallel-Rank"  # SGLang's: pins a request to a DP rank, over the body's
 
 logger = logging.getLogger("tandem.http")
 
@@ -95,7 +96,7 @@ def create_app(args: ServerArgs, on_child_death: Callable[[str], None] | None = 
     @app.api_route("/generate", methods=["POST", "PUT"])  # SGLang serves both
     async def generate(request: Request) -> Response:
         tm = app.state.tm
-        body = await read_json(request, args)
+        body = with_header_dp_rank(await read_json(request, args), header_dp_rank(request))
         if isinstance(body, dict) and body.get("stream"):
             # --incremental-streaming-output: native chunks carry only what is new (SGLang's);
             # the OpenAI and gRPC streams below stay on cumulative chunks, their deltas their own
@@ -108,6 +109,7 @@ def create_app(args: ServerArgs, on_child_death: Callable[[str], None] | None = 
 
     async def openai_call(request: Request, req: openai.OpenAIRequest) -> Response:
         tm = app.state.tm
+        req.native = with_header_dp_rank(req.native, header_dp_rank(request))
         n = req.native["sampling_params"].get("n") or 1
         try:
             if req.stream:
@@ -245,6 +247,29 @@ def create_app(args: ServerArgs, on_child_death: Callable[[str], None] | None = 
         return Response(tm.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+def header_dp_rank(request: Request) -> int | None:
+    """SGLang's X-Data-Parallel-Rank header, read on every generation route so a DP-aware gateway
+    pins a request without touching its body: not an integer, or not this server's one rank, is a
+    400 naming the header (a pin never falls back to another rank)."""
+    value = request.headers.get(DP_RANK_HEADER)
+    if value is None:
+        return None
+    try:
+        rank = int(value)
+    except ValueError:
+        raise ValidationError(DP_RANK_HEADER, f"must be an integer, got {value[:50]!r}") from None
+    check_dp_rank(DP_RANK_HEADER, rank)
+    return rank
+
+
+def with_header_dp_rank(body: Any, rank: int | None) -> Any:
+    """The header's rank wins over the body's routed_dp_rank and its deprecated data_parallel_rank,
+    as SGLang's; a body that is not an object is left for validation to refuse."""
+    if rank is None or not isinstance(body, dict):
+        return body
+    return {**{k: v for k, v in body.items() if k != "data_parallel_rank"}, "routed_dp_rank": rank}
 
 
 def control_request(request: Request, args: ServerArgs, needs_admin: bool, json_body: bool = True) -> None:

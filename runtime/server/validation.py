@@ -247,9 +247,14 @@ def _check_dp_ranks(body: dict) -> None:
     server is one rank, 0: another rank is out of range, a 400 as in SGLang and on gRPC, never a
     request silently served by a rank it did not ask for."""
     for name in ("routed_dp_rank", "data_parallel_rank"):
-        rank = body.get(name)
-        if rank is not None and _int(name, rank) != 0:
-            raise ValidationError(name, f"this server has one rank (0), got {rank}")
+        if body.get(name) is not None:
+            check_dp_rank(name, body[name])
+
+
+def check_dp_rank(name: str, rank: Any) -> None:
+    """One DP rank asked for (a body field, or the X-Data-Parallel-Rank header): this server's is 0."""
+    if _int(name, rank) != 0:
+        raise ValidationError(name, f"this server has one rank (0), got {rank}")
 
 
 def _is_empty(v: Any) -> bool:

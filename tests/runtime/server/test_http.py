@@ -75,6 +75,41 @@ def test_control_routes_refuse_cross_site_requests_and_non_admin_keys(headers, j
     assert err.value.status_code == status and "/flush_cache" in err.value.message
 
 
+def test_the_dp_rank_header_is_checked_and_wins_over_the_body():
+    """SGLang's X-Data-Parallel-Rank pins a request to a DP rank on every generation route, over the
+    body's routed_dp_rank / data_parallel_rank: not an integer, or not this server's one rank (0),
+    is a 400 naming the header (it was ignored: a rank of 3 got a 200)."""
+    from tandem.runtime.server.http import header_dp_rank, with_header_dp_rank
+    from tandem.runtime.value_checks import ValidationError
+
+    assert header_dp_rank(_request("/generate", {})) is None
+    assert header_dp_rank(_request("/generate", {"x-data-parallel-rank": "0"})) == 0
+    for value in ("3", "-1", "abc", "0.0", ""):
+        with pytest.raises(ValidationError) as err:
+            header_dp_rank(_request("/generate", {"x-data-parallel-rank": value}))  # as servers hand it over
+        assert err.value.field == "X-Data-Parallel-Rank", value
+    body = {"text": "hi", "routed_dp_rank": 3, "data_parallel_rank": 2}
+    assert with_header_dp_rank(body, 0) == {"text": "hi", "routed_dp_rank": 0}
+    assert with_header_dp_rank(body, None) is body and with_header_dp_rank([1], 0) == [1]
+
+
+def test_the_dp_rank_header_on_the_generation_routes(server):
+    prompt = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 1}}
+    for headers in ({"X-Data-Parallel-Rank": "3"}, {"x-data-parallel-rank": "two"}):
+        bad = server.post("/generate", prompt, headers=headers)
+        assert bad.status_code == 400 and "X-Data-Parallel-Rank" in bad.json()["error"]["message"], bad.text
+    # the header's 0 wins over a body rank that alone is refused
+    assert server.post("/generate", {**prompt, "routed_dp_rank": 3}).status_code == 400
+    assert server.post("/generate", {**prompt, "routed_dp_rank": 3}, headers={"X-Data-Parallel-Rank": "0"}
+                       ).status_code == 200
+    for path, body in (("/v1/completions", {"prompt": "hi", "max_tokens": 1}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}),
+                       ("/v1/responses", {"input": "hi", "max_output_tokens": 1})):
+        bad = server.post(path, body, headers={"X-Data-Parallel-Rank": "3"})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "X-Data-Parallel-Rank", (path, bad.text)
+        assert server.post(path, body, headers={"X-Data-Parallel-Rank": "0"}).status_code == 200, path
+
+
 def test_chat_stream_reasoning_false_streams_the_reasoning_in_one_delta(servers):
     """SGLang's stream_reasoning: false on a chat stream (--reasoning-parser): the reasoning comes
     in one reasoning_content delta, equal to the unstreamed answer's (it was streamed piece by piece)."""
