@@ -1,8 +1,10 @@
 """The OpenAI Responses API (`/v1/responses`) as SGLang serves it without tools or storage: a
 request is a chat request (`instructions` a system message before the `input` messages), and its
 answer is a response object with a reasoning item (with a reasoning parser) and a message item, or
-named stream events numbered from 0. What needs stored responses, tools or logprobs is a 400
-naming the field; nothing is stored (the answer says `store: false`)."""
+named stream events numbered from 0. What needs stored responses, sessions, tools or logprobs is a
+400 naming the field; nothing is stored: `store: true` (SGLang's default, under which it keeps the
+response for a later previous_response_id) is answered with `store: false`, which tells the client
+so, and a previous_response_id is then a 400 naming it."""
 from __future__ import annotations
 
 import re
@@ -25,7 +27,8 @@ _RESPONSES_UNSUPPORTED = {
     "previous_response_id": "this server stores no responses", "conversation": "this server stores no responses",
     "background": "this server stores no responses", "prompt": "this server stores no prompt templates",
     "include": "this server returns no extra output items", "top_logprobs": "this server returns no logprobs here",
-    "max_tool_calls": "this server runs no tools"}
+    "max_tool_calls": "this server runs no tools",
+    "session_id": "this server keeps no sessions"}  # as chat refuses it
 _RESPONSES_DEFAULTS = {"temperature": 0.7}  # SGLang's ResponsesRequest default, under the model's own
 _RESPONSES_PARTS = ("input_text", "output_text", "text")
 _TEXT_FORMATS = ("text", "json_object", "json_schema")
@@ -43,6 +46,8 @@ def responses_request(body: Any, served_model: str, render: Callable[[list, dict
     for name, why in _RESPONSES_UNSUPPORTED.items():
         if body.get(name) not in (None, [], {}, False, 0):
             raise ValidationError(name, f"is not supported ({why})")
+    if body.get("store") is not None and not isinstance(body["store"], bool):
+        raise ValidationError("store", f"must be a boolean, got {body['store']!r}")
     if body.get("truncation") not in (None, "disabled"):
         raise ValidationError("truncation", "must be \"disabled\" (this server never drops input)")
     instructions = body.get("instructions")

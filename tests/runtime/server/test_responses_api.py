@@ -47,6 +47,8 @@ def test_responses_are_chat_requests_with_instructions_first_as_sglangs():
     ({"input": "x", "include": ["message.output_text.logprobs"]}, "include"),
     ({"input": "x", "top_logprobs": 2}, "top_logprobs"),
     ({"input": "x", "truncation": "auto"}, "truncation"),
+    ({"input": "x", "session_id": "s1"}, "session_id"),  # no sessions here, as chat refuses it
+    ({"input": "x", "store": "yes"}, "store"),
     ({"input": "x", "tools": [{"type": "function", "name": "f"}]}, "tools"),
     ({"input": "x", "reasoning": {"summary": "auto"}}, "reasoning.summary"),
     ({"input": "x", "text": {"verbosity": "low"}}, "text.verbosity"),
@@ -66,6 +68,15 @@ def test_bad_responses_fields_are_named_as_the_client_sent_them(body, field):
     assert err.value.field == field
 
 
+
+
+def test_store_true_is_answered_store_false():
+    """SGLang's default store true keeps a response for a later previous_response_id; nothing is
+    stored here, and the answer says so (store false) rather than the request being refused: a
+    previous_response_id is the 400, naming itself."""
+    for store in (True, False, None):
+        out = responses_response(_request({"input": "x", "store": store}), result("ab", 0, finish={"type": "stop"}))
+        assert out["store"] is False and out["status"] == "completed"
 
 
 def _events(req: OpenAIRequest, stream: CallStream) -> list[dict]:
