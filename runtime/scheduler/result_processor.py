@@ -6,12 +6,16 @@ import re
 from typing import Callable, Sequence
 
 import numpy as np
+import regex
 
 from tandem.ipc.messages import FinishReason, LogprobArrays
 from tandem.runtime.scheduler.request import Req
 
 _STOP_TAIL_TOKENS = 2  # extra tokens decoded around a stop string so one split across tokens is seen
 _UNBOUNDED = 1 << 30  # a stop_regex window past any output: the whole output is searched
+# One stop_regex search on the scheduler thread may take this long: a pattern that backtracks
+# catastrophically ("(a+)+b" over a run of a's) would otherwise stall every request for hours.
+STOP_REGEX_TIMEOUT_S = 0.05
 
 
 class FinishChecker:
@@ -39,8 +43,14 @@ class FinishChecker:
                 return i + 1, FinishReason(type="stop", matched=tok)
             if sp.stop and (hit := self._stop_string(req, new_tokens[:i + 1])) is not None:
                 return i + 1, FinishReason(type="stop", matched=hit)
-            if sp.stop_regex and (hit := self._stop_regex(req, new_tokens[:i + 1])) is not None:
-                return i + 1, FinishReason(type="stop", matched=hit)
+            if sp.stop_regex:
+                try:
+                    hit = self._stop_regex(req, new_tokens[:i + 1])
+                except TimeoutError:
+                    return i, FinishReason.bad_request("sampling_params.stop_regex", "backtracks catastrophically: "
+                                                       f"a search took over {STOP_REGEX_TIMEOUT_S:g} s")
+                if hit is not None:
+                    return i + 1, FinishReason(type="stop", matched=hit)
             if req.grammar is not None:
                 if not req.grammar.accept_token(tok):  # the mask allowed it, so this is a bug
                     return i, FinishReason(type="abort", status_code=500, err_type="InternalServerError",
@@ -61,13 +71,15 @@ class FinishChecker:
 
 
     def _stop_regex(self, req: Req, new_tokens: list[int]) -> str | None:
-        """The first stop_regex found in the output's tail (`re.search`, as SGLang); `matched` is
+        """The first stop_regex found in the output's tail (a search, as SGLang's `re.search`); `matched` is
         the pattern, as SGLang reports it. The tail covers the longest text a pattern can match
         (the whole output for an unbounded one such as `\\d+`, as in SGLang)."""
         if not req.stop_regex_window:
             req.stop_regex_window = max(map(regex_token_bound, req.sampling_params.stop_regex)) + _STOP_TAIL_TOKENS
         tail = self.decode((req.output_ids + new_tokens)[-req.stop_regex_window:])
-        return next((p for p in req.sampling_params.stop_regex if re.search(p, tail)), None)
+        # the `regex` module: `re`'s syntax with a timeout (TimeoutError)
+        return next((p for p in req.sampling_params.stop_regex
+                     if regex.search(p, tail, timeout=STOP_REGEX_TIMEOUT_S)), None)
 
 
 def regex_token_bound(pattern: str) -> int:

@@ -1,6 +1,8 @@
 """Scheduler pieces without processes: queue policies, finish checks and the output streamer's cursors."""
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import torch
 
@@ -11,7 +13,7 @@ from tandem.runtime.sampling.params import SamplingParams
 from tandem.runtime.scheduler.output_streamer import OutputStreamer
 from tandem.runtime.scheduler.policy import SchedulePolicy
 from tandem.runtime.scheduler.request import Req
-from tandem.runtime.scheduler.result_processor import FinishChecker, apply_new_tokens
+from tandem.runtime.scheduler.result_processor import STOP_REGEX_TIMEOUT_S, FinishChecker, apply_new_tokens
 
 
 def _req(seq: int, ids=(1, 2, 3), priority: int = 0, stream: bool = False, **sp) -> Req:
@@ -77,6 +79,20 @@ def test_stop_regex_ends_at_the_token_that_completes_a_match_and_names_the_patte
     assert apply_new_tokens(r, list(range(6)), None, None, checker) and r.output_ids == list(range(6))
     r = _req(11, max_new_tokens=10, ignore_eos=True, stop_regex=["q"])
     assert not apply_new_tokens(r, [0, 1, 2], None, None, checker) and r.finished_reason is None
+
+
+def test_a_stop_regex_that_backtracks_catastrophically_ends_its_request_with_a_400():
+    # with `re`, each search of "(a|aa)+c" over n a's takes ~1.6x the last: 36 took 13 s of the
+    # scheduler thread (60, hours), and every request froze with it
+    checker = FinishChecker([2], lambda ids: "a" * len(ids))
+    r = _req(12, max_new_tokens=100, ignore_eos=True, stop_regex=["(a|aa)+c"])
+    assert not apply_new_tokens(r, [0] * 5, None, None, checker)  # a short tail searches quickly
+    t0 = time.monotonic()
+    assert apply_new_tokens(r, [0] * 31, None, None, checker)
+    assert time.monotonic() - t0 < 20 * STOP_REGEX_TIMEOUT_S  # one timed-out search ends it
+    reason = r.finished_reason
+    assert (reason.type, reason.status_code, reason.field) == ("abort", 400, "sampling_params.stop_regex")
+    assert "backtracks catastrophically" in reason.message and len(r.output_ids) < 36
 
 
 def test_the_last_allowed_token_ends_by_length_even_when_it_is_a_stop():
