@@ -228,9 +228,10 @@ class _Checker:
             if not isinstance(ids, list):
                 got = type_name(ids)
                 raise self.fail("stop_token_ids", f"must be a list of integers, got {got}")
-            # SGLang's SamplingParams drops null entries (a client's unset optional ids)
-            self.out["stop_token_ids"] = [self._token_id(f"stop_token_ids[{i}]", t) for i, t in enumerate(ids)
-                                          if t is not None]
+            # SGLang's SamplingParams drops null entries (a client's unset optional ids) and keeps a
+            # set: distinct ids, so a million repeats cannot make every step's stop check scan them
+            self.out["stop_token_ids"] = list(dict.fromkeys(
+                self._token_id(f"stop_token_ids[{i}]", t) for i, t in enumerate(ids) if t is not None))
 
     def _string_list(self, name: str, v: Any) -> list[str]:
         """A string or a list of at most MAX_STOP_STRINGS strings (SGLang takes a bare string as

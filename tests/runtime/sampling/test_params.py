@@ -78,6 +78,12 @@ def test_logit_bias_string_keys_become_ints() -> None:
     assert parse({"logit_bias": {}}).logit_bias is None
 
 
+def test_stop_token_ids_are_distinct_in_first_seen_order() -> None:
+    # 1,000,000 repeats of one id made every decode step of the request scan them all (a 200-token
+    # request beside it took 2.8 s instead of 0.2 s)
+    assert parse({"stop_token_ids": [9, 5, None, 9, 5, 7] * 100_000}).stop_token_ids == [9, 5, 7]
+
+
 def test_stop_string_becomes_list() -> None:
     assert parse({"stop": "###"}).stop == ["###"]
     assert parse({"stop": ["a", "b"]}).stop == ["a", "b"]
