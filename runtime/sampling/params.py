@@ -11,6 +11,7 @@ from typing import Any
 
 import msgspec
 import orjson
+import regex
 
 from tandem.runtime import bounded_json
 from tandem.runtime.value_checks import (ValidationError, finite_float32, fits_int64, is_int, is_number, key_name, short,
@@ -254,14 +255,16 @@ class _Checker:
         return items
 
     def _stop_regexes(self, stop_regex: Any) -> list[str]:
-        """SGLang's stop_regex: Python `re` syntax (the scheduler searches with `re`), compiled
-        here so a bad pattern is a 400 naming it."""
+        """SGLang's stop_regex: Python `re` syntax, compiled here so a bad pattern is a 400 naming
+        it; also by the `regex` module the scheduler searches with, whose parser recurses deeper
+        (200 nested groups passed `re` and killed the scheduler with a RecursionError)."""
         items = self._string_list("stop_regex", stop_regex)
         for i, pattern in enumerate(items):
             field = _item("stop_regex", i, stop_regex)
             try:
                 matches_empty = re.compile(pattern).search("") is not None
-            except (re.error, RecursionError, OverflowError) as exc:
+                regex.compile(pattern)
+            except (re.error, regex.error, RecursionError, OverflowError) as exc:
                 raise self.fail(field, f"is not a valid regular expression: {exc}") from None
             if matches_empty:  # would stop before the first token, as an empty stop string would
                 raise self.fail(field, "matches the empty string")

@@ -49,6 +49,8 @@ class FinishChecker:
                 except TimeoutError:
                     return i, FinishReason.bad_request("sampling_params.stop_regex", "backtracks catastrophically: "
                                                        f"a search took over {STOP_REGEX_TIMEOUT_S:g} s")
+                except (regex.error, RecursionError) as exc:  # validation compiled it on a shallower stack
+                    return i, FinishReason.bad_request("sampling_params.stop_regex", f"does not compile: {exc}")
                 if hit is not None:
                     return i + 1, FinishReason(type="stop", matched=hit)
             if req.grammar is not None:

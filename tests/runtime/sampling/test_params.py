@@ -84,6 +84,12 @@ def test_stop_token_ids_are_distinct_in_first_seen_order() -> None:
     assert parse({"stop_token_ids": [9, 5, None, 9, 5, 7] * 100_000}).stop_token_ids == [9, 5, 7]
 
 
+def test_a_stop_regex_is_compiled_by_the_engine_the_scheduler_searches_with() -> None:
+    # `re` compiles 200 nested groups; the `regex` module's parser recursed past the limit in the scheduler
+    with pytest.raises(ValidationError, match="sampling_params.stop_regex is not a valid regular expression"):
+        parse({"stop_regex": "(?:" * 200 + "a" + ")" * 200})
+
+
 def test_stop_string_becomes_list() -> None:
     assert parse({"stop": "###"}).stop == ["###"]
     assert parse({"stop": ["a", "b"]}).stop == ["a", "b"]

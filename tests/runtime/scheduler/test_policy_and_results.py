@@ -95,6 +95,17 @@ def test_a_stop_regex_that_backtracks_catastrophically_ends_its_request_with_a_4
     assert "backtracks catastrophically" in reason.message and len(r.output_ids) < 36
 
 
+def test_a_stop_regex_the_scheduler_cannot_compile_ends_its_request_with_a_400():
+    # 200 nested groups: validation's shallower stack may compile what the scheduler's cannot; the
+    # RecursionError used to kill the scheduler process
+    checker = FinishChecker([2], lambda ids: "a" * len(ids))
+    r = _req(13, max_new_tokens=10, ignore_eos=True, stop_regex=["(?:" * 200 + "b" + ")" * 200])
+    assert apply_new_tokens(r, [0, 0], None, None, checker) and r.output_ids == []
+    reason = r.finished_reason
+    assert (reason.status_code, reason.field) == (400, "sampling_params.stop_regex")
+    assert reason.message.startswith("does not compile: maximum recursion depth exceeded")
+
+
 def test_the_last_allowed_token_ends_by_length_even_when_it_is_a_stop():
     # SGLang checks the length first: EOS, a stop token or a stop string at max_new_tokens is a length finish
     checker = FinishChecker([2], lambda ids: "".join(chr(97 + i % 26) for i in ids))
