@@ -63,12 +63,18 @@ def _strategies():
                                              st.lists(st.lists(st.integers(0, 49151), max_size=4), max_size=3)),
                       "rid": st.one_of(st.text(max_size=8), st.lists(st.sampled_from(["a", "a", "b"]), max_size=3))})
     depth = st.integers(1, 1200)
+    deep_objects = st.sampled_from([1024, 1025, 100_000])
     body = st.one_of(
         generate.map(lambda d: ("json", d)),
         values.map(lambda v: ("json", v)),
         depth.map(lambda n: ("raw", ("[" * n + "1" + "]" * n).encode())),
         depth.map(lambda n: ("raw", ('{"text": "a", "sampling_params": {"logit_bias": {"1": ' + "[" * n + "]" * n
                                      + "}}}").encode())),
+        # objects nested past the parser's limit (orjson 3.8 died of SIGSEGV near 50,000), in the
+        # body and inside a json_schema string
+        deep_objects.map(lambda n: ("raw", ('{"text": "a", "x": ' + '{"a":' * n + "1" + "}" * n + "}").encode())),
+        deep_objects.map(lambda n: ("json", {"text": "a", "sampling_params": {
+            "max_new_tokens": 1, "json_schema": '{"a":' * n + "1" + "}" * n}})),
         st.binary(max_size=200).map(lambda b: ("raw", b)),
         st.sampled_from([b"", b"{", b"null", b"NaN", b'{"text": "\xff\xfe"}', b'{"text": NaN}',
                          b'{"text": "a", "sampling_params": {"temperature": Infinity}}']).map(lambda b: ("raw", b)),
