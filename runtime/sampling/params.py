@@ -13,7 +13,6 @@ import msgspec
 import orjson
 import regex
 
-from tandem.runtime import bounded_json
 from tandem.runtime.value_checks import (ValidationError, finite_float32, fits_int64, is_int, is_number, key_name, short,
                                          type_name)
 
@@ -350,7 +349,7 @@ class _Checker:
         if not v.strip():
             raise self.fail(name, "is an empty constraint")
         try:
-            parsed = bounded_json.loads(v)
+            parsed = orjson.loads(v)
         except orjson.JSONDecodeError as exc:
             raise self.fail(name, f"is not valid JSON: {exc}") from None
         if not isinstance(parsed, dict) and not (name == "json_schema" and isinstance(parsed, bool)):

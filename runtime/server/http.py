@@ -12,7 +12,6 @@ from fastapi import FastAPI, Request
 from prometheus_client import CONTENT_TYPE_LATEST
 from fastapi.responses import PlainTextResponse, Response, StreamingResponse
 
-from tandem.runtime import bounded_json
 from tandem.runtime.server.validation import ValidationError, check_dp_rank
 from tandem.runtime.server_args import ServerArgs
 from tandem.runtime.request_groups import CallStream, ClientDisconnected, RequestError
@@ -298,7 +297,7 @@ async def read_json(request: Request, args: ServerArgs) -> Any:
         raise RequestError(408, f"the request body did not arrive within --http-read-timeout "
                                 f"({args.http_read_timeout:g} s)") from None
     try:
-        return bounded_json.loads(body)
+        return orjson.loads(body)
     except orjson.JSONDecodeError as exc:
         raise ValidationError("body", f"is not valid JSON: {exc}") from None
 

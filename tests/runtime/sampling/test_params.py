@@ -123,11 +123,11 @@ def test_bad_constraints_name_the_field(field: str, value: object, fragment: str
 
 
 @pytest.mark.parametrize("field, text", ids=["json_schema", "structural_tag"], argvalues=[
-    ("json_schema", '{"a":' * 50_000 + "1" + "}" * 50_000),  # orjson 3.8 recursed this deep and crashed
+    ("json_schema", '{"a":' * 50_000 + "1" + "}" * 50_000),  # orjson 3.8 recursed this deep and crashed (pyproject pins >=3.10)
     ("structural_tag", "[" * 1025 + "]" * 1025),
 ])
 def test_constraint_text_nested_too_deep_is_refused(field: str, text: str) -> None:
-    with pytest.raises(ValidationError, match=f"sampling_params.{field} is not valid JSON: nesting deeper than 1024"):
+    with pytest.raises(ValidationError, match=f"sampling_params.{field} is not valid JSON: .*depth.* exceeded"):
         parse({field: text})
 
 

@@ -274,7 +274,8 @@ def test_tool_call_arguments_reach_the_template_as_an_object_as_sglangs():
                {"role": "tool", "tool_call_id": "c1", "content": "22C"}]
     text = oa.chat_request({"messages": history}, "served", _jinja).native["text"]
     assert text == 'user:w?|assistant:{"city": "Paris"}|tool:22C|'
-    for args, problem in (("{not json", "valid JSON"), ("[1]", "a JSON object")):
+    deep = '{"a":' * 100_000 + "1" + "}" * 100_000  # orjson 3.8 recursed into it and the process died (SIGSEGV)
+    for args, problem in (("{not json", "valid JSON"), ("[1]", "a JSON object"), (deep, "valid JSON")):
         bad = {**call, "function": {"name": "f", "arguments": args}}
         with pytest.raises(ValidationError) as err:
             _chat({"messages": [history[0], {**history[1], "tool_calls": [bad]}]})
