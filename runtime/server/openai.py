@@ -46,7 +46,8 @@ _RENDER_ARGS = frozenset(("tokenize", "add_generation_prompt", "chat_template", 
 _EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
 # the roles SGLang's protocol accepts (after lowercasing)
 _ROLES = ("system", "user", "assistant", "tool", "function", "developer", "latest_reminder")
-_NATIVE_TOP = ("rid", "priority", "extra_key", "cache_salt")  # SGLang's extensions /generate takes as they are
+_NATIVE_TOP = ("rid", "priority", "extra_key", "cache_salt",  # SGLang's extensions /generate takes as they are
+               "routed_dp_rank", "data_parallel_rank")
 _SAMPLING_FIELD = re.compile(r"sampling_params(?:\[\d+\])?\.(\w+)(.*)")
 _PROMPT_FIELD = re.compile(r"(?:text|input_ids)(.*)")
 
@@ -311,9 +312,14 @@ def _check_tools(body: dict) -> None:
 
 
 def _model(body: dict, served_model: str) -> str:
+    """The model the answer names. SGLang reads "base:adapter" as a LoRA adapter to serve with; with
+    no LoRA here, such a name is refused rather than answered by the base model."""
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise ValidationError("model", "must be a string")
+    if model and ":" in model and model != served_model:
+        adapter = model.split(":", 1)[1]
+        raise ValidationError("model", f"names the LoRA adapter {adapter!r}; this server serves no LoRA adapters")
     return model or served_model
 
 

@@ -315,3 +315,19 @@ def test_a_constraint_clash_names_response_format_as_the_client_sent_it():
     exc = req.rename(ValidationError("sampling_params.regex",
                                      "cannot be combined with json_schema; give one constraint"))
     assert (exc.field, exc.message) == ("regex", "cannot be combined with response_format; give one constraint")
+
+
+def test_a_dp_rank_in_the_body_reaches_generates_check():
+    # it was dropped on the OpenAI routes (a 200 for rank 3) while /generate refuses it, as SGLang
+    for build, body in ((_completion, {"prompt": "hi"}), (_chat, {"messages": [{"role": "user", "content": "hi"}]})):
+        for name in ("routed_dp_rank", "data_parallel_rank"):
+            assert build({**body, name: 3}).native[name] == 3
+
+
+def test_a_lora_adapter_in_the_model_name_is_refused():
+    # SGLang reads "base:adapter" as a LoRA adapter; with none here the base model answered it
+    for build, body in ((_completion, {"prompt": "hi"}), (_chat, {"messages": [{"role": "user", "content": "hi"}]})):
+        with pytest.raises(ValidationError, match="^model names the LoRA adapter 'sql'"):
+            build({**body, "model": "served:sql"})
+        assert build({**body, "model": "other-name"}).model == "other-name"  # a plain name is only echoed
+    assert oa.completion_request({"prompt": "hi", "model": "org/m:v2"}, "org/m:v2").model == "org/m:v2"
