@@ -1,9 +1,10 @@
 """Session-wide test setup: Triton runs in its interpreter on machines without a GPU, and every
 scheduler a test starts raises if it goes idle holding KV memory (so each e2e test is also a
-leak check)."""
+leak check), and a SIGTERM to pytest still stops every server the session started."""
 from __future__ import annotations
 
 import os
+import signal
 import sys
 
 import torch
@@ -17,6 +18,16 @@ if not torch.cuda.is_available():
 os.environ.setdefault("TANDEM_STRICT_MEM_CHECK", "1")
 
 import pytest  # noqa: E402
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+# `timeout 900 pytest ...` (or a CI runner giving up) sends SIGTERM, which ends Python at once:
+# no fixture teardown, and the servers a session started (own process groups) lived on, 2 GB
+# each. As an interrupt, pytest tears the session down and every server is stopped.
+signal.signal(signal.SIGTERM, _interrupt)
 
 
 @pytest.fixture(scope="session")
