@@ -143,9 +143,10 @@ def test_onednn_row_counts_are_bounded():
     assert packed_linear.padded_rows(0) == 0
 
 
-def _packed_as_the_model_holds_it(weight) -> bool:
-    if weight.dtype == torch.bfloat16 or packed_linear.fp32_layout()[0] == "onednn":
-        return weight.is_mkldnn
+def _packed_as_the_model_holds_it(weight, dtype: torch.dtype) -> bool:
+    # an MKL-packed weight is no tensor (no dtype, no is_mkldnn): ask for it by type first
+    if dtype == torch.bfloat16 or packed_linear.fp32_layout()[0] == "onednn":
+        return isinstance(weight, torch.Tensor) and weight.is_mkldnn
     return isinstance(weight, packed_linear.MklPackedWeight)
 
 
@@ -156,7 +157,7 @@ def test_gemm_bound_times_the_weights_as_the_model_holds_them(dtype):
         arch="LlamaForCausalLM", vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=1, num_heads=4,
         num_kv_heads=2, head_dim=16, rms_norm_eps=1e-5, rope_theta=1e4, max_position=64, tie_word_embeddings=True,
         qkv_bias=False, qk_norm=False), dtype, 1)
-    assert all(_packed_as_the_model_holds_it(w) for w in layers[0]) and _packed_as_the_model_holds_it(head)
+    assert all(_packed_as_the_model_holds_it(w, dtype) for w in layers[0]) and _packed_as_the_model_holds_it(head, dtype)
 
 
 @pytest.mark.parametrize("dtype", [pytest.param("bfloat16", marks=needs_native_bf16),
