@@ -1,11 +1,10 @@
 """NGRAM drafting: longest recurring suffix first, most recent occurrence, bounded length."""
 from __future__ import annotations
 
-import time
-
 import numpy as np
 import pytest
 
+from tandem.runtime.model.packed_linear import best_seconds
 from tandem.runtime.speculative.ngram import propose_ngram
 
 
@@ -126,15 +125,6 @@ def test_large_token_ids_match_whole_tokens_only() -> None:
     assert drafts([c, *[a] * 20, c, *[a] * 20], k=2, hi=100) == [c, a]
 
 
-def _best_seconds(fn, repeats: int) -> float:
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
-
-
 @pytest.mark.timeout(120)
 def test_one_token_repeated_under_a_huge_window_costs_about_the_default_window() -> None:
     """--speculative-ngram-max-match-window-size 8192 on an output repeating one token (8000
@@ -143,6 +133,6 @@ def test_one_token_repeated_under_a_huge_window_costs_about_the_default_window()
     history = np.full(8000, 7, dtype=np.int64)
     history[:100] = np.arange(100)  # the prompt, then the repetition
     assert propose_ngram(history, 3, 1, 8192).tolist() == [7]
-    default = _best_seconds(lambda: propose_ngram(history, 3, 1, 12), 20)
-    huge = _best_seconds(lambda: propose_ngram(history, 3, 1, 8192), 5)
+    default = best_seconds(lambda: propose_ngram(history, 3, 1, 12), 20)
+    huge = best_seconds(lambda: propose_ngram(history, 3, 1, 8192), 5)
     assert huge < 20 * default, (huge, default)
