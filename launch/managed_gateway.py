@@ -29,8 +29,11 @@ class Gateway:
             raise BenchError("smg (the SGLang Model Gateway) is not installed: pip install smg")
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        metrics_port = free_port()
+        while metrics_port == self.port:  # neither is bound yet: the OS may hand out the same one twice (CI did)
+            metrics_port = free_port()
         cmd = ["smg", "launch", "--host", "127.0.0.1", "--port", str(self.port), "--worker-urls", *worker_urls,
-               "--prometheus-port", str(free_port()), "--shutdown-grace-period-secs", "1", "--policy", policy]
+               "--prometheus-port", str(metrics_port), "--shutdown-grace-period-secs", "1", "--policy", policy]
         with open(log_path, "w") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
