@@ -123,7 +123,9 @@ def test_incremental_streams_yield_deltas_as_sglangs_engine(tiny_model_dir):
         _wait_idle(engine)
         chunks += list(stream)
         assert len(chunks[0]["output_ids"]) < 40 and max(len(c["output_ids"]) for c in chunks[1:]) > 1
-        assert chunks[1]["meta_info"]["output_token_logprobs_length"] == 40
+        # the scheduler reports idle once the request finished; its last step's output may still be
+        # on its way through the detokenizer (CI: 39 of 40 in the coalesced chunk, then the last)
+        assert len(chunks) <= 3 and chunks[-1]["meta_info"]["output_token_logprobs_length"] == 40
         assert "".join(c["text"] for c in chunks) == whole["text"]
         assert [i for c in chunks for i in c["output_ids"]] == whole["output_ids"]
         joined = [row[1] for c in chunks for row in c["meta_info"]["output_token_logprobs"]]
