@@ -173,7 +173,7 @@ def overlap_schedule_on(args: ServerArgs, device: torch.device, forward_threads:
     if forward_threads < usable_cpus:
         return True, f"the forward's {forward_threads} threads leave {usable_cpus - forward_threads} of {usable_cpus} CPUs"
     return False, (f"the device is this CPU and the forward's {forward_threads} threads take all {usable_cpus} CPUs, "
-                   f"so the scheduler's work has no core to overlap on (--enable-cpu-overlap-schedule keeps it on)")
+                   f"so the scheduler's work has no core to overlap on; --enable-cpu-overlap-schedule keeps it on")
 
 
 class ForwardWorker:
