@@ -24,7 +24,8 @@ PROBE = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 1, "tempe
 class Gateway:
     """One `smg launch` process in its own session; `url` is its HTTP address."""
 
-    def __init__(self, worker_urls: list[str], log_path: str = os.devnull, policy: str = "round_robin") -> None:
+    def __init__(self, worker_urls: list[str], log_path: str = os.devnull, policy: str = "round_robin",
+                 policy_args: tuple[str, ...] = ()) -> None:
         if shutil.which("smg") is None:
             raise BenchError("smg (the SGLang Model Gateway) is not installed: pip install smg")
         self.port = free_port()
@@ -33,7 +34,7 @@ class Gateway:
         while metrics_port == self.port:  # neither is bound yet: the OS may hand out the same one twice (CI did)
             metrics_port = free_port()
         cmd = ["smg", "launch", "--host", "127.0.0.1", "--port", str(self.port), "--worker-urls", *worker_urls,
-               "--prometheus-port", str(metrics_port), "--shutdown-grace-period-secs", "1", "--policy", policy]
+               "--prometheus-port", str(metrics_port), "--shutdown-grace-period-secs", "1", "--policy", policy, *policy_args]
         with open(log_path, "w") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 

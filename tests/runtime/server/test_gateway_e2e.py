@@ -62,7 +62,9 @@ def deployment(tmp_path_factory, tiny_model_dir):
         started.append(grpc_worker)
         http_gw = Gateway([w.url for w in http_workers], str(logs / "smg_http.log"))
         started.append(http_gw)
-        cache_gw = Gateway([w.url for w in http_workers], str(logs / "smg_cache.log"), policy="cache_aware")
+        # spill to the least-loaded worker as soon as the matched one runs past the mean by one request
+        cache_gw = Gateway([w.url for w in http_workers], str(logs / "smg_cache.log"), policy="cache_aware",
+                           policy_args=("--balance-abs-threshold", "1", "--balance-rel-threshold", "1.0"))
         started.append(cache_gw)
         cache_gw.wait_ready()
         grpc_gw = Gateway([f"grpc://127.0.0.1:{grpc_port}"], str(logs / "smg_grpc.log"))
@@ -126,49 +128,23 @@ def finished_requests(worker) -> float:
 
 
 def test_cache_aware_gateway_is_data_parallel(deployment):
-    """Two prompt families (long distinct prefixes), 32 requests each, all at once: all succeed
-    and both workers serve. A prompt that matches no cached prefix goes to the least-loaded
-    worker, so the two families are introduced while the other is still generating (with both
-    idle the tie went to the first worker for both, and then every request matched it). Past
-    that, which worker gets which request is the gateway's call: it prefers the worker caching
-    the prefix but balances load past its thresholds, so the split is not asserted."""
+    """Two prompt families (long distinct prefixes), one request each to seed the gateway's prefix
+    trees, then 32 requests of each family at once: all succeed and both workers serve. Which
+    worker gets which request is the gateway's call: it prefers the worker caching the prefix and
+    spills to the least-loaded one past its load thresholds (set low here), so the split is not
+    asserted. Where the seeds land is not asserted either: smg weighs a new prefix by its own load
+    view, and both seeds landing on one worker ([0, 2]) was seen on CI; the spill serves both
+    workers from there too."""
     gateway, workers = deployment["cache_aware"]
     families = ["Pirate log. " * 40, "Court record, sealed. " * 25]
-    # a new prefix goes to the worker the gateway's load view (polled every 10 s) shows emptiest:
-    # a view still holding the previous test's streams (the workers are shared) sent both
-    # families to one worker ([0, 2] in CI), so wait until it shows them idle
-    deadline = time.monotonic() + 60
-    while any(x["num_running_reqs"] or x["num_used_tokens"]
-              for x in requests.get(gateway.url + "/get_loads", timeout=30).json()["loads"]):
-        assert time.monotonic() < deadline, "the gateway's load view never showed the workers idle"
-        time.sleep(0.5)
     before = [finished_requests(w) for w in workers]
 
-    def introduce(family: str) -> int:  # long enough that the two overlap even when one starts late
+    def generate(text: str) -> int:
         return requests.post(gateway.url + "/generate", timeout=300, json={
-            "text": family, "sampling_params": {"max_new_tokens": 256, "ignore_eos": True, "temperature": 0}}
-        ).status_code
+            "text": text, "sampling_params": {"max_new_tokens": 4, "temperature": 0}}).status_code
 
-    with ThreadPoolExecutor(2) as pool:
-        first = pool.submit(introduce, families[0])
-        # the second family goes out once the first runs on a worker (read from the workers, not the
-        # gateway's polled view): a fixed 0.2 s on a loaded CI machine sometimes sent it before the
-        # gateway had routed the first, and both went to one worker ([0, 2])
-        deadline = time.monotonic() + 60
-        while not any(w.info()["num_running_reqs"] for w in workers):
-            assert time.monotonic() < deadline and not first.done(), "the first family never ran"
-            time.sleep(0.02)
-        second = pool.submit(introduce, families[1])
-        assert [first.result(), second.result()] == [200, 200]
-    introduced = [finished_requests(w) - b for w, b in zip(workers, before)]
-    assert introduced == [1, 1], introduced  # one family on each worker
-
-    def generate(i: int) -> int:
-        return requests.post(gateway.url + "/generate", timeout=300, json={
-            "text": families[i % 2] + f"Entry {i}.", "sampling_params": {"max_new_tokens": 4, "temperature": 0}}
-        ).status_code
-
+    assert [generate(family) for family in families] == [200, 200]
     with ThreadPoolExecutor(64) as pool:
-        assert list(pool.map(generate, range(64))) == [200] * 64
+        assert list(pool.map(generate, [families[i % 2] + f"Entry {i}." for i in range(64)])) == [200] * 64
     served = [finished_requests(w) - b for w, b in zip(workers, before)]
     assert sum(served) == 66 and min(served) > 0, served  # every request served once, by both workers
