@@ -6,9 +6,8 @@ sequence produces exactly its output length; one warm-up; output tokens/s = the 
 lengths over the wall time of one `generate` call holding every sequence. All systems run the
 same prompts, in one process run, with the same dtype:
 
-1. tandem Engine, overlap schedule on,
-2. tandem Engine, overlap schedule off (the default where the device is a CPU whose cores the
-   forward's threads take all of; "tandem" in the ratios is whichever is the default here),
+1. tandem Engine, overlap schedule on (the default; "tandem" in the ratios),
+2. tandem Engine, overlap schedule off,
 3. the bare model loop (tandem's model, no scheduler/IPC/detokenizer): static batches of up to
    --max-running-requests, each decoded for the longest output in the batch,
 4. transformers `generate`: static left-padded batches of --hf-batch-size (peer, on by default,
@@ -115,10 +114,9 @@ def timed_engine_run(wl: Workload, model_path: str | None, **server_args: Any) -
 
 
 def run_engine(args: argparse.Namespace, wl: Workload, overlap: bool) -> SystemResult:
-    """One engine run with the overlap schedule forced on or off, whatever the default is here."""
     run = timed_engine_run(wl, args.model_path, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
                            max_total_tokens=args.max_total_tokens, max_running_requests=args.max_running_requests,
-                           disable_overlap_schedule=not overlap, enable_cpu_overlap_schedule=overlap)
+                           disable_overlap_schedule=not overlap)
     info = run.after
     if info["overlap_schedule"] is not overlap:
         raise RuntimeError(f"asked for overlap {overlap}, the server ran {info['overlap_schedule']}")
@@ -243,39 +241,25 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return round(a / b, 4) if a and b else None
 
 
-def default_overlap(args: argparse.Namespace) -> tuple[bool, str]:
-    """Whether a server started with no overlap flag runs the overlap schedule on this machine, and why."""
-    from tandem.runtime.scheduler.forward_worker import overlap_schedule_on, usable_cpus
-    from tandem.runtime.server_args import ServerArgs
-
-    plain = ServerArgs(model_path=args.model_path)
-    return overlap_schedule_on(plain, torch.device(plain.resolved_device()), torch.get_num_threads(), usable_cpus())
-
-
 def build_report(args: argparse.Namespace, wl: Workload, res: dict[str, SystemResult],
-                 overlap_pairs: list[float], overlap_default: tuple[bool, str]) -> dict[str, Any]:
-    """overlap_pairs: off seconds / on seconds of each alternating pair of engine runs.
-    "tandem" in the ratios is the run with the overlap schedule as the default has it here."""
+                 overlap_pairs: list[float]) -> dict[str, Any]:
+    """overlap_pairs: off seconds / on seconds of each alternating pair of engine runs."""
     on, off, bare, hf = (res.get(k) for k in ("overlap", "no_overlap", "bare", "transformers"))
     ct2, bound = res.get("ctranslate2_float32"), res.get("gemm_bound")
     guided, same = res.get("guided"), res.get("guided_baseline")
-    tandem = on if overlap_default[0] else off
     report: dict[str, Any] = {
         "guided_over_unconstrained": _ratio(guided.tok_s, same.tok_s) if guided and same else None,
-        "default_overlap_schedule": overlap_default[0],
-        "default_overlap_schedule_why": overlap_default[1],
-        "tandem_tok_s": round(tandem.tok_s, 2),
         "tandem_overlap_tok_s": round(on.tok_s, 2),
         "tandem_no_overlap_tok_s": round(off.tok_s, 2),
         "bare_tok_s": round(bare.tok_s, 2),
         "transformers_tok_s": round(hf.tok_s, 2) if hf else None,
-        "tandem_over_transformers": _ratio(tandem.tok_s, hf.tok_s if hf else None),
-        "tandem_over_bare": _ratio(tandem.tok_s, bare.tok_s),
+        "tandem_over_transformers": _ratio(on.tok_s, hf.tok_s if hf else None),
+        "tandem_over_bare": _ratio(on.tok_s, bare.tok_s),
         "ctranslate2_float32_tok_s": round(ct2.tok_s, 2) if ct2 else None,
         "ctranslate2_int8_tok_s": round(res["ctranslate2_int8"].tok_s, 2) if "ctranslate2_int8" in res else None,
-        "tandem_over_ctranslate2": _ratio(tandem.tok_s, ct2.tok_s if ct2 else None),
+        "tandem_over_ctranslate2": _ratio(on.tok_s, ct2.tok_s if ct2 else None),
         "gemm_bound_tok_s": round(bound.tok_s, 2) if bound else None,
-        "tandem_over_gemm_bound": _ratio(tandem.tok_s, bound.tok_s if bound else None),
+        "tandem_over_gemm_bound": _ratio(on.tok_s, bound.tok_s if bound else None),
         "overlap_speedup": _ratio(on.tok_s, off.tok_s),
         "overlap_speedup_paired_median": round(statistics.median(overlap_pairs), 4),
         "overlap_speedup_pairs": [round(r, 4) for r in overlap_pairs],
@@ -323,8 +307,6 @@ def format_table(res: dict[str, SystemResult], report: dict[str, Any]) -> str:
     if bound:
         lines.append(f"(GEMM-only bound: the model's matmuls alone on this CPU, {report['dtype']}, decode at batch "
                      f"{bound.info['decode_batch']}: {bound.info['decode_tok_s']} tok/s)")
-    lines.append(f"tandem: the default here, overlap {'on' if report['default_overlap_schedule'] else 'off'} "
-                 f"({report['default_overlap_schedule_why']})")
     lines.append(f"tandem / transformers   {_times(report['tandem_over_transformers'])}")
     if report["tandem_over_ctranslate2"] is not None:
         lines.append(f"tandem / ctranslate2    {_times(report['tandem_over_ctranslate2'])}   (ctranslate2 float32, tandem {report['dtype']})")
@@ -451,7 +433,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json_schema:
         with open(args.json_schema, encoding="utf-8") as f:
             res["guided"], res["guided_baseline"], _ = run_guided(args, wl, f.read())
-    report = build_report(args, wl, res, overlap_pairs, default_overlap(args))
+    report = build_report(args, wl, res, overlap_pairs)
     print(format_table(res, report), flush=True)
     if args.output_file:
         with open(args.output_file, "w", encoding="utf-8") as f:

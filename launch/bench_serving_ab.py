@@ -4,8 +4,7 @@ sides alike.
 
 - `--via-gateway`: straight to the server, and through the SGLang Model Gateway (smg) in front of it.
 - `--compare-overlap` (with `--launch`): two servers from the same `--server-args`, one with the
-  overlap schedule (`--enable-cpu-overlap-schedule`, which a CPU device without a spare core
-  needs) and one with `--disable-overlap-schedule`.
+  overlap schedule (the default) and one with `--disable-overlap-schedule`.
 
 bench_serving hands each comparison a `MeasureAt` (its own client, one round against one URL);
 this module starts what is compared, runs the rounds, checks which options go together, and
@@ -56,10 +55,9 @@ def check_comparison(args: argparse.Namespace) -> None:
         raise SystemExit("--plot draws one run: not with --via-gateway or --compare-overlap")
     if args.compare_overlap and not args.launch:
         raise SystemExit("--compare-overlap needs --launch: it starts the two servers itself")
-    for flag in ("--disable-overlap-schedule", "--enable-cpu-overlap-schedule"):
-        if args.compare_overlap and flag in args.server_args:
-            raise SystemExit(f"--compare-overlap starts one server with the overlap schedule and one without: "
-                             f"leave {flag} out of --server-args")
+    if args.compare_overlap and "--disable-overlap-schedule" in args.server_args:
+        raise SystemExit("--compare-overlap starts the server with and without --disable-overlap-schedule: "
+                         "leave it out of --server-args")
 
 
 def compare_via_gateway(args: argparse.Namespace, base_url: str, measure_at: MeasureAt) -> dict[str, Any]:
@@ -126,13 +124,12 @@ def pooled(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 @contextlib.contextmanager
 def overlap_servers(args: argparse.Namespace) -> Iterator[dict[str, str]]:
-    """Two servers from --server-args, overlap schedule off and on (on forced where a CPU device
-    would leave it off), with KV pools of one size; both stopped afterwards. Only one serves at a
-    time: the other's scheduler sleeps in its receive poll."""
+    """Two servers from --server-args, overlap schedule off and on, with KV pools of one size;
+    both stopped afterwards. Only one serves at a time: the other's scheduler sleeps in its
+    receive poll."""
     off_args = f"{args.server_args} --disable-overlap-schedule"
-    on_args = f"{args.server_args} --enable-cpu-overlap-schedule"
     with start_server(off_args, args.server_module, args.launch_timeout) as (off_url, _), \
-            start_server(on_args, args.server_module, args.launch_timeout) as (on_url, _):
+            start_server(args.server_args, args.server_module, args.launch_timeout) as (on_url, _):
         urls = {"overlap off": off_url, "overlap on": on_url}
         infos = {side: _server_info(url) for side, url in urls.items()}
         pools = {side: info["max_total_num_tokens"] for side, info in infos.items()}

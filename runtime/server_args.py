@@ -63,9 +63,6 @@ class ServerArgs:
     priority_scheduling_preemption_threshold: int = 10  # SGLang's: preempt only above this priority gap
     disable_radix_cache: bool = False
     disable_overlap_schedule: bool = False
-    # tandem's: the overlap schedule also on a CPU device whose cores the forward's threads take all
-    # of, where it is off by default (forward_worker.overlap_schedule_on says why)
-    enable_cpu_overlap_schedule: bool = False
     request_timeout: float | None = None
     max_request_bytes: int = 64 * 1024 * 1024
     max_batch_items: int = 4096  # prompts x n in one /generate call
@@ -137,8 +134,6 @@ class ServerArgs:
         bad = [name for name, ok in checks.items() if not ok]
         if bad:
             raise ValueError(f"{_flag(bad[0])}: invalid value {getattr(self, bad[0])!r}")
-        if self.disable_overlap_schedule and self.enable_cpu_overlap_schedule:
-            raise ValueError("--disable-overlap-schedule and --enable-cpu-overlap-schedule contradict each other")
         if self.tp_size % self.nnodes:
             raise ValueError(f"--tp-size {self.tp_size} must be a multiple of --nnodes {self.nnodes}: "
                              f"every node runs tp_size / nnodes ranks")

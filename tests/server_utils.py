@@ -62,8 +62,6 @@ def start_server(args: list[str], log_path: str, env: dict[str, str] | None = No
     port = free_port()
     if "--dtype" not in args:  # --dtype auto takes bf16 on AMX CPUs: tests compare against fp32 references
         args = [*args, "--dtype", "float32"]
-    if "--disable-overlap-schedule" not in args:  # the overlap path, which a CPU without spare cores skips
-        args = [*args, "--enable-cpu-overlap-schedule"]
     cmd = [sys.executable, "-m", "tandem.launch.server", "--port", str(port), "--log-level", "warning", *args]
     with open(log_path, "w") as log:  # the server writes through its own copy of the descriptor
         # cwd away from the repo root: its kernels/ folder would shadow the PyPI `kernels` that transformers probes

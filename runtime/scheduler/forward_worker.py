@@ -12,7 +12,6 @@ plain decoding and in a verify alike; a step where no request asks for them comp
 """
 from __future__ import annotations
 
-import os
 import queue
 import threading
 import time
@@ -32,7 +31,6 @@ from tandem.runtime.sampling.penalties import PenaltyCounts, apply_penalties
 from tandem.runtime.sampling.sampler import SamplingBatchInfo, sample
 from tandem.runtime.scheduler.future_map import FutureMap, RelayPayload
 from tandem.runtime.scheduler.stats import StepStats
-from tandem.runtime.server_args import ServerArgs
 from tandem.runtime.speculative.drafter import Drafter
 from tandem.runtime.speculative.verify import VerifyLayout, accept_runs
 
@@ -144,36 +142,6 @@ def reserve_intra_op_threads() -> int:
     threads = torch.get_num_threads()  # also fixes this thread's count, so later calls elsewhere leave it
     torch.set_num_threads(1)
     return threads
-
-
-def usable_cpus() -> int:
-    """The CPUs this process may run on (its affinity mask, which taskset and containers narrow)."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-
-
-def overlap_schedule_on(args: ServerArgs, device: torch.device, forward_threads: int,
-                        usable_cpus: int) -> tuple[bool, str]:
-    """Whether the scheduler runs the overlap schedule, and why (logged).
-
-    Overlap hides the scheduler's CPU work behind the device's forward. When the device is this
-    CPU and the forward threads of the node's ranks (`forward_threads` in all) take every CPU the
-    process may use (`usable_cpus`), there is nothing to hide behind: the scheduler thread's work
-    runs on a core an OpenMP thread of the forward needs, each parallel region waits for that
-    thread, and the work costs what it would have cost in sequence, plus the contention. Measured
-    on 2-core CPUs, on / off was 0.98-1.02x offline and 0.99x serving, within noise of a tie, so
-    there it is off, as SGLang's CPU guide launches with --disable-overlap-schedule;
-    --enable-cpu-overlap-schedule keeps it on.
-    """
-    if args.disable_overlap_schedule:
-        return False, "--disable-overlap-schedule"
-    if device.type != "cpu":
-        return True, f"the device is {device.type}"
-    if args.enable_cpu_overlap_schedule:
-        return True, "--enable-cpu-overlap-schedule"
-    if forward_threads < usable_cpus:
-        return True, f"the forward's {forward_threads} threads leave {usable_cpus - forward_threads} of {usable_cpus} CPUs"
-    return False, (f"the device is this CPU and the forward's {forward_threads} threads take all {usable_cpus} CPUs, "
-                   f"so the scheduler's work has no core to overlap on; --enable-cpu-overlap-schedule keeps it on")
 
 
 class ForwardWorker:

@@ -27,8 +27,7 @@ from tandem.runtime.model.runner import ModelRunner
 from tandem.runtime.model.tensor_parallel import SINGLE, init_tensor_parallel
 from tandem.runtime.sampling.penalties import PenaltyCounts
 from tandem.runtime.scheduler.batch import BatchContext, ScheduleBatch
-from tandem.runtime.scheduler.forward_worker import (ForwardWorker, GenerationBatchResult, overlap_schedule_on,
-                                                     reserve_intra_op_threads, usable_cpus)
+from tandem.runtime.scheduler.forward_worker import ForwardWorker, GenerationBatchResult, reserve_intra_op_threads
 from tandem.runtime.scheduler.future_map import FutureMap
 from tandem.runtime.scheduler.grammar_queue import GrammarQueue
 from tandem.runtime.scheduler.kv_manager import KVManager
@@ -83,23 +82,17 @@ class Scheduler:
                  tp_rank: int = 0) -> None:
         self.args = args
         self.watch = watch
+        self.overlap = not args.disable_overlap_schedule
         intra_op_threads = reserve_intra_op_threads()  # before the model loads: see its docstring
         device = torch.device(args.resolved_device())
-        node_ranks = len(node_tp_ranks(args))
         if device.type == "cpu":  # this node's ranks share its cores
-            intra_op_threads = max(1, intra_op_threads // node_ranks)
-        overlap, why = overlap_schedule_on(args, device, intra_op_threads * node_ranks, usable_cpus())
+            intra_op_threads = max(1, intra_op_threads // len(node_tp_ranks(args)))
         tp, self.sync = SINGLE, None
         if args.tp_size > 1:  # rank 0 leads: it alone talks to the other processes (tp_sync.py)
             tp, control = init_tensor_parallel(tp_rank, args.tp_size, args.dist_init_addr, device, args.dist_timeout)
             self.sync = ControlSync(tp_rank, control)
-            # each node was launched on its own: refuse a mismatch
-            rank0 = self.sync.agree(lockstep_settings(args, overlap))
+            rank0 = self.sync.agree(lockstep_settings(args))  # each node was launched on its own: refuse a mismatch
             self.args = args = args.replace(random_seed=rank0["random_seed"])
-            if rank0["overlap_schedule"] != overlap:
-                overlap, why = rank0["overlap_schedule"], "as on TP rank 0, which plans alike"
-        self.overlap = overlap
-        logger.info("overlap schedule %s: %s", "on" if overlap else "off", why)
         self.runner = runner = ModelRunner(args, tp, pack_now=False)  # the forward worker packs
         self.tokenizer = load_tokenizer(args.tokenizer_path or args.model_path)
         eos = set(runner.config.eos_token_ids)

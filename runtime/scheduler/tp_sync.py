@@ -24,18 +24,16 @@ LOCKSTEP_FIELDS = ("dtype", "kv_cache_dtype", "max_total_tokens", "max_running_r
                    "max_queued_requests", "max_prefill_tokens", "chunked_prefill_size", "context_length",
                    "schedule_policy", "enable_priority_scheduling", "disable_priority_preemption",
                    "schedule_low_priority_values_first", "priority_scheduling_preemption_threshold",
-                   "disable_radix_cache", "disable_overlap_schedule", "enable_cpu_overlap_schedule")
+                   "disable_radix_cache", "disable_overlap_schedule")
 
 
 # taken from rank 0 instead of compared: SGLang's scheduler broadcasts rank 0's seed, so nodes
-# launched with another --random-seed, or without one (0 there), sample with the head node's; and
-# whether the overlap schedule runs, which on a CPU device each node resolves from its own cores
-ADOPTED_FIELDS = ("random_seed", "overlap_schedule")
+# launched with another --random-seed, or without one (0 there), sample with the head node's
+ADOPTED_FIELDS = ("random_seed",)
 
 
-def lockstep_settings(args: ServerArgs, overlap_schedule: bool) -> dict[str, object]:
-    return {**{name: getattr(args, name) for name in LOCKSTEP_FIELDS}, "random_seed": args.random_seed,
-            "overlap_schedule": overlap_schedule}
+def lockstep_settings(args: ServerArgs) -> dict[str, object]:
+    return {name: getattr(args, name) for name in LOCKSTEP_FIELDS + ADOPTED_FIELDS}
 
 
 class IterationInputs(msgspec.Struct, frozen=True):

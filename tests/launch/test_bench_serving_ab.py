@@ -65,14 +65,13 @@ def test_overlap_servers_must_have_one_pool_size(monkeypatch) -> None:
     with pytest.raises(BenchError, match="--max-total-tokens"):
         with bench_serving_ab.overlap_servers(args):
             pass
-    # the on side forces the overlap schedule, which a CPU device without a spare core leaves off
-    assert started == ["--dtype float32 --disable-overlap-schedule", "--dtype float32 --enable-cpu-overlap-schedule"]
+    assert started == ["--dtype float32 --disable-overlap-schedule", "--dtype float32"]
     pools.update({"http://s3": 1000, "http://s4": 1000})  # --max-total-tokens given: one size
     overlap.update({"http://s3": False, "http://s4": True})
     with bench_serving_ab.overlap_servers(args) as urls:
         assert urls == {"overlap off": "http://s3", "overlap on": "http://s4"}
     pools.update({"http://s5": 1000, "http://s6": 1000})
-    overlap.update({"http://s5": False, "http://s6": False})  # what a server that ignored the flag would say
+    overlap.update({"http://s5": False, "http://s6": False})  # a server that ran other than asked
     with pytest.raises(BenchError, match="not off and on"):
         with bench_serving_ab.overlap_servers(args):
             pass
@@ -82,10 +81,7 @@ def test_overlap_servers_must_have_one_pool_size(monkeypatch) -> None:
     (["--compare-overlap"], "--compare-overlap needs --launch"),
     (["--launch", "--compare-overlap", "--via-gateway"], "--via-gateway and --compare-overlap: one comparison a run"),
     (["--via-gateway", "--json-schema", "s.json"], "one comparison a run"),
-    (["--launch", "--compare-overlap", "--server-args", "--disable-overlap-schedule"],
-     "leave --disable-overlap-schedule out"),
-    (["--launch", "--compare-overlap", "--server-args", "--enable-cpu-overlap-schedule"],
-     "leave --enable-cpu-overlap-schedule out"),
+    (["--launch", "--compare-overlap", "--server-args", "--disable-overlap-schedule"], "leave it out"),
     (["--overlap-rounds", "3"], "--overlap-rounds must be >= 1 and needs --compare-overlap"),
     (["--via-gateway", "--gateway-rounds", "0"], "--gateway-rounds must be >= 1 and needs --via-gateway"),
     (["--launch", "--compare-overlap", "--plot", "x.png"], "--plot draws one run"),

@@ -20,12 +20,9 @@ RANK_SCRIPT = textwrap.dedent("""
     sync = ControlSync(rank, control)
     try:
         kv = 4096 if seed >= 0 else 2048  # a negative "seed" stands for another --max-total-tokens
-        args = ServerArgs(tp_size=2, random_seed=abs(seed), node_rank=rank, nnodes=2, dist_init_addr=addr,
-                          port=30000 + rank, max_total_tokens=kv)
-        # on a CPU device each node resolves the overlap schedule from its own cores: here they differ
-        rank0 = sync.agree(lockstep_settings(args, overlap_schedule=rank == 0))
-        print("agreed", rank0["random_seed"], rank0["overlap_schedule"], sync.share([], ["r1"] if rank == 0 else [])[1],
-              flush=True)
+        rank0 = sync.agree(lockstep_settings(ServerArgs(tp_size=2, random_seed=abs(seed), node_rank=rank, nnodes=2,
+                                                        dist_init_addr=addr, port=30000 + rank, max_total_tokens=kv)))
+        print("agreed", rank0["random_seed"], sync.share([], ["r1"] if rank == 0 else [])[1], flush=True)
         # leave together: a rank that exits while its peer's gloo pair threads still talk to it
         # can take the peer down at exit ("terminate called without an active exception")
         torch.distributed.barrier()
@@ -59,13 +56,12 @@ def test_nodes_with_another_planning_flag_refuse_to_start_naming_it():
 
 
 @pytest.mark.timeout(200)
-def test_nodes_take_rank0s_seed_as_sglang_broadcasts_it_and_its_overlap_schedule():
-    """Node 0 launched with --random-seed 42, node 1 without it (0 there): both sample with 42.
-    Node 0 resolved the overlap schedule on, node 1 off: both run it, so they plan alike."""
-    assert [out.strip().splitlines()[-1] for out in run_ranks((42, 0))] == ["agreed 42 True ['r1']"] * 2
+def test_nodes_take_rank0s_seed_as_sglang_broadcasts_it():
+    """Node 0 launched with --random-seed 42, node 1 without it (0 there): both sample with 42."""
+    assert [out.strip().splitlines()[-1] for out in run_ranks((42, 0))] == ["agreed 42 ['r1']"] * 2
 
 
 @pytest.mark.timeout(200)
 def test_nodes_with_the_same_settings_agree_and_share_rank0s_inputs():
     # --port and --node-rank differ between the nodes, as they may: only node 0 serves
-    assert [out.strip().splitlines()[-1] for out in run_ranks((7, 7))] == ["agreed 7 True ['r1']"] * 2
+    assert [out.strip().splitlines()[-1] for out in run_ranks((7, 7))] == ["agreed 7 ['r1']"] * 2
