@@ -230,7 +230,9 @@ class Engine:
 
     def abort(self, rid: str = "", abort_all: bool = False) -> None:
         """Abort the request with exactly this rid (every choice of it), or every request."""
-        self._loop.call_soon_threadsafe(self._live().abort, rid, abort_all)
+        self._live().abort_request(rid, abort_all)
+
+    abort_request = abort  # SGLang's name (its Engine's, and its tokenizer manager's)
 
     def flush_cache(self) -> FlushCacheReqOutput:
         reply = self._run(self._live().flush_cache())

@@ -79,6 +79,7 @@ class TokenizerManager:
         # request validation / tokenizing and large response building, off the event loop
         self._validation_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tandem-validate")
         self._tasks: list[asyncio.Task] = []
+        self._loop: asyncio.AbstractEventLoop | None = None  # the loop whose thread owns the sockets
         self.dead_reason: str | None = None
         self.last_output_at = 0.0  # time.monotonic() of the last output from the detokenizer
         self.num_outputs = 0  # outputs from the detokenizer: one per output the scheduler sent it
@@ -87,6 +88,7 @@ class TokenizerManager:
 
     async def start(self) -> None:
         """Spawn the children and wait until each reports ready (or fail loudly)."""
+        self._loop = asyncio.get_running_loop()
         self.procs = spawn_children(self.args, self.addrs)
         waiting = {"scheduler", "detokenizer"}
         deadline = time.monotonic() + READY_TIMEOUT_S
@@ -319,6 +321,19 @@ class TokenizerManager:
             send(self.to_scheduler, AbortReq(group_prefixes=[group.prefix]))
             return True
         return False
+
+    def abort_request(self, rid: str = "", abort_all: bool = False) -> None:
+        """SGLang's TokenizerManager.abort_request, which embedding programs call from their own
+        thread or event loop (`engine.tokenizer_manager.abort_request(rid=...)`): off this manager's
+        loop the abort is handed to it, since its ZMQ sockets belong to that loop's thread."""
+        try:
+            on_loop = asyncio.get_running_loop() is self._loop
+        except RuntimeError:  # a plain thread
+            on_loop = False
+        if on_loop or self._loop is None:
+            self.abort(rid, abort_all)
+        else:
+            self._loop.call_soon_threadsafe(self.abort, rid, abort_all)
 
     # -- receiving ------------------------------------------------------------------------------------------------
     async def _detok_loop(self) -> None:

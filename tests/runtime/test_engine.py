@@ -180,6 +180,30 @@ def test_an_interrupted_sync_call_aborts_its_request(engine):
     assert aborts() == aborted_before + 1  # ended by an abort, not run to its 2000 tokens
 
 
+def test_tokenizer_manager_abort_request_from_the_callers_thread_and_loop(engine):
+    """SGLang's embedding programs abort with `engine.tokenizer_manager.abort_request(rid=...)`,
+    from their own thread or event loop: the abort reaches the scheduler (the manager's sockets
+    belong to the engine's loop thread) and the stream ends with an abort."""
+    long = {"max_new_tokens": 2000, "ignore_eos": True}
+    stream = engine.generate(input_ids=[1, 2, 3], sampling_params=long, stream=True, rid="tm-abort-thread")
+    next(stream)
+    aborter = threading.Thread(target=engine.tokenizer_manager.abort_request, kwargs={"rid": "tm-abort-thread"})
+    aborter.start()
+    aborter.join(10)
+    assert list(stream)[-1]["meta_info"]["finish_reason"]["type"] == "abort"
+
+    async def abort_from_my_loop() -> dict:
+        chunks = await engine.async_generate(input_ids=[1, 2, 3], sampling_params=long, stream=True,
+                                             rid="tm-abort-loop")
+        await chunks.__anext__()
+        engine.tokenizer_manager.abort_request(rid="tm-abort-loop")
+        return [chunk async for chunk in chunks][-1]
+
+    assert asyncio.run(abort_from_my_loop())["meta_info"]["finish_reason"]["type"] == "abort"
+    engine.abort_request(abort_all=True)  # SGLang's Engine name too; nothing runs, nothing breaks
+    assert not engine.tokenizer_manager.groups
+
+
 def test_bad_input_raises_naming_the_field(engine):
     with pytest.raises(TypeError, match="as prompt or as text, not both"):
         engine.generate("Hello", GREEDY, text="world")
