@@ -23,12 +23,15 @@ from tandem.runtime import sglang_flags
 from tandem.runtime.launcher import resolve_random_seed
 from tandem.runtime.model_files import check_model_paths
 from tandem.runtime.server.info import model_info, server_info
+from tandem.runtime.server.validation import HANDLED_KEYS, IGNORED_KEYS, MEDIA_KEYS
 from tandem.runtime.server_args import ServerArgs
 from tandem.runtime.tokenizer_manager import TokenizerManager
+from tandem.runtime.value_checks import ValidationError, type_name
 
 logger = logging.getLogger(__name__)
 _STREAM_END = object()
 SHUT_DOWN = "the Engine has been shut down"
+GENERATE_KEYS = HANDLED_KEYS | IGNORED_KEYS | MEDIA_KEYS  # what generate() takes as keywords
 
 
 async def _pump(tm: TokenizerManager, body: dict[str, Any], put: Callable[[Any], None],
@@ -151,6 +154,13 @@ class Engine:
     @staticmethod
     def _body(prompt: str | list[str] | None, sampling_params: dict | list[dict] | None,
               input_ids: list[int] | list[list[int]] | None, stream: bool, extra: dict[str, Any]) -> dict[str, Any]:
+        """The /generate body of a call. Checked here, before a stream is returned: a keyword that
+        is no /generate field is a TypeError, as SGLang's Engine signature makes it, and a stream
+        flag that is no bool is refused (a truthy string would otherwise pick the streamed form)."""
+        if unknown := sorted(set(extra) - GENERATE_KEYS):
+            raise TypeError(f"generate() got an unexpected keyword argument {unknown[0]!r}")
+        if not isinstance(stream, bool):
+            raise ValidationError("stream", f"must be a boolean, got {type_name(stream)}")
         body: dict[str, Any] = {"stream": stream, **extra}
         if prompt is not None:
             if "text" in extra:  # /generate's name for the prompt: one of them would be dropped
@@ -164,10 +174,12 @@ class Engine:
 
     # -- sync API -------------------------------------------------------------------------------------
     def generate(self, prompt: str | list[str] | None = None, sampling_params: dict | list[dict] | None = None,
-                 input_ids: list[int] | list[list[int]] | None = None, stream: bool = False,
+                 input_ids: list[int] | list[list[int]] | None = None, *, stream: bool = False,
                  **kwargs: Any) -> dict | list[dict] | Iterator[dict]:
         """Like POST /generate: a dict (a list for batch input or n > 1), or an iterator of
-        chunks when stream=True (cumulative; deltas with incremental_streaming_output)."""
+        chunks when stream=True (cumulative; deltas with incremental_streaming_output). The
+        keywords are /generate's fields; past input_ids none is positional (SGLang's fourth is
+        image_data, which would be taken for `stream` here)."""
         tm, body = self._live(), self._body(prompt, sampling_params, input_ids, stream, kwargs)
         if stream:
             return self._sync_stream(tm, body)
@@ -193,7 +205,7 @@ class Engine:
 
     # -- async API -------------------------------------------------------------------------------------
     async def async_generate(self, prompt: str | list[str] | None = None, sampling_params: dict | list[dict] | None = None,
-                             input_ids: list[int] | list[list[int]] | None = None, stream: bool = False,
+                             input_ids: list[int] | list[list[int]] | None = None, *, stream: bool = False,
                              **kwargs: Any) -> dict | list[dict] | AsyncIterator[dict]:
         tm, body = self._live(), self._body(prompt, sampling_params, input_ids, stream, kwargs)
         if stream:

@@ -207,9 +207,28 @@ def test_tokenizer_manager_abort_request_from_the_callers_thread_and_loop(engine
 def test_bad_input_raises_naming_the_field(engine):
     with pytest.raises(TypeError, match="as prompt or as text, not both"):
         engine.generate("Hello", GREEDY, text="world")
-    with pytest.raises(Exception, match="max_new_tokens"):
+    with pytest.raises(ValueError, match="max_new_tokens"):
         engine.generate(input_ids=[5, 6], sampling_params={"max_new_tokens": -1})
     assert engine.flush_cache()
+
+
+def test_engine_keywords_as_sglangs_signature(engine):
+    """A keyword SGLang's Engine.generate does not take is a TypeError at the call, as Python
+    raises it there, sync or async, streamed or not (not an error at the first chunk); a stream flag
+    that is no bool is refused before a stream is returned; and nothing past input_ids is
+    positional (SGLang's fourth positional is image_data: here it would silently pick streaming)."""
+    for stream in (False, True):
+        with pytest.raises(TypeError, match="unexpected keyword argument 'max_tokens'"):
+            engine.generate(input_ids=[5, 6], sampling_params=GREEDY, stream=stream, max_tokens=4)
+        with pytest.raises(TypeError, match="unexpected keyword argument 'max_tokens'"):
+            asyncio.run(engine.async_generate(input_ids=[5, 6], stream=stream, max_tokens=4))
+    with pytest.raises(ValueError, match="stream must be a boolean, got str"):
+        engine.generate(input_ids=[5, 6], sampling_params=GREEDY, stream="no")
+    with pytest.raises(TypeError, match="positional"):
+        engine.generate("Hello", GREEDY, None, "image.png")
+    with pytest.raises(ValueError, match="image_data is not supported"):  # SGLang's keyword: refused by name
+        engine.generate("Hello", GREEDY, image_data="image.png")
+    assert len(engine.generate("Hello", GREEDY, image_data=None)["output_ids"]) == 6  # and still serving
 
 
 async def _collect(stream) -> list:
