@@ -18,7 +18,7 @@ import orjson
 
 from tandem.runtime.server.openai_response_format import response_format_constraint
 from tandem.runtime.server.reasoning import ReasoningParser
-from tandem.runtime.value_checks import ValidationError
+from tandem.runtime.value_checks import ValidationError, is_int
 
 # OpenAI name -> native sampling_params name (None: the same name)
 _SAMPLING = {
@@ -105,6 +105,7 @@ def completion_request(body: Any, served_model: str) -> OpenAIRequest:
     if body.get("reasoning_effort") is not None:
         raise ValidationError("reasoning_effort", "is not supported by this server on /v1/completions "
                                                   "(a chat template's input: /v1/chat/completions takes it)")
+    _check_best_of(body)
     req = OpenAIRequest("completion", _model(body, served_model), _native_base(body), stream=_stream(body))
     _stream_options(body, req)
     native = req.native
@@ -131,6 +132,21 @@ def completion_request(body: Any, served_model: str) -> OpenAIRequest:
         req.echo_logprobs = True
         native["logprob_start_len"] = 0
     return req
+
+
+def _check_best_of(body: dict) -> None:
+    """OpenAI's best_of samples best_of candidates and answers with the n most likely. This server
+    does not pick among candidates, so only a best_of that picks nothing (equal to n) passes;
+    SGLang accepts any best_of and ignores it, answering with n unranked choices."""
+    best_of, n = body.get("best_of"), body.get("n")
+    n = 1 if n is None else n
+    if best_of is None or not is_int(n):  # a bad n is named by its own check
+        return
+    if not is_int(best_of) or best_of < 1:
+        raise ValidationError("best_of", f"must be a positive integer, got {best_of!r}")
+    if best_of != n:
+        raise ValidationError("best_of", f"is {best_of} with n = {n}: choosing the n best of best_of candidates is "
+                                         "not supported by this server (give best_of equal to n, or leave it out)")
 
 
 def decode_echo(req: OpenAIRequest, tokenizer: Any) -> None:

@@ -141,6 +141,19 @@ def test_bad_chat_fields(body, field):
     assert err.value.field == field
 
 
+def test_best_of_that_would_pick_among_candidates_is_refused_not_ignored():
+    """OpenAI's best_of > n answers with the n most likely of best_of candidates; this server does
+    not rank candidates, so such a request is a 400 naming best_of rather than n unranked choices
+    (SGLang's silent answer). best_of equal to n picks nothing and passes."""
+    for body in ({"prompt": "a", "best_of": 3}, {"prompt": "a", "best_of": 3, "n": 2},
+                 {"prompt": "a", "best_of": 1, "n": 2}, {"prompt": "a", "best_of": 0}, {"prompt": "a", "best_of": "2"}):
+        with pytest.raises(ValidationError) as err:
+            _completion(body)
+        assert err.value.field == "best_of", body
+    assert _completion({"prompt": "a", "best_of": 2, "n": 2}).native["sampling_params"]["n"] == 2
+    assert "n" not in _completion({"prompt": "a", "best_of": 1}).native["sampling_params"]
+
+
 def test_custom_params_reach_generate_as_in_sglang():
     # SGLang's protocol takes them into sampling_params; with no logit processor they change nothing
     for make, prompt in ((_chat, {"messages": [{"role": "user", "content": "x"}]}), (_completion, {"prompt": "a"})):
