@@ -21,6 +21,7 @@ _GUIDED = ("json_schema", "regex", "ebnf", "choice", "structural_tag")
 _NATIVE_SCALARS = ("temperature", "top_p", "top_k", "min_p", "frequency_penalty", "presence_penalty",
                    "repetition_penalty", "max_new_tokens", "min_new_tokens", "ignore_eos", "n", "seed")
 _SAMPLING_FIELD = re.compile(r"sampling_params\.(\w+)(.*)")
+_PROMPT_FIELD = re.compile(r"input_ids((?:\[\d+\])?)$")
 
 
 @dataclass
@@ -29,20 +30,21 @@ class GrpcRequest:
 
     native: dict[str, Any]
     renames: dict[str, str] = field(default_factory=dict)  # native sampling field -> proto path
+    prompt_field: str = "input_ids"  # where the proto carries the prompt
 
     def rename(self, exc: ValidationError) -> ValidationError:
         m = _SAMPLING_FIELD.match(exc.field)
         if m and m.group(1) in self.renames:
             return ValidationError(self.renames[m.group(1)] + m.group(2), exc.message)
-        if exc.field == "input_ids" and "text" in self.native:
-            return ValidationError("text", exc.message)
+        if m := _PROMPT_FIELD.match(exc.field):
+            return ValidationError(self.prompt_field + m.group(1), exc.message)
         return exc
 
 
 # -- SglangService (tandem's proto) ---------------------------------------------------------------------
 def native_service_request(req: Any, *, text: bool) -> GrpcRequest:
     """TextGenerateRequest / GenerateRequest -> a /generate body."""
-    out = GrpcRequest({"text": req.text} if text else {"input_ids": list(req.input_ids)})
+    out = GrpcRequest({"text": req.text}, prompt_field="text") if text else GrpcRequest({"input_ids": list(req.input_ids)})
     body = out.native
     if req.HasField("sampling_params"):
         body["sampling_params"] = _native_sampling(req.sampling_params, out.renames)
@@ -102,7 +104,8 @@ def scheduler_service_request(req: Any, max_req_len: int) -> GrpcRequest:
 
     An explicit max_new_tokens beyond `max_req_len` (the context, or the KV pool when smaller)
     is shortened to what fits, min_new_tokens with it, as SGLang's scheduler does for the
-    requests its gRPC servicer hands it (its HTTP path refuses them before, as /generate here)."""
+    requests its gRPC servicer hands it (its HTTP path refuses them before, as /generate here);
+    a min_new_tokens above the request's own max_new_tokens is refused, as /generate does."""
     if req.HasField("mm_inputs") and req.mm_inputs.ByteSize():
         raise ValidationError("mm_inputs", "is not supported by this server (text-only model)")
     for name in ("input_embeds", "lora_id", "custom_logit_processor"):
@@ -113,13 +116,16 @@ def scheduler_service_request(req: Any, max_req_len: int) -> GrpcRequest:
     if req.HasField("data_parallel_rank") and req.data_parallel_rank != 0:
         raise ValidationError("data_parallel_rank", f"this server has one rank (0), got {req.data_parallel_rank}")
     input_ids = list(req.tokenized.input_ids)
-    out = GrpcRequest({"input_ids": input_ids, "stream": req.stream})
+    out = GrpcRequest({"input_ids": input_ids, "stream": req.stream}, prompt_field="tokenized.input_ids")
     body = out.native
     if req.request_id:
         body["rid"] = req.request_id
     body["sampling_params"] = sp = _scheduler_sampling(req.sampling_params, out.renames)
-    if sp["max_new_tokens"] is not None:
-        sp["max_new_tokens"] = min(sp["max_new_tokens"], max(max_req_len - len(input_ids), 0))
+    if (asked := sp["max_new_tokens"]) is not None:
+        if sp.get("min_new_tokens", 0) > asked:  # contradicts itself: refused as on /generate, not shortened
+            raise ValidationError("sampling_params.min_new_tokens",
+                                  f"must be <= max_new_tokens ({asked}), got {sp['min_new_tokens']}")
+        sp["max_new_tokens"] = min(asked, max(max_req_len - len(input_ids), 0))
         if "min_new_tokens" in sp:
             sp["min_new_tokens"] = min(sp["min_new_tokens"], sp["max_new_tokens"])
     if req.return_logprob:

@@ -85,6 +85,29 @@ def test_scheduler_request_shortens_max_new_tokens_to_the_context_as_sglangs_sch
     assert max_new(100, 60, min_new=10) == (4, 4)  # min_new_tokens goes down with it, as the request ends there
 
 
+@pytest.mark.parametrize("asked, prompt_len", [(5, 11), (100, 60)])
+def test_scheduler_request_refuses_min_new_tokens_above_its_own_max_new_tokens(asked, prompt_len):
+    """Refused as /generate refuses it, not shortened to max_new_tokens (a silently changed request),
+    whether or not the context also shortens max_new_tokens."""
+    req = spb.GenerateRequest(tokenized=spb.TokenizedInput(input_ids=[3] * prompt_len),
+                              sampling_params=spb.SamplingParams(max_new_tokens=asked, min_new_tokens=asked + 1))
+    with pytest.raises(ValidationError) as err:
+        scheduler_service_request(req, 64)
+    assert err.value.field == "sampling_params.min_new_tokens" and f"({asked})" in err.value.message
+
+
+def test_prompt_errors_name_the_protos_prompt_field():
+    """The gateway's proto carries the ids in tokenized.input_ids, TextGenerate's in text."""
+    smg = scheduler_service_request(spb.GenerateRequest(), 64)
+    assert str(smg.rename(ValidationError("input_ids", "must not be empty"))) == "tokenized.input_ids must not be empty"
+    assert smg.rename(ValidationError("input_ids[3]", "x")).field == "tokenized.input_ids[3]"
+    assert smg.rename(ValidationError("token_ids_logprob[0]", "x")).field == "token_ids_logprob[0]"
+    text = native_service_request(pb.TextGenerateRequest(text="hi"), text=True)
+    assert text.rename(ValidationError("input_ids", "x")).field == "text"
+    ids = native_service_request(pb.GenerateRequest(input_ids=[1]), text=False)
+    assert ids.rename(ValidationError("input_ids[0]", "x")).field == "input_ids[0]"
+
+
 @pytest.mark.parametrize("req, field", [
     (spb.GenerateRequest(lora_id="x"), "lora_id"),
     (spb.GenerateRequest(mm_inputs=spb.MultimodalInputs(image_urls=["u"])), "mm_inputs"),

@@ -113,6 +113,7 @@ def test_each_guided_kind(stub, smol_tokenizer, constraint, check):
     ({"sampling_params": params(json_schema="{bad")}, "sampling_params.json_schema"),
     ({"sampling_params": params(ebnf_grammar='root ::= "a" |')}, "sampling_params.ebnf_grammar"),  # the scheduler's
     ({"sampling_params": params(temperature=-2.0)}, "sampling_params.temperature"),
+    ({"sampling_params": params(min_new_tokens=9)}, "sampling_params.min_new_tokens"),  # above max_new_tokens (8)
     ({"sampling_params": params(logit_bias={"99999999": 1.0})}, "sampling_params.logit_bias"),
     ({"lora_id": "adapter"}, "lora_id"),
 ])
