@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import io
+import math
 import tempfile
 import time
 import zipfile
@@ -30,6 +31,7 @@ from tandem.runtime.server.grpc_requests import scheduler_service_request
 from tandem.runtime.server.grpc_server import GrpcAuth, native_results
 from tandem.runtime.server.info import VERSION, current_loads, health_generate, model_info, served_model_name, server_info
 from tandem.runtime.tokenizer_manager import TokenizerManager
+from tandem.runtime.value_checks import ValidationError
 
 HEALTH_TIMEOUT_S = 20.0
 _TOKENIZER_CHUNK = 1 << 20
@@ -174,7 +176,9 @@ class SchedulerService:
 
     async def FlushCache(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         self.auth.check(context, admin=True)
-        deadline = time.monotonic() + max(request.timeout_s, 0.0)
+        if not 0.0 <= request.timeout_s < math.inf:  # NaN acted as 0 and inf waited forever for idle
+            raise ValidationError("timeout_s", f"must be a finite number of seconds >= 0, got {request.timeout_s}")
+        deadline = time.monotonic() + request.timeout_s
         reply = await self.tm.flush_cache()
         while not reply.success and time.monotonic() < deadline:  # wait for the scheduler to go idle
             await asyncio.sleep(0.05)

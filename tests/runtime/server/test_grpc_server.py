@@ -103,6 +103,21 @@ def test_the_gateway_service_flush_cache_needs_the_admin_key_too():
     assert ctx.code == grpc.StatusCode.PERMISSION_DENIED
 
 
+@pytest.mark.parametrize("timeout_s", [float("nan"), float("inf"), -1.0])
+def test_the_gateway_service_flush_cache_refuses_a_timeout_that_is_no_wait(timeout_s):
+    """NaN flushed at once (as 0) and inf waited for idle for ever: both, and a negative, are
+    INVALID_ARGUMENT naming timeout_s, and the scheduler is not asked."""
+    class FlushTM(FakeTM):
+        async def flush_cache(self) -> Any:
+            raise AssertionError("flushed on a refused request")
+
+    ctx = FakeContext(None)
+    with pytest.raises(Aborted, match="^timeout_s "):
+        asyncio.run(_unary(SchedulerService(FlushTM(), GrpcAuth()).FlushCache, GrpcAuth())(
+            common_pb2.FlushCacheRequest(timeout_s=timeout_s), ctx))
+    assert ctx.code == grpc.StatusCode.INVALID_ARGUMENT
+
+
 def test_streaming_calls_check_the_key_before_running():
     ran = []
 
