@@ -59,6 +59,19 @@ async def _pump(tm: TokenizerManager, body: dict[str, Any], put: Callable[[Any],
         put(_STREAM_END)
 
 
+def _put_on_loop(caller: asyncio.AbstractEventLoop, chunks: asyncio.Queue) -> Callable[[Any], None]:
+    """Hand an async stream's items to its consumer's loop. Once that loop has closed (its
+    asyncio.run ended and closed the stream, whose pump ends on the engine's loop after that)
+    nobody is left to read them: they are dropped, not raised where no one would catch them."""
+    def put(item: Any) -> None:
+        try:
+            caller.call_soon_threadsafe(chunks.put_nowait, item)
+        except RuntimeError:
+            if not caller.is_closed():
+                raise
+    return put
+
+
 @dataclasses.dataclass(frozen=True)
 class FlushCacheReqOutput:
     """SGLang's answer to Engine.flush_cache(): `success` is False while requests are running."""
@@ -219,12 +232,11 @@ class Engine:
             raise
 
     async def _async_stream(self, tm: TokenizerManager, body: dict[str, Any]) -> AsyncIterator[dict]:
-        caller = asyncio.get_running_loop()
         chunks: asyncio.Queue = asyncio.Queue()
+        put = _put_on_loop(asyncio.get_running_loop(), chunks)
         wanted = asyncio.Semaphore(0)
-        fut = self._submit(_pump(tm, body, lambda item: caller.call_soon_threadsafe(chunks.put_nowait, item), wanted))
-        fut.add_done_callback(lambda f: f.cancelled() and caller.call_soon_threadsafe(
-            chunks.put_nowait, RuntimeError(SHUT_DOWN)))
+        fut = self._submit(_pump(tm, body, put, wanted))
+        fut.add_done_callback(lambda f: f.cancelled() and put(RuntimeError(SHUT_DOWN)))
         try:
             while True:
                 self._ask(wanted)

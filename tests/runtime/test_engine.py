@@ -3,6 +3,8 @@ an exception naming the field, and a shutdown that ends every call in flight and
 from __future__ import annotations
 
 import asyncio
+import gc
+import logging
 import threading
 import time
 
@@ -202,6 +204,28 @@ def test_tokenizer_manager_abort_request_from_the_callers_thread_and_loop(engine
     assert asyncio.run(abort_from_my_loop())["meta_info"]["finish_reason"]["type"] == "abort"
     engine.abort_request(abort_all=True)  # SGLang's Engine name too; nothing runs, nothing breaks
     assert not engine.tokenizer_manager.groups
+
+
+def test_an_async_stream_closed_as_its_loop_ends_logs_no_error(engine, caplog):
+    """An async stream still open when its caller's asyncio.run ends is closed by that loop, and
+    its request aborted on the engine's loop after the caller's loop has closed: that is a normal
+    end, not a "Task exception was never retrieved" error in the embedding program's log."""
+    long = {"max_new_tokens": 2000, "ignore_eos": True}
+
+    async def take_one_chunk() -> None:
+        chunks = await engine.async_generate(input_ids=[1, 2, 3], sampling_params=long, stream=True)
+        await chunks.__anext__()
+
+    tm = engine.tokenizer_manager
+    for _ in range(5):
+        asyncio.run(take_one_chunk())
+        deadline = time.monotonic() + 30
+        while tm.groups and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not tm.groups  # the open stream's request was aborted
+    time.sleep(0.2)  # the pumps' futures are done on the engine's loop; collect them
+    gc.collect()
+    assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
 
 
 def test_bad_input_raises_naming_the_field(engine):
