@@ -103,16 +103,22 @@ def response(req: OpenAIRequest, results: list[dict], n: int) -> dict[str, Any]:
 
 
 async def stream_chunks(req: OpenAIRequest, cumulative: CallStream, n: int) -> AsyncIterator[dict]:
-    """Native cumulative results -> OpenAI delta chunks (then a usage chunk when asked)."""
+    """Native cumulative results -> OpenAI delta chunks (then a usage chunk when asked). A chat
+    stream is SGLang's (and OpenAI's) shape: per choice the role's chunk first (empty content),
+    then text deltas, and once every choice's text is out one finish chunk per choice (empty
+    delta), in the order they finished. A completion's last delta carries its finish reason."""
     rid, created = _id(req), int(time.time())
     obj = "chat.completion.chunk" if req.kind == "chat" else "text_completion"
     sent_text: dict[int, int] = {}
     sent_lp: dict[int, int] = {}
     last: dict[int, dict] = {}
-    splitters: dict[int, StreamSplitter] = {}
+    chat = _ChatStream(req)
 
-    def chunk(choice: dict) -> dict:
-        return {"id": rid, "object": obj, "created": created, "model": req.model, "choices": [choice]}
+    def chunk(choice: dict, meta: dict | None = None) -> dict:
+        out = {"id": rid, "object": obj, "created": created, "model": req.model, "choices": [choice]}
+        if meta is not None and req.continuous_usage:  # this choice's counts so far, as SGLang's
+            out["usage"] = _counts(meta["prompt_tokens"], [meta])
+        return out
 
     async for item in cumulative:
         if cumulative.error is not None:
@@ -120,53 +126,71 @@ async def stream_chunks(req: OpenAIRequest, cumulative: CallStream, n: int) -> A
             return
         i = item.get("index", 0)
         last[i] = item
-        meta = item["meta_info"]
-        text = item["text"]
+        meta, text = item["meta_info"], item["text"]
         first = i not in sent_text
         delta_text = text[sent_text.get(i, 0):]
         sent_text[i] = len(text)
+        if req.kind == "chat":
+            for choice, counted in chat.step(i, item, first, delta_text):
+                yield chunk(choice, meta if counted else None)
+            continue
         reason, matched = _finish(meta)
         lp_start, text_start = sent_lp.get(i, 0), len(text) - len(delta_text)
-        lp_end = len(meta.get("output_token_logprobs") or [])
-        if req.kind == "chat":
-            delta: dict[str, Any] = {"role": "assistant"} if first else {}
-            if req.reasoning is not None:
-                splitter = splitters.setdefault(i, StreamSplitter(req.reasoning))
-                reasoning_delta, delta_text = splitter.feed(text, reason is not None, aborted=reason == "abort")
-                if reasoning_delta:
-                    delta["reasoning_content"] = reasoning_delta
-                    if delta_text:  # the think end inside this step's text: one delta each, as SGLang's
-                        yield chunk({"index": i, "delta": delta, "logprobs": None, "finish_reason": None,
-                                     "matched_stop": None})
-                        delta = {}
-            if delta_text:
-                delta["content"] = delta_text
-            # logprobs ride with text: a held-back token's wait for the chunk that shows its text (or
-            # the last), so no chunk has an empty delta and logprobs, which SGLang never sends
-            has_text = "content" in delta or "reasoning_content" in delta
-            shows = reason is not None or has_text
-            if not shows and not first:
-                continue  # text held back (a think tag, a stop string's start): nothing to send, as SGLang
-            if first and not has_text:
-                delta["content"] = ""  # the role's chunk, as SGLang's and OpenAI's first one
-            choice = {"index": i, "delta": delta, "logprobs": _chat_logprobs(meta, lp_start) if req.logprobs and shows
-                      else None}
-            if shows:
-                sent_lp[i] = lp_end
-        else:
-            sent_lp[i] = lp_end
-            echo = req.echo_texts[i // max(n, 1)] if req.echo_texts else ""
-            with_prompt = first and req.echo_logprobs
-            offset = 0 if with_prompt else len(echo) + text_start
-            choice = {"index": i, "text": (echo if first else "") + delta_text,
-                      "logprobs": _completion_logprobs(meta, offset, lp_start, with_prompt) if req.logprobs else None}
-        out = chunk({**choice, "finish_reason": reason, "matched_stop": matched})
-        if req.continuous_usage:  # this choice's counts so far, as SGLang's continuous_usage_stats
-            out["usage"] = _counts(meta["prompt_tokens"], [meta])
-        yield out
+        sent_lp[i] = len(meta.get("output_token_logprobs") or [])
+        echo = req.echo_texts[i // max(n, 1)] if req.echo_texts else ""
+        with_prompt = first and req.echo_logprobs
+        offset = 0 if with_prompt else len(echo) + text_start
+        yield chunk({"index": i, "text": (echo if first else "") + delta_text,
+                     "logprobs": _completion_logprobs(meta, offset, lp_start, with_prompt) if req.logprobs else None,
+                     "finish_reason": reason, "matched_stop": matched}, meta)
+    for choice in chat.finished.values():
+        yield chunk(choice)
     if req.include_usage and last:
         yield {"id": rid, "object": obj, "created": created, "model": req.model, "choices": [],
                "usage": usage([last[i] for i in sorted(last)], n)}
+
+
+class _ChatStream:
+    """A chat stream's per-choice state: its reasoning splitter, the logprobs sent (they ride with
+    the chunks that show their text, so a held-back token's wait, and none is sent twice), and
+    its finish chunk, held until every choice's text is out."""
+
+    def __init__(self, req: OpenAIRequest) -> None:
+        self.req = req
+        self.splitters: dict[int, StreamSplitter] = {}
+        self.sent_lp: dict[int, int] = {}
+        self.finished: dict[int, dict] = {}
+
+    def step(self, i: int, item: dict, first: bool, delta_text: str) -> list[tuple[dict, bool]]:
+        """This step's chunks for choice `i`, each with whether it carries continuous usage
+        (SGLang's text chunks do; the role's and the finish chunks do not)."""
+        meta = item["meta_info"]
+        reason, matched = _finish(meta)
+        out = [(self._choice(i, {"role": "assistant", "content": ""}), False)] if first else []
+        deltas = []
+        if self.req.reasoning is not None:
+            splitter = self.splitters.setdefault(i, StreamSplitter(self.req.reasoning))
+            reasoning, delta_text = splitter.feed(item["text"], reason is not None, aborted=reason == "abort")
+            if reasoning:  # the think end inside this step's text: one delta each, as SGLang's
+                deltas.append({"reasoning_content": reasoning})
+        if delta_text:
+            deltas.append({"content": delta_text})
+        for delta in deltas:  # the step's logprobs go with its first delta, as SGLang's
+            out.append((self._choice(i, delta, self._logprobs(i, meta)), True))
+        if reason is not None:  # what no delta showed (a trimmed stop string's) ends with the finish
+            self.finished[i] = {**self._choice(i, {}, self._logprobs(i, meta)), "finish_reason": reason,
+                                "matched_stop": matched}
+        return out
+
+    def _choice(self, i: int, delta: dict, logprobs: dict | None = None) -> dict:
+        return {"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": None, "matched_stop": None}
+
+    def _logprobs(self, i: int, meta: dict) -> dict | None:
+        start, end = self.sent_lp.get(i, 0), len(meta.get("output_token_logprobs") or [])
+        if not self.req.logprobs or start == end:
+            return None
+        self.sent_lp[i] = end
+        return _chat_logprobs(meta, start)
 
 
 def error_event(req: OpenAIRequest, err: RequestError | ValidationError) -> dict[str, Any]:

@@ -80,7 +80,7 @@ def test_a_stream_that_fails_ends_with_an_error_chunk():
         return [c async for c in oar.stream_chunks(req, cumulative(error), 1)]
 
     *deltas, last = asyncio.run(collect(RequestError(503, "queue full")))
-    assert [d["choices"][0]["delta"] for d in deltas] == [{"role": "assistant", "content": "a"}]
+    assert [d["choices"][0]["delta"] for d in deltas] == [{"role": "assistant", "content": ""}, {"content": "a"}]
     assert last["error"] == {"message": "queue full", "type": "ServiceUnavailableError", "param": None, "code": 503}
     # a field the scheduler found bad is named as the client sent it
     *_, last = asyncio.run(collect(ValidationError("sampling_params.json_schema", "does not compile: x")))
@@ -88,7 +88,10 @@ def test_a_stream_that_fails_ends_with_an_error_chunk():
                              "param": "response_format", "code": 400}
 
 
-def test_stream_chunks_are_deltas_then_usage():
+def test_stream_chunks_are_the_role_then_deltas_then_the_finish_then_usage():
+    """SGLang's (and OpenAI's) chat stream: the role's chunk with empty content, the text deltas
+    (no finish reason), then a finish chunk with an empty delta; continuous usage rides on the
+    text deltas only, as SGLang's."""
     def cumulative():
         return stream_of(result("a", 0, completion=1),
                        result("ab", 0, completion=2, finish={"type": "stop", "matched": 2}))
@@ -101,15 +104,38 @@ def test_stream_chunks_are_deltas_then_usage():
 
     chunks = asyncio.run(collect())
     deltas = [c["choices"][0]["delta"] for c in chunks[:-1]]
-    assert deltas == [{"role": "assistant", "content": "a"}, {"content": "b"}]
-    assert [c["choices"][0]["finish_reason"] for c in chunks[:-1]] == [None, "stop"]
+    assert deltas == [{"role": "assistant", "content": ""}, {"content": "a"}, {"content": "b"}, {}]
+    assert [(c["choices"][0]["finish_reason"], c["choices"][0]["matched_stop"]) for c in chunks[:-1]] == \
+        [(None, None), (None, None), (None, None), ("stop", 2)]
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 2
     assert all(c["object"] == "chat.completion.chunk" and c["id"] == chunks[0]["id"] for c in chunks)
     assert all("usage" not in c for c in chunks[:-1])
     # continuous_usage_stats: every chunk also carries its choice's counts so far
     req.continuous_usage = True
     chunks = asyncio.run(collect())
-    assert [c["usage"]["completion_tokens"] for c in chunks] == [1, 2, 2]
+    assert [c.get("usage", {}).get("completion_tokens") for c in chunks] == [None, 1, 2, None, 2]
+
+
+def test_a_chat_stream_of_n_choices_sends_every_finish_after_all_text():
+    """As SGLang's: with n > 1 the finish chunks come once every choice's text is out, one per
+    choice in the order they finished, then the usage (each prompt counted once)."""
+    stop, length = {"type": "stop", "matched": "."}, {"type": "length"}
+    items = [result("a", 1, completion=1), result("ab", 1, completion=2, finish=stop),
+             result("c", 0, completion=1), result("cd", 0, completion=2, finish=length)]
+    req = _chat({"messages": [{"role": "user", "content": "x"}], "n": 2, "stream": True,
+                 "stream_options": {"include_usage": True}})
+
+    async def collect():
+        return [c async for c in oar.stream_chunks(req, stream_of(*items), 2)]
+
+    *chunks, last = asyncio.run(collect())
+    assert [(c["choices"][0]["index"], c["choices"][0]["delta"], c["choices"][0]["finish_reason"])
+            for c in chunks] == [(1, {"role": "assistant", "content": ""}, None), (1, {"content": "a"}, None),
+                                 (1, {"content": "b"}, None), (0, {"role": "assistant", "content": ""}, None),
+                                 (0, {"content": "c"}, None), (0, {"content": "d"}, None), (1, {}, "stop"),
+                                 (0, {}, "length")]
+    assert chunks[-2]["choices"][0]["matched_stop"] == "."
+    assert last["choices"] == [] and last["usage"]["prompt_tokens"] == 5 and last["usage"]["completion_tokens"] == 4
 
 
 def test_usage_carries_sglangs_reasoning_tokens_summed_over_choices():
@@ -124,7 +150,7 @@ def test_usage_carries_sglangs_reasoning_tokens_summed_over_choices():
     async def collect():
         return [c async for c in oar.stream_chunks(req, stream_of(*results), 2)]
 
-    chunks = asyncio.run(collect())
+    chunks = [c for c in asyncio.run(collect()) if "usage" in c]
     assert [c["usage"]["reasoning_tokens"] for c in chunks] == [2, 1, 3]
 
 
@@ -143,7 +169,7 @@ def test_tokens_that_decode_alike_keep_the_most_likely_in_legacy_top_logprobs():
 
 def test_a_chat_stream_sends_no_empty_delta_while_text_is_held_back():
     """A step whose text is held back (a stop string's or a think tag's start) has nothing to
-    send: no chunk, as SGLang's (the last chunk still carries the finish reason)."""
+    send: no chunk, as SGLang's (the finish chunk still comes)."""
     def cumulative():
         return stream_of(result("a", 0, completion=1), result("a", 0, completion=2),
                        result("a", 0, completion=3, finish={"type": "stop", "matched": "\n"}))
@@ -154,15 +180,15 @@ def test_a_chat_stream_sends_no_empty_delta_while_text_is_held_back():
         return [c["choices"][0] async for c in oar.stream_chunks(req, cumulative(), 1)]
 
     chunks = asyncio.run(collect())
-    assert [(c["delta"], c["finish_reason"]) for c in chunks] == [({"role": "assistant", "content": "a"}, None),
-                                                                  ({}, "stop")]
+    assert [(c["delta"], c["finish_reason"]) for c in chunks] == [({"role": "assistant", "content": ""}, None),
+                                                                  ({"content": "a"}, None), ({}, "stop")]
 
 
 def test_a_chat_streams_held_back_logprobs_with_the_text_that_shows_them():
     """With logprobs too, a step whose text is held back sends nothing (SGLang never sends an empty
     delta with logprobs): its tokens' logprobs come with the next chunk that has text, or the last,
-    so every token's logprob is streamed once, in order. A first step with no text sends the role
-    alone, with SGLang's (and OpenAI's) empty content."""
+    so every token's logprob is streamed once, in order. The role's chunk comes first, with
+    SGLang's (and OpenAI's) empty content."""
     def cumulative():
         return stream_of(result("", 0, completion=1), result("ab", 0, completion=2),
                        result("ab", 0, completion=2, finish={"type": "length"}))
@@ -171,13 +197,19 @@ def test_a_chat_streams_held_back_logprobs_with_the_text_that_shows_them():
     chunks = asyncio.run(_first_choices(oar.stream_chunks(req, cumulative(), 1)))
     assert [c["delta"] for c in chunks] == [{"role": "assistant", "content": ""}, {"content": "ab"}, {}]
     assert [[t["logprob"] for t in c["logprobs"]["content"]] if c["logprobs"] else None for c in chunks] == \
-        [None, [-0.5, -1.0], []]
+        [None, [-0.5, -1.0], None]
     assert chunks[-1]["finish_reason"] == "length"
-    # an answer with no tokens (max_tokens 0): one chunk, the role's with the finish reason
+    # a stop string trimmed off the last step: its token's logprob comes with the finish chunk
+    stopped = stream_of(result("a", 0, completion=1), result("a", 0, completion=2, finish={"type": "stop", "matched": "z"}))
+    stopped = asyncio.run(_first_choices(oar.stream_chunks(req, stopped, 1)))
+    assert [(c["delta"], c["finish_reason"], c["logprobs"] and [t["logprob"] for t in c["logprobs"]["content"]])
+            for c in stopped] == [({"role": "assistant", "content": ""}, None, None), ({"content": "a"}, None, [-0.5]),
+                                  ({}, "stop", [-1.0])]
+    # an answer with no tokens (max_tokens 0): the role's chunk, then the finish
     empty = stream_of(result("", 0, completion=0, finish={"type": "length"}))
     only = asyncio.run(_first_choices(oar.stream_chunks(req, empty, 1)))
     assert [(c["delta"], c["finish_reason"], c["logprobs"]) for c in only] == \
-        [({"role": "assistant", "content": ""}, "length", {"content": []})]
+        [({"role": "assistant", "content": ""}, None, None), ({}, "length", None)]
 
 
 async def _first_choices(chunks) -> list[dict]:
@@ -194,8 +226,8 @@ def test_a_step_that_crosses_the_think_end_streams_reasoning_then_content_as_two
         return [(c["choices"][0]["delta"], c["choices"][0]["finish_reason"])
                 async for c in oar.stream_chunks(req, stream, 1)]
 
-    assert asyncio.run(collect()) == [({"role": "assistant", "reasoning_content": "ab"}, None),
-                                      ({"content": "cd"}, None), ({"content": "e"}, "length")]
+    assert asyncio.run(collect()) == [({"role": "assistant", "content": ""}, None), ({"reasoning_content": "ab"}, None),
+                                      ({"content": "cd"}, None), ({"content": "e"}, None), ({}, "length")]
 
 
 def test_the_answer_id_is_the_clients_rid_as_sglangs():
@@ -230,9 +262,10 @@ def test_stream_reasoning_false_sends_the_reasoning_in_one_chunk():
 
     assert chunks(result("a", 0, completion=1), result("ab", 0, completion=2), result("ab</think>c", 0, completion=2),
                   result("ab</think>cd", 0, completion=2, finish={"type": "length"})) == [
-        ({"role": "assistant", "content": ""}, None, None), ({"reasoning_content": "ab"}, None, None),
-        ({"content": "c"}, None, 2), ({"content": "d"}, "length", 0)]
+        ({"role": "assistant", "content": ""}, None, None), ({"reasoning_content": "ab"}, None, 2),
+        ({"content": "c"}, None, None), ({"content": "d"}, None, None), ({}, "length", None)]
     assert chunks(result("a", 0, completion=1), result("ab", 0, completion=2, finish={"type": "length"})) == [
-        ({"role": "assistant", "content": ""}, None, None), ({"reasoning_content": "ab"}, "length", 2)]
+        ({"role": "assistant", "content": ""}, None, None), ({"reasoning_content": "ab"}, None, 2),
+        ({}, "length", None)]
     assert chunks(result("a", 0, completion=1), result("ab", 0, completion=2, finish={"type": "abort"})) == [
         ({"role": "assistant", "content": ""}, None, None), ({}, "abort", 2)]
