@@ -8,7 +8,8 @@ call but HealthCheck (open, as HTTP's /health) needs `authorization: Bearer <key
 (UNAUTHENTICATED without), and the calls that touch every request (FlushCache, Abort with
 abort_all) the admin key, as on HTTP. Requests become
 native `/generate` bodies (grpc_requests.py); a cancelled RPC closes its result stream, which
-aborts exactly that request's choices.
+aborts exactly that request's choices. Bytes that do not parse as the request message are
+INVALID_ARGUMENT, never grpc's UNKNOWN.
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from typing import Any, AsyncIterator, Callable
 
 import grpc
 from google.protobuf import message_factory
+from google.protobuf.message import DecodeError
 
 from tandem.runtime.request_groups import RequestError
 from tandem.runtime.server.auth import parse_bearer, token_is_admin, token_may_call
@@ -96,9 +98,29 @@ def service_handler(descriptor: Any, servicer: Any, auth: GrpcAuth) -> grpc.Gene
         make = grpc.unary_stream_rpc_method_handler if method.server_streaming else grpc.unary_unary_rpc_method_handler
         needs_key = auth if method.name not in _OPEN_METHODS else GrpcAuth()
         wrapped = _streaming(impl, needs_key) if method.server_streaming else _unary(impl, needs_key)
-        handlers[method.name] = make(wrapped, request_deserializer=request_cls.FromString,
+        handlers[method.name] = make(wrapped, request_deserializer=_parser(request_cls),
                                      response_serializer=response_cls.SerializeToString)
     return grpc.method_handlers_generic_handler(descriptor.full_name, handlers)
+
+
+@dataclass(frozen=True)
+class MalformedRequest:
+    """Bytes that do not parse as the method's request message: the handler answers
+    INVALID_ARGUMENT (a deserializer that raised would make grpc answer UNKNOWN)."""
+
+    message: str
+
+    def refuse(self) -> GrpcError:
+        return GrpcError(grpc.StatusCode.INVALID_ARGUMENT, self.message)
+
+
+def _parser(request_cls: Any) -> Callable[[bytes], Any]:
+    def parse(data: bytes) -> Any:
+        try:
+            return request_cls.FromString(data)
+        except DecodeError as exc:
+            return MalformedRequest(f"request is not a valid {request_cls.DESCRIPTOR.full_name}: {exc}")
+    return parse
 
 
 def _unimplemented(service: str, name: str, streaming: bool) -> Callable:
@@ -121,6 +143,8 @@ def _unary(impl: Callable, auth: GrpcAuth) -> Callable:
     async def handler(request: Any, context: grpc.aio.ServicerContext) -> Any:
         try:
             auth.check(context)
+            if isinstance(request, MalformedRequest):
+                raise request.refuse()
             return await impl(request, context)
         except ValidationError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
@@ -135,6 +159,8 @@ def _streaming(impl: Callable, auth: GrpcAuth) -> Callable:
     async def handler(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
         try:
             auth.check(context)
+            if isinstance(request, MalformedRequest):
+                raise request.refuse()
             async for response in impl(request, context):
                 yield response
         except ValidationError as exc:

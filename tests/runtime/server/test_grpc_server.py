@@ -219,3 +219,39 @@ def test_tokenize_and_detokenize_run_off_the_event_loop():
     native = NativeService(tm, GrpcAuth())  # type: ignore[arg-type]
     assert list(asyncio.run(native.Tokenize(pb.TokenizeRequest(text="ab"), None)).tokens) == [1, 2]
     assert asyncio.run(native.Detokenize(pb.DetokenizeRequest(tokens=[1, 2]), None)).text == "ab"
+
+
+@pytest.mark.parametrize("name, data", [
+    ("Abort", b"\x0a\xff\xff\xff\xff\x0f"),  # a string whose length runs past the end
+    ("Generate", b"\x0a\x02\xff\xfe"),  # request_id that is not UTF-8
+])
+def test_bytes_that_are_not_the_request_message_are_invalid_argument(name, data):
+    """grpc answers UNKNOWN (naming DecodeError) when a deserializer raises: a client's bad bytes
+    are INVALID_ARGUMENT, after the key check, and the servicer never sees them."""
+    class Servicer:
+        async def Abort(self, request: Any, context: Any) -> Any:
+            raise AssertionError("the servicer got a malformed request")
+
+        async def Generate(self, request: Any, context: Any):
+            raise AssertionError("the servicer got a malformed request")
+            yield
+
+    handler = service_handler(smg_pb.DESCRIPTOR.services_by_name["SglangScheduler"], Servicer(), GrpcAuth())
+
+    class Details:
+        method = f"/sglang.grpc.scheduler.SglangScheduler/{name}"
+
+    rpc = handler.service(Details())
+    request = rpc.request_deserializer(data)
+
+    async def run(ctx: FakeContext) -> None:
+        if rpc.unary_unary:
+            await rpc.unary_unary(request, ctx)
+        else:
+            async for _ in rpc.unary_stream(request, ctx):
+                pass
+
+    ctx = FakeContext(None)
+    with pytest.raises(Aborted, match=f"^request is not a valid sglang.grpc.scheduler.{name}Request"):
+        asyncio.run(run(ctx))
+    assert ctx.code == grpc.StatusCode.INVALID_ARGUMENT
