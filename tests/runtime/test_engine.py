@@ -206,6 +206,43 @@ def test_tokenizer_manager_abort_request_from_the_callers_thread_and_loop(engine
     assert not engine.tokenizer_manager.groups
 
 
+def test_a_consumer_that_stops_aborts_its_request(engine):
+    """A stream dropped mid-way (sync), a `for` left by break, a cancelled asyncio task reading a
+    stream or awaiting a whole answer: each request is aborted, its KV freed, nothing left running."""
+    long = {"max_new_tokens": 2000, "ignore_eos": True}
+    metrics, tm = engine.tokenizer_manager.metrics, engine.tokenizer_manager
+
+    def aborts() -> float:
+        return metrics.registry.get_sample_value("sglang:num_aborted_requests_total", metrics.labels)
+
+    before = aborts()
+    dropped = engine.generate(input_ids=[1, 2, 3], sampling_params=long, stream=True)
+    next(dropped), next(dropped)
+    del dropped
+    for _ in engine.generate(input_ids=[[1, 2], [3, 4]], sampling_params={**long, "n": 2}, stream=True):
+        break
+
+    async def cancelled_readers() -> None:
+        async def read_all() -> None:
+            async for _ in await engine.async_generate(input_ids=[5, 6], sampling_params=long, stream=True,
+                                                       rid="cancelled-stream"):
+                pass
+
+        tasks = [asyncio.ensure_future(read_all()),
+                 asyncio.ensure_future(engine.async_generate(input_ids=[7, 8], sampling_params=long, rid="cancelled"))]
+        while not {"cancelled-stream", "cancelled"} <= tm.groups.keys():
+            await asyncio.sleep(0.01)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    asyncio.run(cancelled_readers())
+    _wait_idle(engine)
+    info = engine.get_server_info()
+    assert not tm.groups and info["num_running_reqs"] == 0 and info["kv_slots_used"] == 0
+    assert aborts() == before + 1 + 4 + 2  # every choice of each call ended by an abort
+
+
 def test_an_async_stream_closed_as_its_loop_ends_logs_no_error(engine, caplog):
     """An async stream still open when its caller's asyncio.run ends is closed by that loop, and
     its request aborted on the engine's loop after the caller's loop has closed: that is a normal
