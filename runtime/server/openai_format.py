@@ -72,7 +72,8 @@ def _completion_logprobs(meta: dict, offset: int, start: int = 0, prompt: bool =
 
 def _top_by_text(top: list) -> dict[str, float]:
     """The legacy top_logprobs dict: tokens that decode alike (byte-fallback pieces all read as
-    U+FFFD) keep the most likely one's logprob, as SGLang's."""
+    U+FFFD) keep the most likely one's logprob (SGLang's dict keeps the last, least likely one's,
+    beside a key that ranks first: a value no top-k holds there)."""
     out: dict[str, float] = {}
     for lp, _tid, text in top:
         out.setdefault(text, lp)
