@@ -10,6 +10,7 @@ import zipfile
 
 import grpc
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 from smg_grpc_proto import sglang_scheduler_pb2 as pb
 from smg_grpc_proto import sglang_scheduler_pb2_grpc as pb_grpc
 from smg_grpc_proto.generated import common_pb2
@@ -136,7 +137,15 @@ def test_out_of_range_ids_and_two_constraints_are_refused(stub, grpc_server):
     assert_no_leaks(grpc_server)
 
 
+def _aborted(server) -> float:
+    return sum(sample.value for family in text_string_to_metric_families(server.get("/metrics").text)
+               for sample in family.samples if sample.name == "sglang:num_aborted_requests_total")
+
+
 def test_abort_and_cancel(stub, grpc_server):
+    """Abort by id, and a client cancel mid-stream: both end on the scheduler as aborts (not by
+    running to max_new_tokens), and nothing leaks."""
+    aborted = _aborted(grpc_server)
     long = params(max_new_tokens=1500, ignore_eos=True)
     call = stub.Generate(pb.GenerateRequest(request_id="gw-1", tokenized=pb.TokenizedInput(input_ids=PROMPT),
                                             sampling_params=long, stream=True), timeout=120)
@@ -150,6 +159,7 @@ def test_abort_and_cancel(stub, grpc_server):
     next(cancelled)
     cancelled.cancel()
     assert_no_leaks(grpc_server)
+    assert _aborted(grpc_server) == aborted + 2
 
 
 def test_info_loads_flush_tokenizer_and_unimplemented(stub, grpc_server, smol_tokenizer):
