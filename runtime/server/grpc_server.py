@@ -174,15 +174,16 @@ def _streaming(impl: Callable, auth: GrpcAuth) -> Callable:
 
 def bind_grpc_server(tm: TokenizerManager, host: str, port: int, auth: GrpcAuth) -> grpc.aio.Server:
     """Both services on `host:port`, bound now (a taken port fails before any model loads) and
-    serving once started."""
+    serving once started; a request message over --max-request-bytes is RESOURCE_EXHAUSTED."""
     from smg_grpc_proto import sglang_scheduler_pb2
 
     from tandem.runtime.server.grpc_native import NativeService
     from tandem.runtime.server.grpc_scheduler import SchedulerService
     from tandem.runtime.server.proto import sglang_pb2
 
+    # a request message is bounded as an HTTP body is: it is parsed, and its ids listed, on this loop
     server = grpc.aio.server(options=[("grpc.max_send_message_length", 256 << 20),
-                                      ("grpc.max_receive_message_length", 256 << 20)])
+                                      ("grpc.max_receive_message_length", tm.args.max_request_bytes)])
     server.add_generic_rpc_handlers([
         service_handler(sglang_pb2.DESCRIPTOR.services_by_name["SglangService"], NativeService(tm, auth), auth),
         service_handler(sglang_scheduler_pb2.DESCRIPTOR.services_by_name["SglangScheduler"],

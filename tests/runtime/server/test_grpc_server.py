@@ -255,3 +255,33 @@ def test_bytes_that_are_not_the_request_message_are_invalid_argument(name, data)
     with pytest.raises(Aborted, match=f"^request is not a valid sglang.grpc.scheduler.{name}Request"):
         asyncio.run(run(ctx))
     assert ctx.code == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_a_request_message_over_max_request_bytes_is_refused_before_it_is_parsed():
+    """--max-request-bytes bounds a gRPC request as it bounds an HTTP body (it was 256 MiB: a
+    message of token ids became a list of Python ints of several GiB in the main process)."""
+    from tandem.runtime.launcher import free_port
+    from tandem.runtime.server.grpc_server import bind_grpc_server
+
+    class ArgsTM(FakeTM):
+        args = type("Args", (), {"max_request_bytes": 4096})()
+
+    async def send(size: int) -> grpc.StatusCode:
+        port = free_port()
+        server = bind_grpc_server(ArgsTM(), "127.0.0.1", port, GrpcAuth())  # type: ignore[arg-type]
+        await server.start()
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                abort = channel.unary_unary("/sglang.grpc.scheduler.SglangScheduler/Abort",
+                                            request_serializer=smg_pb.AbortRequest.SerializeToString,
+                                            response_deserializer=smg_pb.AbortResponse.FromString)
+                try:
+                    await abort(smg_pb.AbortRequest(request_id="r" * size), timeout=30)
+                except grpc.aio.AioRpcError as exc:
+                    return exc.code()
+                return grpc.StatusCode.OK
+        finally:
+            await server.stop(None)
+
+    assert asyncio.run(send(5000)) == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert asyncio.run(send(4000)) == grpc.StatusCode.OK
