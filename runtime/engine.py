@@ -249,8 +249,13 @@ class Engine:
             fut.cancel()
 
     def _ask(self, wanted: asyncio.Semaphore) -> None:
-        """A stream's consumer wants its next chunk (the pump on the engine's loop takes it then)."""
-        self._loop.call_soon_threadsafe(wanted.release)
+        """A stream's consumer wants its next chunk (the pump on the engine's loop takes it then).
+        Once shut down there is no pump to ask: the stream's queue holds the shutdown error."""
+        try:
+            self._loop.call_soon_threadsafe(wanted.release)
+        except RuntimeError:
+            if not self._loop.is_closed():
+                raise
 
     def abort(self, rid: str = "", abort_all: bool = False) -> None:
         """Abort the request with exactly this rid (every choice of it), or every request."""
@@ -304,6 +309,8 @@ class Engine:
                 self._thread.join(timeout=10)
         for fut in list(self._pending):
             fut.cancel()
+        if not on_loop and not self._thread.is_alive() and not self._loop.is_closed():
+            self._loop.close()  # its selector's fds (epoll, io_uring, self-pipe): one Engine after another leaked them
 
     def __enter__(self) -> "Engine":
         return self

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+import os
 import threading
 import time
 
@@ -150,7 +151,6 @@ class _Interrupted(Exception):
 def test_an_interrupted_sync_call_aborts_its_request(engine):
     """Ctrl-C in a sync generate() ends the request, as cancelling an async caller does: it is
     aborted (its KV and rid freed), not left running to its max_new_tokens."""
-    import os
     import signal
 
     def interrupt_once_running() -> None:
@@ -296,12 +296,27 @@ async def _collect(stream) -> list:
     return [chunk async for chunk in stream]
 
 
+def _event_fds() -> list[str]:
+    """This process's epoll, io_uring and eventfd descriptors: what an event loop holds."""
+    links = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            links.append(os.readlink(f"/proc/self/fd/{fd}"))
+        except OSError:  # the listing's own descriptor, closed by now
+            pass
+    return sorted(link for link in links if link.startswith("anon_inode:[event") or "io_uring" in link)
+
+
 def test_shutdown_ends_calls_in_flight_and_refuses_later_ones(tiny_model_dir):
+    """Shutdown ends every call in flight, refuses later ones, and closes the Engine's event loop
+    (an Engine per run left its epoll, io_uring and eventfd descriptors open)."""
+    event_fds = _event_fds()
     engine = _engine(tiny_model_dir)
     try:
         _shutdown_with_calls_in_flight(engine)
     finally:
         engine.shutdown()  # a no-op after the test's own; frees the children when it failed early
+    assert _event_fds() == event_fds
 
 
 def _shutdown_with_calls_in_flight(engine: Engine) -> None:
@@ -353,7 +368,6 @@ def test_an_engine_never_shut_down_stops_at_exit(tmp_path, tiny_model_dir):
     """A script that forgets shutdown(): the Engine stops at interpreter exit, while its loop
     thread still runs (a finalizer would wait for a loop that can no longer run), and leaves no
     IPC directory behind. SGLang's no-op flags are taken as keywords, as SGLang's Engine takes them."""
-    import os
     import subprocess
     import sys
 
