@@ -94,6 +94,8 @@ class ServerArgs:
     # SGLang's: each streamed /generate (and Engine) chunk carries only the text, output_ids and output
     # logprobs new since the previous one; off, chunks are cumulative. OpenAI streams are deltas either way.
     incremental_streaming_output: bool = False
+    # SGLang's: OpenAI streams end with a usage chunk even when stream_options does not ask for one
+    stream_response_default_include_usage: bool = False
     log_level: str = "info"
     random_seed: int | None = None  # None: drawn once per launch (launcher.resolve_random_seed), as SGLang's
     served_model_name: str | None = None

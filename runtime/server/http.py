@@ -129,6 +129,7 @@ def create_app(args: ServerArgs, on_child_death: Callable[[str], None] | None = 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         req = openai.completion_request(await read_json(request, args), served_name())
+        req.include_usage |= args.stream_response_default_include_usage
         return await openai_call(request, req)
 
     @app.post("/v1/chat/completions")
@@ -138,6 +139,7 @@ def create_app(args: ServerArgs, on_child_death: Callable[[str], None] | None = 
         req = openai.chat_request(body, served_name(), tm.render_chat, args.reasoning_parser,
                                   tm.chat_sampling_defaults, tm.chat_content_format)
         req.reasoning = with_stream_reasoning(req.reasoning, body)
+        req.include_usage |= args.stream_response_default_include_usage
         return await openai_call(request, req)
 
     @app.post("/v1/responses")

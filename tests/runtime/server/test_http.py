@@ -16,7 +16,7 @@ pytestmark = pytest.mark.timeout(180)
 def server(tiny_model_dir, tmp_path_factory):
     log = tmp_path_factory.mktemp("http") / "server.log"
     handle = start_server(["--model-path", tiny_model_dir("llama"), "--max-total-tokens", "3000",
-                           "--log-level", "info"], str(log))
+                           "--log-level", "info", "--stream-response-default-include-usage"], str(log))
     try:
         yield handle
     finally:
@@ -126,3 +126,25 @@ def test_chat_stream_reasoning_false_streams_the_reasoning_in_one_delta(servers)
     assert "".join(d.get("content") or "" for d in deltas) == whole["content"]
     bad = server.post("/v1/chat/completions", {**body, "stream_reasoning": "no"})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "stream_reasoning"
+
+
+def _stream_chunks(server, path: str, body: dict) -> list[dict]:
+    import json
+
+    resp = server.post(path, {**body, "stream": True}, stream=True)
+    assert resp.status_code == 200, resp.text
+    return [json.loads(line[6:]) for line in resp.iter_lines(decode_unicode=True)
+            if line.startswith("data: ") and line != "data: [DONE]"]
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/completions", {"model": "m", "prompt": "hi", "max_tokens": 3, "temperature": 0}),
+    ("/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}),
+])
+def test_stream_response_default_include_usage_ends_streams_with_usage(server, path, body):
+    """SGLang's --stream-response-default-include-usage: a stream ends with a usage chunk whether or
+    not stream_options asks (include_usage false included: SGLang ORs the two), and only the last."""
+    for options in ({}, {"stream_options": {"include_usage": False}}):
+        chunks = _stream_chunks(server, path, {**body, **options})
+        assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 3, chunks[-1]
+        assert all(c.get("usage") is None for c in chunks[:-1])
