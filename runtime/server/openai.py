@@ -381,6 +381,9 @@ def _sampling(body: dict, req: OpenAIRequest, default_max_tokens: int | None) ->
             break
     else:  # chat: None, as many as fit (SGLang's chat sends null); completions: OpenAI's 16
         sp["max_new_tokens"] = default_max_tokens
+    # vLLM's name for keeping a matched stop string (SGLang's protocol drops the field unread)
+    if _flag(body, "include_stop_str_in_output") and "no_stop_trim" not in sp:
+        sp["no_stop_trim"], req.renames["no_stop_trim"] = True, "include_stop_str_in_output"
     if body.get("response_format") is not None and (constraint := response_format_constraint(body["response_format"])):
         kind, sp[kind] = constraint
         req.renames[kind] = "response_format"

@@ -344,3 +344,17 @@ def test_a_lora_adapter_in_the_model_name_is_refused():
             build({**body, "model": "served:sql"})
         assert build({**body, "model": "other-name"}).model == "other-name"  # a plain name is only echoed
     assert oa.completion_request({"prompt": "hi", "model": "org/m:v2"}, "org/m:v2").model == "org/m:v2"
+
+
+def test_include_stop_str_in_output_keeps_the_stop_string_as_no_stop_trim() -> None:
+    """vLLM's include_stop_str_in_output: SGLang's protocol drops it unread, so a client asking for
+    the stop string got it trimmed; here it is no_stop_trim, which an explicit no_stop_trim overrides."""
+    sp = _completion({"prompt": "Hi", "stop": ["."], "include_stop_str_in_output": True}).native["sampling_params"]
+    assert sp["no_stop_trim"] is True
+    sp = _completion({"prompt": "Hi", "include_stop_str_in_output": False}).native["sampling_params"]
+    assert "no_stop_trim" not in sp
+    req = oa.chat_request({"messages": [{"role": "user", "content": "Hi"}], "include_stop_str_in_output": True,
+                           "no_stop_trim": False}, "served", lambda messages, kwargs: "Hi")
+    assert req.native["sampling_params"]["no_stop_trim"] is False
+    with pytest.raises(ValidationError, match="include_stop_str_in_output"):
+        _completion({"prompt": "Hi", "include_stop_str_in_output": "yes"})
