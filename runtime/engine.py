@@ -278,6 +278,11 @@ class Engine:
         return model_info(self._live())
 
     @property
+    def server_args(self) -> ServerArgs:
+        """SGLang's name for the Engine's settings (`engine.server_args.tp_size`, ...)."""
+        return self.args
+
+    @property
     def tokenizer_manager(self) -> TokenizerManager:
         """SGLang's name: `engine.tokenizer_manager.tokenizer` is the tokenizer."""
         return self._live()

@@ -86,6 +86,11 @@ class TokenizerManager:
         self.draining = False
         self.metrics = ServerMetrics(args.served_model_name or args.model_path or DEFAULT_MODEL_NAME)
 
+    @property
+    def server_args(self) -> ServerArgs:
+        """SGLang's name for the settings (`engine.tokenizer_manager.server_args`)."""
+        return self.args
+
     async def start(self) -> None:
         """Spawn the children and wait until each reports ready (or fail loudly)."""
         self._loop = asyncio.get_running_loop()

@@ -54,11 +54,13 @@ def test_sync_stream_and_async_calls_agree(engine):
 
 def test_sglangs_engine_surface(engine):
     """SGLang's Engine names: get_server_info / get_model_info answer as /server_info and
-    /model_info, tokenizer_manager.tokenizer is the tokenizer; return_prompt_token_ids as SGLang's."""
+    /model_info, tokenizer_manager.tokenizer is the tokenizer, server_args (the Engine's and the
+    tokenizer manager's) the settings; return_prompt_token_ids as SGLang's."""
     info = engine.get_server_info()
     assert info["max_total_num_tokens"] == 4000 and info["dp_size"] == 1 and "num_running_reqs" in info
     assert engine.get_model_info()["architectures"] == ["LlamaForCausalLM"]
     tokenizer = engine.tokenizer_manager.tokenizer
+    assert engine.server_args is engine.tokenizer_manager.server_args and engine.server_args.max_total_tokens == 4000
     out = engine.generate("Hello world", GREEDY, return_prompt_token_ids=True)
     assert out["prompt_token_ids"] == tokenizer.encode("Hello world")
     assert "prompt_token_ids" not in engine.generate("Hello world", GREEDY)
