@@ -14,6 +14,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from tandem.runtime.server.prompts import refuse_overlong
+from tandem.runtime.server.validation import RequestLimits
 from tandem.runtime.value_checks import ValidationError
 
 # native SamplingParams name -> proto field, where the names differ
@@ -99,10 +101,10 @@ _SMG_CONSTRAINT = {"regex": "regex", "json_schema": "json_schema", "ebnf_grammar
                    "structural_tag": "structural_tag"}
 
 
-def scheduler_service_request(req: Any, max_req_len: int) -> GrpcRequest:
+def scheduler_service_request(req: Any, limits: RequestLimits) -> GrpcRequest:
     """smg's GenerateRequest (token ids the gateway tokenized itself) -> a /generate body.
 
-    An explicit max_new_tokens beyond `max_req_len` (the context, or the KV pool when smaller)
+    An explicit max_new_tokens beyond `limits.max_request_len` (the context, or the KV pool when smaller)
     is shortened to what fits, min_new_tokens with it, as SGLang's scheduler does for the
     requests its gRPC servicer hands it (its HTTP path refuses them before, as /generate here);
     a min_new_tokens above the request's own max_new_tokens is refused, as /generate does."""
@@ -115,6 +117,8 @@ def scheduler_service_request(req: Any, max_req_len: int) -> GrpcRequest:
         raise ValidationError("disaggregated_params", "prefill/decode disaggregation is not supported by this server")
     if req.HasField("data_parallel_rank") and req.data_parallel_rank != 0:
         raise ValidationError("data_parallel_rank", f"this server has one rank (0), got {req.data_parallel_rank}")
+    # by its length first: listing the ids of a message of tens of millions takes a second of this loop
+    refuse_overlong("tokenized.input_ids", len(req.tokenized.input_ids), limits)
     input_ids = list(req.tokenized.input_ids)
     out = GrpcRequest({"input_ids": input_ids, "stream": req.stream}, prompt_field="tokenized.input_ids")
     body = out.native
@@ -125,7 +129,7 @@ def scheduler_service_request(req: Any, max_req_len: int) -> GrpcRequest:
         if sp.get("min_new_tokens", 0) > asked:  # contradicts itself: refused as on /generate, not shortened
             raise ValidationError("sampling_params.min_new_tokens",
                                   f"must be <= max_new_tokens ({asked}), got {sp['min_new_tokens']}")
-        sp["max_new_tokens"] = min(asked, max(max_req_len - len(input_ids), 0))
+        sp["max_new_tokens"] = min(asked, max(limits.max_request_len - len(input_ids), 0))
         if "min_new_tokens" in sp:
             sp["min_new_tokens"] = min(sp["min_new_tokens"], sp["max_new_tokens"])
     if req.return_logprob:

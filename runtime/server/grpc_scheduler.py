@@ -97,7 +97,7 @@ class SchedulerService:
         self.started = time.time()
 
     async def Generate(self, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-        req = scheduler_service_request(request, self.tm.limits.max_request_len)
+        req = scheduler_service_request(request, self.tm.limits)
         rid, stream = request.request_id, request.stream
         start_len = req.native.get("logprob_start_len", -1)
         with_prompt = start_len >= 0  # as SGLang's servicer: no prompt logprobs for -1 (the gateway's chat)

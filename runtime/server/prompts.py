@@ -85,6 +85,7 @@ def prompt_ids(
         return ids, prompt
     if not prompt:
         raise ValidationError(field, "must not be empty")
+    refuse_overlong(field, len(prompt), limits)  # before a pass over every id of it
     for j, t in enumerate(prompt):
         if not is_int(t):
             got = type_name(t)
@@ -129,13 +130,20 @@ def _truncated(field: str, ids: list[int], sp: SamplingParams, explicit: bool, l
     return ids[:keep]
 
 
+def refuse_overlong(field: str, prompt_len: int, limits: RequestLimits) -> None:
+    """A prompt must leave the context room for a token (SGLang's >= bound too), unless
+    --allow-auto-truncate cuts it. Its length alone decides, so a front end that holds the ids
+    in another form can check it before it lists and reads tens of millions of them."""
+    ctx = limits.context_len
+    if prompt_len >= ctx and not limits.allow_auto_truncate:
+        raise ValidationError(field, f"has {prompt_len} tokens; a prompt must be shorter than the context length ({ctx})")
+
+
 def _fit_max_new(
     field: str, prompt_len: int, sp_field: str, sp: SamplingParams, explicit: bool, limits: RequestLimits
 ) -> None:
     ctx = limits.context_len
-    if prompt_len >= ctx:  # SGLang's bound too: a prompt must leave the context room for a token
-        msg = f"has {prompt_len} tokens; a prompt must be shorter than the context length ({ctx})"
-        raise ValidationError(field, msg)
+    refuse_overlong(field, prompt_len, limits)  # a truncated prompt is shorter already
     kv = limits.max_total_tokens
     # a prompt that fills the KV pool is the scheduler's 400, not a clamp to an empty answer
     room = limits.max_request_len if kv and prompt_len < kv else ctx

@@ -3,12 +3,19 @@ explicit false stay distinct), the guided oneof and the deprecated fields are ex
 errors name the proto's fields."""
 from __future__ import annotations
 
+import dataclasses
+from types import SimpleNamespace
+from typing import Any
+
 import pytest
 from smg_grpc_proto import sglang_scheduler_pb2 as spb
 
 from tandem.runtime.server.grpc_requests import native_service_request, scheduler_service_request
 from tandem.runtime.server.proto import sglang_pb2 as pb
+from tandem.runtime.server.validation import RequestLimits
 from tandem.runtime.value_checks import ValidationError
+
+LIMITS = RequestLimits(vocab_size=100, context_len=128, max_total_tokens=64)  # max_request_len 64: the KV pool's
 
 
 def test_only_set_fields_are_forwarded():
@@ -52,21 +59,21 @@ def test_native_errors_are_renamed_to_the_proto_fields():
     req = native_service_request(pb.GenerateRequest(input_ids=[1], max_thinking_tokens=2, sampling_params=sp), text=False)
     assert req.rename(ValidationError("sampling_params.regex", "x")).field == "sampling_params.guided_decoding.choice"
     assert req.rename(ValidationError("sampling_params.max_thinking_tokens", "x")).field == "max_thinking_tokens"
-    smg = scheduler_service_request(spb.GenerateRequest(sampling_params=spb.SamplingParams(ebnf_grammar="")), 64)
+    smg = scheduler_service_request(spb.GenerateRequest(sampling_params=spb.SamplingParams(ebnf_grammar="")), LIMITS)
     assert smg.rename(ValidationError("sampling_params.ebnf", "x")).field == "sampling_params.ebnf_grammar"
 
 
 def test_scheduler_request_leaves_out_proto_zeros_that_mean_unset():
     req = spb.GenerateRequest(request_id="g1", tokenized=spb.TokenizedInput(input_ids=[4, 5]), stream=True,
                               sampling_params=spb.SamplingParams(temperature=0.7, max_new_tokens=0, regex="[0-9]"))
-    body = scheduler_service_request(req, 64).native
+    body = scheduler_service_request(req, LIMITS).native
     assert body["rid"] == "g1" and body["input_ids"] == [4, 5] and body["stream"] is True
     sp = body["sampling_params"]
     assert sp["temperature"] == pytest.approx(0.7) and sp["max_new_tokens"] == 0 and sp["regex"] == "[0-9]"
     assert not {"top_p", "top_k", "n", "repetition_penalty", "stream_interval"} & set(sp)
     assert "return_logprob" not in body and "require_reasoning" not in body
     logprobs = scheduler_service_request(spb.GenerateRequest(return_logprob=True, top_logprobs_num=2,
-                                                             logprob_start_len=-1, require_reasoning=True), 64).native
+                                                             logprob_start_len=-1, require_reasoning=True), LIMITS).native
     assert (logprobs["top_logprobs_num"], logprobs["logprob_start_len"], logprobs["require_reasoning"]) == (2, -1, True)
     # unset max_new_tokens fills the context (null), as SGLang's servicer passes None
     assert logprobs["sampling_params"]["max_new_tokens"] is None
@@ -78,7 +85,7 @@ def test_scheduler_request_shortens_max_new_tokens_to_the_context_as_sglangs_sch
     def max_new(asked: int, prompt_len: int, min_new: int = 0) -> tuple[int, int]:
         req = spb.GenerateRequest(tokenized=spb.TokenizedInput(input_ids=[3] * prompt_len),
                                   sampling_params=spb.SamplingParams(max_new_tokens=asked, min_new_tokens=min_new))
-        sp = scheduler_service_request(req, 64).native["sampling_params"]
+        sp = scheduler_service_request(req, LIMITS).native["sampling_params"]
         return sp["max_new_tokens"], sp.get("min_new_tokens", 0)
 
     assert [max_new(100000, 11)[0], max_new(20, 11)[0], max_new(53, 11)[0], max_new(5, 64)[0]] == [53, 20, 53, 0]
@@ -92,13 +99,40 @@ def test_scheduler_request_refuses_min_new_tokens_above_its_own_max_new_tokens(a
     req = spb.GenerateRequest(tokenized=spb.TokenizedInput(input_ids=[3] * prompt_len),
                               sampling_params=spb.SamplingParams(max_new_tokens=asked, min_new_tokens=asked + 1))
     with pytest.raises(ValidationError) as err:
-        scheduler_service_request(req, 64)
+        scheduler_service_request(req, LIMITS)
     assert err.value.field == "sampling_params.min_new_tokens" and f"({asked})" in err.value.message
+
+
+class _HugeIds:
+    def __len__(self) -> int:
+        return 10**8
+
+    def __iter__(self):
+        raise AssertionError("the ids were listed")
+
+
+class _HugeRequest:
+    """An empty GenerateRequest but for tokenized.input_ids, which claims 10**8 ids."""
+
+    tokenized = SimpleNamespace(input_ids=_HugeIds())
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(spb.GenerateRequest(), name)
+
+
+def test_scheduler_request_refuses_an_overlong_prompt_before_listing_its_ids():
+    """By its length: listing a message of 60M ids took a second of the event loop, every stream's."""
+    with pytest.raises(ValidationError) as err:
+        scheduler_service_request(_HugeRequest(), LIMITS)
+    assert str(err.value) == "tokenized.input_ids has 100000000 tokens; a prompt must be shorter than the context length (128)"
+    long = spb.GenerateRequest(tokenized=spb.TokenizedInput(input_ids=[1] * 200))
+    cut = scheduler_service_request(long, dataclasses.replace(LIMITS, allow_auto_truncate=True))
+    assert len(cut.native["input_ids"]) == 200  # --allow-auto-truncate: validation cuts it to its head
 
 
 def test_prompt_errors_name_the_protos_prompt_field():
     """The gateway's proto carries the ids in tokenized.input_ids, TextGenerate's in text."""
-    smg = scheduler_service_request(spb.GenerateRequest(), 64)
+    smg = scheduler_service_request(spb.GenerateRequest(), LIMITS)
     assert str(smg.rename(ValidationError("input_ids", "must not be empty"))) == "tokenized.input_ids must not be empty"
     assert smg.rename(ValidationError("input_ids[3]", "x")).field == "tokenized.input_ids[3]"
     assert smg.rename(ValidationError("token_ids_logprob[0]", "x")).field == "token_ids_logprob[0]"
@@ -119,9 +153,9 @@ def test_prompt_errors_name_the_protos_prompt_field():
 ])
 def test_scheduler_request_refuses_what_the_server_lacks(req, field):
     with pytest.raises(ValidationError) as err:
-        scheduler_service_request(req, 64)
+        scheduler_service_request(req, LIMITS)
     assert err.value.field == field
-    assert scheduler_service_request(spb.GenerateRequest(data_parallel_rank=0), 64).native  # rank 0 is this one
+    assert scheduler_service_request(spb.GenerateRequest(data_parallel_rank=0), LIMITS).native  # rank 0 is this one
 
 
 @pytest.mark.parametrize("kw, field", [

@@ -463,6 +463,20 @@ def test_text_too_long_for_the_context_is_refused_without_tokenizing() -> None:
         normalize_generate_request(body, LIMITS, never)
 
 
+def test_ids_too_long_for_the_context_are_refused_without_reading_each_id() -> None:
+    """A gRPC message or HTTP body of tens of millions of ids was checked id by id (seconds of
+    the GIL, stalling every stream) before its length was; under --allow-auto-truncate the ids
+    are still read, as the head is kept."""
+    class Unread(list):
+        def __iter__(self):
+            raise AssertionError("every id was read")
+
+    with pytest.raises(ValidationError, match=r"^input_ids has 64 tokens; a prompt must be shorter than the context"):
+        norm({"input_ids": Unread([1] * CTX)})
+    with pytest.raises(AssertionError, match="every id was read"):
+        norm({"input_ids": Unread([1] * CTX)}, allow_auto_truncate=True)
+
+
 def test_top_logprobs_num_is_capped_by_the_server() -> None:
     assert norm({"text": "a", "top_logprobs_num": 5}, max_top_logprobs_num=5).items[0].logprob.top_logprobs_num == 5
     with pytest.raises(ValidationError, match=r"^top_logprobs_num must be in \[0, 5\] \(--max-top-logprobs-num\)"):
