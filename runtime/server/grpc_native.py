@@ -46,7 +46,7 @@ class NativeService:
                                       finished=result["meta_info"]["finish_reason"] is not None)
 
     async def _generate(self, request: Any, text: bool) -> AsyncIterator[dict]:
-        req = native_service_request(request, text=text)
+        req = native_service_request(request, self.tm.limits, text=text)
         stream = req.native.get("stream", False)
         last: dict[int, dict] = {}
         async for result in native_results(self.tm, req):

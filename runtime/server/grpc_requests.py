@@ -44,9 +44,13 @@ class GrpcRequest:
 
 
 # -- SglangService (tandem's proto) ---------------------------------------------------------------------
-def native_service_request(req: Any, *, text: bool) -> GrpcRequest:
+def native_service_request(req: Any, limits: RequestLimits, *, text: bool) -> GrpcRequest:
     """TextGenerateRequest / GenerateRequest -> a /generate body."""
-    out = GrpcRequest({"text": req.text}, prompt_field="text") if text else GrpcRequest({"input_ids": list(req.input_ids)})
+    if text:
+        out = GrpcRequest({"text": req.text}, prompt_field="text")
+    else:
+        refuse_overlong("input_ids", len(req.input_ids), limits)  # before listing them, as the gateway's
+        out = GrpcRequest({"input_ids": list(req.input_ids)})
     body = out.native
     if req.HasField("sampling_params"):
         body["sampling_params"] = _native_sampling(req.sampling_params, out.renames)

@@ -20,14 +20,14 @@ LIMITS = RequestLimits(vocab_size=100, context_len=128, max_total_tokens=64)  # 
 
 def test_only_set_fields_are_forwarded():
     req = pb.GenerateRequest(input_ids=[1, 2])
-    assert native_service_request(req, text=False).native == {"input_ids": [1, 2]}
+    assert native_service_request(req, LIMITS, text=False).native == {"input_ids": [1, 2]}
     explicit = pb.GenerateRequest(input_ids=[1], stream=False, require_reasoning=False, priority=0,
                                   sampling_params=pb.SamplingParams(temperature=0.0, ignore_eos=False, seed=0))
-    body = native_service_request(explicit, text=False).native
+    body = native_service_request(explicit, LIMITS, text=False).native
     assert body == {"input_ids": [1], "stream": False, "require_reasoning": False, "priority": 0,
                     "sampling_params": {"temperature": 0.0, "ignore_eos": False, "seed": 0}}
     text = pb.TextGenerateRequest(text="hi", rid="r", max_thinking_tokens=3, return_text_in_logprobs=True)
-    assert native_service_request(text, text=True).native == {
+    assert native_service_request(text, LIMITS, text=True).native == {
         "text": "hi", "rid": "r", "return_text_in_logprobs": True, "sampling_params": {"max_thinking_tokens": 3}}
 
 
@@ -40,7 +40,7 @@ def test_only_set_fields_are_forwarded():
 ])
 def test_each_guided_kind(guided, native):
     req = pb.GenerateRequest(input_ids=[1], sampling_params=pb.SamplingParams(guided_decoding=guided))
-    assert native_service_request(req, text=False).native["sampling_params"] == native
+    assert native_service_request(req, LIMITS, text=False).native["sampling_params"] == native
 
 
 @pytest.mark.parametrize("sp, field", [
@@ -50,13 +50,13 @@ def test_each_guided_kind(guided, native):
 ])
 def test_constraint_conflicts_name_the_field(sp, field):
     with pytest.raises(ValidationError) as err:
-        native_service_request(pb.GenerateRequest(input_ids=[1], sampling_params=sp), text=False)
+        native_service_request(pb.GenerateRequest(input_ids=[1], sampling_params=sp), LIMITS, text=False)
     assert err.value.field == field
 
 
 def test_native_errors_are_renamed_to_the_proto_fields():
     sp = pb.SamplingParams(guided_decoding=pb.GuidedDecoding(choice=pb.ChoiceConstraint()))
-    req = native_service_request(pb.GenerateRequest(input_ids=[1], max_thinking_tokens=2, sampling_params=sp), text=False)
+    req = native_service_request(pb.GenerateRequest(input_ids=[1], max_thinking_tokens=2, sampling_params=sp), LIMITS, text=False)
     assert req.rename(ValidationError("sampling_params.regex", "x")).field == "sampling_params.guided_decoding.choice"
     assert req.rename(ValidationError("sampling_params.max_thinking_tokens", "x")).field == "max_thinking_tokens"
     smg = scheduler_service_request(spb.GenerateRequest(sampling_params=spb.SamplingParams(ebnf_grammar="")), LIMITS)
@@ -130,15 +130,21 @@ def test_scheduler_request_refuses_an_overlong_prompt_before_listing_its_ids():
     assert len(cut.native["input_ids"]) == 200  # --allow-auto-truncate: validation cuts it to its head
 
 
+def test_native_request_refuses_overlong_ids_before_listing_them():
+    request = SimpleNamespace(input_ids=_HugeIds())
+    with pytest.raises(ValidationError, match="^input_ids has 100000000 tokens; a prompt must be shorter"):
+        native_service_request(request, LIMITS, text=False)
+
+
 def test_prompt_errors_name_the_protos_prompt_field():
     """The gateway's proto carries the ids in tokenized.input_ids, TextGenerate's in text."""
     smg = scheduler_service_request(spb.GenerateRequest(), LIMITS)
     assert str(smg.rename(ValidationError("input_ids", "must not be empty"))) == "tokenized.input_ids must not be empty"
     assert smg.rename(ValidationError("input_ids[3]", "x")).field == "tokenized.input_ids[3]"
     assert smg.rename(ValidationError("token_ids_logprob[0]", "x")).field == "token_ids_logprob[0]"
-    text = native_service_request(pb.TextGenerateRequest(text="hi"), text=True)
+    text = native_service_request(pb.TextGenerateRequest(text="hi"), LIMITS, text=True)
     assert text.rename(ValidationError("input_ids", "x")).field == "text"
-    ids = native_service_request(pb.GenerateRequest(input_ids=[1]), text=False)
+    ids = native_service_request(pb.GenerateRequest(input_ids=[1]), LIMITS, text=False)
     assert ids.rename(ValidationError("input_ids[0]", "x")).field == "input_ids[0]"
 
 
@@ -164,6 +170,6 @@ def test_scheduler_request_refuses_what_the_server_lacks(req, field):
 ])
 def test_native_request_refuses_what_the_gateway_service_refuses(kw, field):
     with pytest.raises(ValidationError) as err:
-        native_service_request(pb.TextGenerateRequest(text="x", **kw), text=True)
+        native_service_request(pb.TextGenerateRequest(text="x", **kw), LIMITS, text=True)
     assert err.value.field == field
-    assert native_service_request(pb.TextGenerateRequest(text="x", routed_dp_rank=0), text=True).native
+    assert native_service_request(pb.TextGenerateRequest(text="x", routed_dp_rank=0), LIMITS, text=True).native
