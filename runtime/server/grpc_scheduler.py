@@ -5,7 +5,8 @@ token ids. Streaming: one `chunk` per update with the new tokens (and their logp
 prompt's logprobs in the first), then one `complete` per choice once it finishes, carrying its
 finish reason and, as SGLang's servicer does, the last chunk's tokens again (the gateway takes
 a stream's text from the chunks). Non-streaming: one `complete` per choice with the whole output. `index` tells the
-choices of an n > 1 request apart; the stream ends when every choice has finished.
+choices of an n > 1 request apart; the stream ends when every choice has finished. Both carry
+`reasoning_tokens`, the count that `require_reasoning` asks the scheduler for (0 without it).
 """
 from __future__ import annotations
 
@@ -79,7 +80,8 @@ def _complete(rid: str, result: dict, start: int = 0, with_prompt: bool = True, 
     return pb.GenerateResponse(request_id=rid, complete=pb.GenerateComplete(
         output_ids=result["output_ids"][start:], finish_reason=reason.get("type", "stop"),
         prompt_tokens=meta["prompt_tokens"], completion_tokens=meta["completion_tokens"],
-        cached_tokens=meta["cached_tokens"], output_logprobs=_output_logprobs(meta, start),
+        cached_tokens=meta["cached_tokens"], reasoning_tokens=meta["reasoning_tokens"],
+        output_logprobs=_output_logprobs(meta, start),
         input_logprobs=_input_logprobs(meta) if with_prompt else None, all_hidden_states=_hidden_states(meta, logprob_start_len),
         index=result.get("index", 0), **stop))
 
@@ -114,7 +116,7 @@ class SchedulerService:
                     yield pb.GenerateResponse(request_id=rid, chunk=pb.GenerateStreamChunk(
                         token_ids=new, prompt_tokens=meta["prompt_tokens"],
                         completion_tokens=meta["completion_tokens"], cached_tokens=meta["cached_tokens"],
-                        output_logprobs=_output_logprobs(meta, start),
+                        reasoning_tokens=meta["reasoning_tokens"], output_logprobs=_output_logprobs(meta, start),
                         input_logprobs=_input_logprobs(meta) if first and with_prompt else None, index=index))
             if meta["finish_reason"] is not None:
                 # streaming: the last delta again, as SGLang's servicer (the prompt's logprobs went first)

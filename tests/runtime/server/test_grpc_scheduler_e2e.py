@@ -191,3 +191,19 @@ def test_info_loads_flush_tokenizer_and_unimplemented(stub, grpc_server, smol_to
     with pytest.raises(grpc.RpcError) as err:
         list(stub.SubscribeKvEvents(common_pb2.SubscribeKvEventsRequest(), timeout=30))
     assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED, err.value.details()
+
+
+def test_require_reasoning_reports_reasoning_tokens(stub, grpc_server):
+    """require_reasoning asks the scheduler to count reasoning tokens: the count comes back in each
+    chunk (cumulative) and in the complete, as /generate's meta_info.reasoning_tokens."""
+    http = grpc_server.generate({"input_ids": PROMPT, "require_reasoning": True,
+                                 "sampling_params": {"temperature": 0, "max_new_tokens": 8}})
+    counted = http["meta_info"]["reasoning_tokens"]
+    assert counted > 0
+    streamed = generate(stub, stream=True, require_reasoning=True)
+    chunks = [r.chunk for r in streamed if r.HasField("chunk")]
+    assert chunks[-1].reasoning_tokens == counted and streamed[-1].complete.reasoning_tokens == counted
+    assert [c.reasoning_tokens for c in chunks] == sorted(c.reasoning_tokens for c in chunks)
+    (whole,) = generate(stub, require_reasoning=True)
+    assert whole.complete.reasoning_tokens == counted
+    assert generate(stub)[0].complete.reasoning_tokens == 0
