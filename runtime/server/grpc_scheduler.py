@@ -83,7 +83,8 @@ def _complete(rid: str, result: dict, start: int = 0, with_prompt: bool = True, 
         cached_tokens=meta["cached_tokens"], reasoning_tokens=meta["reasoning_tokens"],
         output_logprobs=_output_logprobs(meta, start),
         input_logprobs=_input_logprobs(meta) if with_prompt else None, all_hidden_states=_hidden_states(meta, logprob_start_len),
-        index=result.get("index", 0), **stop))
+        index=result.get("index", 0), spec_accepted_tokens=meta.get("spec_accept_token_num", 0),
+        spec_draft_tokens=meta.get("spec_draft_token_num", 0), **stop))
 
 
 def _struct(values: dict) -> Struct:

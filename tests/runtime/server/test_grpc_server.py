@@ -285,3 +285,16 @@ def test_a_request_message_over_max_request_bytes_is_refused_before_it_is_parsed
 
     assert asyncio.run(send(5000)) == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert asyncio.run(send(4000)) == grpc.StatusCode.OK
+
+
+def test_the_gateway_complete_carries_the_speculative_counts():
+    """A speculative answer's meta_info counts (SGLang's spec_accept_token_num / spec_draft_token_num)
+    go out in GenerateComplete's spec_accepted_tokens / spec_draft_tokens; without them, 0."""
+    meta = {"finish_reason": {"type": "length"}, "prompt_tokens": 4, "completion_tokens": 6, "cached_tokens": 0,
+            "reasoning_tokens": 0}
+    result = {"output_ids": [1, 2, 3, 4, 5, 6], "meta_info": {**meta, "spec_accept_token_num": 3,
+                                                              "spec_draft_token_num": 8}}
+    done = grpc_scheduler._complete("r", result).complete
+    assert (done.spec_accepted_tokens, done.spec_draft_tokens, done.finish_reason) == (3, 8, "length")
+    plain = grpc_scheduler._complete("r", {"output_ids": [1], "meta_info": meta}).complete
+    assert (plain.spec_accepted_tokens, plain.spec_draft_tokens) == (0, 0)
