@@ -404,7 +404,12 @@ class TokenizerManager:
 
     async def _control(self, make_request: Callable[[int], Any], timeout: float = CONTROL_TIMEOUT_S):
         """Send a control request and wait for the reply with its req_id; 503 after `timeout`,
-        at once when a child has died (none would answer)."""
+        at once when a child has died (none would answer). Awaited from another event loop (an
+        embedding program's `await engine.tokenizer_manager.flush_cache()`), it runs on this
+        manager's loop: the reply, set there, would not wake the caller's loop until its timeout."""
+        if self._loop is not None and asyncio.get_running_loop() is not self._loop:
+            return await asyncio.wrap_future(
+                asyncio.run_coroutine_threadsafe(self._control(make_request, timeout), self._loop))
         if self.dead_reason:
             raise RequestError(500, self.dead_reason)
         self._control_seq += 1

@@ -208,6 +208,21 @@ def test_tokenizer_manager_abort_request_from_the_callers_thread_and_loop(engine
     assert not engine.tokenizer_manager.groups
 
 
+def test_tokenizer_manager_control_calls_from_the_callers_loop(engine):
+    """`await engine.tokenizer_manager.flush_cache()` / `.server_info()` from the caller's own event
+    loop answer at once: they took the whole control timeout (10 s), their reply set on the
+    engine's loop never waking the caller's."""
+    tm = engine.tokenizer_manager
+
+    async def control_calls() -> tuple:
+        return await tm.flush_cache(), await tm.server_info()
+
+    started = time.monotonic()
+    flushed, info = asyncio.run(control_calls())
+    assert flushed.success and info["num_running_reqs"] == 0
+    assert time.monotonic() - started < 5  # a hang detector: the answers take milliseconds
+
+
 def test_a_consumer_that_stops_aborts_its_request(engine):
     """A stream dropped mid-way (sync), a `for` left by break, a cancelled asyncio task reading a
     stream or awaiting a whole answer: each request is aborted, its KV freed, nothing left running."""
