@@ -101,6 +101,7 @@ class ServerArgs:
     served_model_name: str | None = None
 
     def __post_init__(self) -> None:
+        self._check_field_types()
         for name, aliases in _VALUE_ALIASES.items():
             value = getattr(self, name)
             if isinstance(value, str):
@@ -146,6 +147,20 @@ class ServerArgs:
                              f"(SGLang's built-in conversation template names are not served here)")
         self._check_speculative()
         self._check_triton()
+
+    def _check_field_types(self) -> None:
+        """A Python caller's (Engine(**kwargs)) value of the wrong type is a ValueError naming the
+        flag here, not a TypeError from deep inside a check or the model load; a path object
+        where a path string goes is taken as its string."""
+        hints = typing.get_type_hints(ServerArgs)
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, os.PathLike) and _has_type("", hints[f.name]):
+                object.__setattr__(self, f.name, value := os.fspath(value))
+            if not _has_type(value, hints[f.name]):
+                hint = hints[f.name]
+                shown = hint.__name__ if isinstance(hint, type) else str(hint).replace("typing.", "")
+                raise ValueError(f"{_flag(f.name)}: expected {shown}, got {type(value).__name__} {value!r}")
 
     def _check_triton(self) -> None:
         """Triton's kernels need CUDA tensors (or its CPU interpreter): refused now rather than by

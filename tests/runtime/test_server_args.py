@@ -241,3 +241,24 @@ def test_chat_template_must_be_a_file(tmp_path):
         ServerArgs(chat_template="chatml")
     (tmp_path / "t.jinja").write_text("{{ messages }}")
     assert ServerArgs(chat_template=str(tmp_path / "t.jinja")).chat_template == str(tmp_path / "t.jinja")
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"max_total_tokens": "x"}, "--max-total-tokens: expected int | None, got str 'x'"),
+    ({"disable_radix_cache": "false"}, "--disable-radix-cache: expected bool, got str 'false'"),
+    ({"api_key": 5}, "--api-key: expected str | None, got int 5"),
+    ({"max_running_requests": True}, "--max-running-requests: expected int, got bool True"),
+])
+def test_a_python_callers_value_of_the_wrong_type_names_the_flag(kwargs, message):
+    """Engine(**kwargs) builds ServerArgs from Python values: max_total_tokens="x" was a TypeError
+    ("'>=' not supported between 'str' and 'int'") naming nothing."""
+    with pytest.raises(ValueError) as exc:
+        ServerArgs(**kwargs)
+    assert str(exc.value) == message
+
+
+def test_a_path_object_is_taken_as_its_string():
+    from pathlib import Path
+
+    args = ServerArgs(model_path=Path("/models/m"), mem_fraction_static=1)  # an int is a float too
+    assert args.model_path == "/models/m" and type(args.model_path) is str
