@@ -103,23 +103,15 @@ def service_handler(descriptor: Any, servicer: Any, auth: GrpcAuth) -> grpc.Gene
     return grpc.method_handlers_generic_handler(descriptor.full_name, handlers)
 
 
-@dataclass(frozen=True)
-class MalformedRequest:
-    """Bytes that do not parse as the method's request message: the handler answers
-    INVALID_ARGUMENT (a deserializer that raised would make grpc answer UNKNOWN)."""
-
-    message: str
-
-    def refuse(self) -> GrpcError:
-        return GrpcError(grpc.StatusCode.INVALID_ARGUMENT, self.message)
-
-
 def _parser(request_cls: Any) -> Callable[[bytes], Any]:
+    """Bytes that do not parse as the method's request message become the INVALID_ARGUMENT error
+    the handler raises: a deserializer that raised would make grpc answer UNKNOWN."""
     def parse(data: bytes) -> Any:
         try:
             return request_cls.FromString(data)
         except DecodeError as exc:
-            return MalformedRequest(f"request is not a valid {request_cls.DESCRIPTOR.full_name}: {exc}")
+            return GrpcError(grpc.StatusCode.INVALID_ARGUMENT,
+                             f"request is not a valid {request_cls.DESCRIPTOR.full_name}: {exc}")
     return parse
 
 
@@ -143,8 +135,8 @@ def _unary(impl: Callable, auth: GrpcAuth) -> Callable:
     async def handler(request: Any, context: grpc.aio.ServicerContext) -> Any:
         try:
             auth.check(context)
-            if isinstance(request, MalformedRequest):
-                raise request.refuse()
+            if isinstance(request, GrpcError):  # a request that did not parse (_parser)
+                raise request
             return await impl(request, context)
         except ValidationError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
@@ -159,8 +151,8 @@ def _streaming(impl: Callable, auth: GrpcAuth) -> Callable:
     async def handler(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
         try:
             auth.check(context)
-            if isinstance(request, MalformedRequest):
-                raise request.refuse()
+            if isinstance(request, GrpcError):  # a request that did not parse (_parser)
+                raise request
             async for response in impl(request, context):
                 yield response
         except ValidationError as exc:
