@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import dataclasses
+import functools
 import os
 import tomllib
 import types
@@ -152,15 +153,13 @@ class ServerArgs:
         """A Python caller's (Engine(**kwargs)) value of the wrong type is a ValueError naming the
         flag here, not a TypeError from deep inside a check or the model load; a path object
         where a path string goes is taken as its string."""
-        hints = typing.get_type_hints(ServerArgs)
+        hints = _field_hints()
         for f in fields(self):
             value = getattr(self, f.name)
             if isinstance(value, os.PathLike) and _has_type("", hints[f.name]):
                 object.__setattr__(self, f.name, value := os.fspath(value))
-            if not _has_type(value, hints[f.name]):
-                hint = hints[f.name]
-                shown = hint.__name__ if isinstance(hint, type) else str(hint).replace("typing.", "")
-                raise ValueError(f"{_flag(f.name)}: expected {shown}, got {type(value).__name__} {value!r}")
+            if (mismatch := _type_mismatch(value, hints[f.name])) is not None:
+                raise ValueError(f"{_flag(f.name)}: {mismatch} {value!r}")
 
     def _check_triton(self) -> None:
         """Triton's kernels need CUDA tensors (or its CPU interpreter): refused now rather than by
@@ -280,12 +279,24 @@ _TOML_TABLES = ("model", "server")
 def _check_types(values: dict[str, Any]) -> None:
     """Each value has its field's type (a bool is no int, and "false" no bool): a ValueError
     naming the key, the value and the type."""
-    hints = typing.get_type_hints(ServerArgs)
+    hints = _field_hints()
     for key, value in values.items():
         hint = hints.get(key.replace("-", "_"))
-        if hint is not None and not _has_type(value, hint):
-            shown = str(hint).replace("typing.", "") if not isinstance(hint, type) else hint.__name__
-            raise ValueError(f"{key} = {value!r}: expected {shown}, got {type(value).__name__}")
+        if hint is not None and (mismatch := _type_mismatch(value, hint)) is not None:
+            raise ValueError(f"{key} = {value!r}: {mismatch}")
+
+
+@functools.cache
+def _field_hints() -> dict[str, Any]:
+    return typing.get_type_hints(ServerArgs)
+
+
+def _type_mismatch(value: Any, hint: Any) -> str | None:
+    """None when `value` has the type `hint` names, else "expected <hint>, got <its type>"."""
+    if _has_type(value, hint):
+        return None
+    shown = hint.__name__ if isinstance(hint, type) else str(hint).replace("typing.", "")
+    return f"expected {shown}, got {type(value).__name__}"
 
 
 def _has_type(value: Any, hint: Any) -> bool:
