@@ -26,6 +26,7 @@ import zmq.asyncio
 from tandem.ipc.messages import (AbortReq, BatchStrOutput, ChildError, FinishReason, FlushCacheReply, FlushCacheReq,
                                  GetServerInfoReply, GetServerInfoReq, ReadyMsg, TokenizedGenerateReq)
 from tandem.ipc.sockets import IPCAddresses, async_recv, bind_pull, connect_push, send
+from tandem.runtime.control_replies import ControlReplies
 from tandem.runtime.envs import envs
 from tandem.runtime.launcher import READY_TIMEOUT_S, dead_child, spawn_children, stop_children
 from tandem.runtime.model_files import chat_sampling_defaults, resolve_model_path
@@ -74,8 +75,7 @@ class TokenizerManager:
         self.groups: dict[str, RequestGroup] = {}  # live logical rid -> its group
         self.choices: dict[str, ChoiceState] = {}  # internal rid -> choice, until it finishes
         self._group_seq = 0
-        self._replies: dict[int, asyncio.Future] = {}  # control req_id -> its reply
-        self._control_seq = 0
+        self._replies = ControlReplies()
         # request validation / tokenizing and large response building, off the event loop
         self._validation_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tandem-validate")
         self._tasks: list[asyncio.Task] = []
@@ -398,9 +398,7 @@ class TokenizerManager:
             if isinstance(msg, ChildError):
                 self.fail_all(f"{msg.role} failed: {msg.message}")
             elif isinstance(msg, (FlushCacheReply, GetServerInfoReply)):
-                fut = self._replies.get(msg.req_id)
-                if fut is not None and not fut.done():  # else: the asker gave up already
-                    fut.set_result(msg)
+                self._replies.deliver(msg)
 
     async def _control(self, make_request: Callable[[int], Any], timeout: float = CONTROL_TIMEOUT_S):
         """Send a control request and wait for the reply with its req_id; 503 after `timeout`,
@@ -412,16 +410,7 @@ class TokenizerManager:
                 asyncio.run_coroutine_threadsafe(self._control(make_request, timeout), self._loop))
         if self.dead_reason:
             raise RequestError(500, self.dead_reason)
-        self._control_seq += 1
-        req_id = self._control_seq
-        fut = self._replies[req_id] = asyncio.get_running_loop().create_future()
-        try:
-            send(self.to_scheduler, make_request(req_id))
-            return await asyncio.wait_for(fut, timeout)
-        except asyncio.TimeoutError:
-            raise RequestError(503, f"the scheduler did not answer within {timeout:g} s") from None
-        finally:
-            del self._replies[req_id]
+        return await self._replies.ask(lambda msg: send(self.to_scheduler, msg), make_request, timeout)
 
     async def flush_cache(self) -> FlushCacheReply:
         return await self._control(lambda req_id: FlushCacheReq(req_id=req_id))
@@ -433,9 +422,7 @@ class TokenizerManager:
     def fail_all(self, reason: str) -> None:
         """A child died: every in-flight request ends with an error now, and new ones are refused."""
         self.dead_reason = reason
-        for fut in self._replies.values():  # control requests waiting for the scheduler
-            if not fut.done():
-                fut.set_exception(RequestError(500, reason))
+        self._replies.fail_all(reason)  # control requests waiting for the scheduler
         now = time.perf_counter()
         for c in list(self.choices.values()):
             c.finish_reason = FinishReason(type="abort", status_code=500, err_type="InternalServerError", message=reason)
