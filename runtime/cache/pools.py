@@ -12,6 +12,12 @@ _E4M3_MAX = 448.0
 # freed slot runs kept apart before they join the free list: without a bound, a server whose frees
 # never exhaust the free list (a large pool, --disable-radix-cache) piles up one tensor per release
 _MAX_PENDING_FREES = 1024
+# Plain decoding takes each request's KV slots this many positions at a time. One slot per request
+# per step, as they come off the free list, puts a batch of B requests' decode tokens B slots
+# apart, so attention reads a long decode as scattered rows; runs of 16 it streams (bf16, batch 64,
+# 32 prompt + 288 output tokens, Xeon with AMX: 54.6 -> 50.4 ms a decode step). At most 15 slots a
+# running request stay reserved ahead of it, and they are the first to go when memory is short.
+DECODE_SLOT_RUN = 16
 
 
 class ReqToTokenPool:

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tandem.runtime.cache.pools import DECODE_SLOT_RUN
 from tandem.runtime.model.forward_batch import ForwardBatch, ForwardMode
 from tandem.runtime.model.runner import ModelRunner
 from tandem.runtime.sampling.sampler import SamplingBatchInfo
@@ -36,6 +37,7 @@ class LoopResult:
 class BareLoop:
     def __init__(self, runner: ModelRunner) -> None:
         self.runner = runner
+        self._reserved_to: dict[int, int] = {}  # row -> end of the decode slots it holds ahead
 
     def prefill(self, prompts: list[list[int]], rows: list[int], prefix_lens: list[int] | None = None,
                 all_logits: bool = False) -> torch.Tensor:
@@ -56,13 +58,23 @@ class BareLoop:
                                    ext_lens, slots, logits_idx, r.device)
         return r.forward(batch)
 
-    def decode(self, last_ids: torch.Tensor, rows: list[int], seq_lens: list[int]) -> torch.Tensor:
-        """One token per row at position seq_lens[i]; returns logits [B, V] (model dtype)."""
+    def decode(self, last_ids: torch.Tensor, rows: list[int], seq_lens: list[int],
+               last_positions: list[int] | None = None) -> torch.Tensor:
+        """One token per row at position seq_lens[i]; returns logits [B, V] (model dtype). Slots
+        come DECODE_SLOT_RUN positions at a time, as the scheduler takes them, never past
+        last_positions[i] (default: one run each)."""
         r = self.runner
-        slots = r.allocator.alloc(len(rows))
-        if slots is None:
-            raise RuntimeError("out of KV slots")
-        r.req_to_token_pool.req_to_token[torch.tensor(rows), torch.tensor(seq_lens)] = slots
+        req_to_token = r.req_to_token_pool.req_to_token
+        for i, (row, pos) in enumerate(zip(rows, seq_lens)):
+            if self._reserved_to.get(row, 0) <= pos:
+                room = DECODE_SLOT_RUN if last_positions is None else last_positions[i] + 1 - pos
+                n = max(1, min(DECODE_SLOT_RUN, room))
+                run = r.allocator.alloc(n)
+                if run is None:
+                    raise RuntimeError("out of KV slots")
+                req_to_token[row, pos:pos + n] = run
+                self._reserved_to[row] = pos + n
+        slots = req_to_token[torch.tensor(rows), torch.tensor(seq_lens)]
         batch = ForwardBatch.build(ForwardMode.DECODE, last_ids, rows, seq_lens, [1] * len(rows), slots,
                                    None, r.device)
         return r.forward(batch)
@@ -80,6 +92,7 @@ class BareLoop:
         if any(row is None for row in rows):
             raise RuntimeError("out of request rows")
         seq_lens = [len(p) for p in prompts]
+        last_positions = [length + max_new_tokens - 2 for length in seq_lens]  # the last sampled token is never input
         out: list[list[int]] = [[] for _ in range(n)]
         result = LoopResult(out)
         try:
@@ -96,7 +109,7 @@ class BareLoop:
                     t0 = time.perf_counter()
                 if step == max_new_tokens - 1:
                     break
-                logits = self.decode(ids, rows, seq_lens)
+                logits = self.decode(ids, rows, seq_lens, last_positions)
                 seq_lens = [s + 1 for s in seq_lens]
             result.decode_s = time.perf_counter() - t0
         finally:
@@ -106,5 +119,6 @@ class BareLoop:
     def release(self, rows: list[int], seq_lens: list[int]) -> None:
         r = self.runner
         for row, length in zip(rows, seq_lens):
-            r.allocator.free(r.req_to_token_pool.req_to_token[row, :length].clone())
+            held = max(length, self._reserved_to.pop(row, 0))
+            r.allocator.free(r.req_to_token_pool.req_to_token[row, :held].clone())
             r.req_to_token_pool.free(row)

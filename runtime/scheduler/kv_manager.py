@@ -4,14 +4,15 @@ Ownership: every KV slot is free, owned by the radix tree, or owned by one reque
 request's row holds `kv_alloc_len` slots: the tree's (matched or inserted prefix, locked
 through `req.last_node`) followed by its own. Positions below `kv_committed_len` hold the KV
 of the request's known tokens; speculative decoding reserves slots beyond it (the verify's
-positions depend on how many drafts the step in flight accepts), and only committed positions
-ever reach the tree. Rows themselves come from and go back to ReqRows.
+positions depend on how many drafts the step in flight accepts), and plain decoding reserves
+its slots DECODE_SLOT_RUN positions at a time; only committed positions ever reach the tree.
+Rows themselves come from and go back to ReqRows.
 """
 from __future__ import annotations
 
 import torch
 
-from tandem.runtime.cache.pools import TokenAllocator
+from tandem.runtime.cache.pools import DECODE_SLOT_RUN, TokenAllocator
 from tandem.runtime.cache.radix import RadixCache
 from tandem.runtime.scheduler.req_rows import ReqRows
 from tandem.runtime.scheduler.request import Req
@@ -76,6 +77,44 @@ class KVManager:
         self.req_to_token[req.req_pool_idx, start:start + len(slots)] = slots.to(self.req_to_token.device)
         req.kv_alloc_len += len(slots)
         return slots
+
+    # -- plain decoding ------------------------------------------------------------------------------
+    def decode_need(self, reqs: list[Req]) -> int:
+        """Slots a plain decode step over `reqs` must allocate at least: one per request that has
+        no slot reserved at its next position."""
+        return sum(r.kv_alloc_len <= r.kv_committed_len for r in reqs)
+
+    def alloc_decode(self, reqs: list[Req]) -> torch.Tensor:
+        """The slot of each request's next position (`kv_committed_len`), which the step computes:
+        committed here. A request with no slot reserved there gets a run of up to DECODE_SLOT_RUN
+        (never past the last position it can compute), or one slot when memory is short for runs.
+        The caller has made sure that `decode_need(reqs)` slots are available."""
+        fresh = [r for r in reqs if r.kv_alloc_len <= r.kv_committed_len]
+        runs = [max(1, min(DECODE_SLOT_RUN, r.max_total_len() - 1 - r.kv_committed_len)) for r in fresh]
+        if sum(runs) > self.available_tokens():
+            runs = [1] * len(fresh)
+        slots = self.alloc_slots(sum(runs))
+        assert slots is not None, "alloc_decode without decode_need(reqs) slots available"
+        start = 0
+        for r, n in zip(fresh, runs):
+            self.req_to_token[r.req_pool_idx, r.kv_alloc_len:r.kv_alloc_len + n] = slots[start:start + n]
+            r.kv_alloc_len += n
+            start += n
+        rows = torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64)
+        positions = torch.tensor([r.kv_committed_len for r in reqs], dtype=torch.int64)
+        for r in reqs:
+            r.kv_committed_len += 1
+        return self.req_to_token[rows, positions]
+
+    def drop_decode_runs(self, reqs: list[Req]) -> bool:
+        """Free the slots plain decoding reserved past each request's next position (no step
+        writes them); whether any were. Memory is short: they go before anyone is retracted."""
+        dropped = False
+        for r in reqs:
+            if r.kv_alloc_len > r.kv_committed_len:
+                self.allocator.free(self.row_slots(r, r.kv_committed_len, r.kv_alloc_len))
+                r.kv_alloc_len, dropped = r.kv_committed_len, True
+        return dropped
 
     def commit(self, req: Req) -> None:
         """After a step's tokens are applied: every token but the last has its KV written (the last

@@ -195,20 +195,15 @@ class Planner:
             self._retract(self.policy.retract_order(reqs)[0], reqs)
         if self.cfg.speculative_num_drafts:
             return self._plan_verify(reqs)
-        while self.kv.available_tokens() < len(reqs):
+        while self.kv.available_tokens() < self.kv.decode_need(reqs):
+            if self.kv.drop_decode_runs(reqs):
+                continue
             if (gave_up := self._make_room(reqs)) is not None:
                 return gave_up
-        slots = self.kv.alloc_slots(len(reqs))
-        assert slots is not None
-        spans = []
-        for i, r in enumerate(reqs):
-            spans.append(ExtendSpan(r, r.kv_alloc_len, 1, slots[i:i + 1], samples=True))
-        rows = torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64)
-        positions = torch.tensor([r.kv_alloc_len for r in reqs], dtype=torch.int64)
-        self.kv.req_to_token[rows, positions] = slots.to(self.kv.req_to_token.device)
-        for r in reqs:  # one position each, computed by this step: allocated and committed
-            r.kv_alloc_len += 1
-            r.kv_committed_len = r.kv_alloc_len
+        positions = [r.kv_committed_len for r in reqs]
+        slots = self.kv.alloc_decode(reqs)  # one position each, computed by this step: committed
+        spans = [ExtendSpan(r, pos, 1, slots[i:i + 1], samples=True) for i, (r, pos) in enumerate(zip(reqs, positions))]
+        for r in reqs:
             r.outputs_in_flight += 1
         return Plan(build_batch(ForwardMode.DECODE, spans, self.ctx))
 

@@ -26,6 +26,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 from scheduler_core import CONTEXT, Core, fake_token, make_core
 
+from tandem.runtime.cache.pools import DECODE_SLOT_RUN
 from tandem.ipc.messages import FinishReason
 from tandem.runtime.model.forward_batch import ForwardMode
 from tandem.runtime.scheduler.batch import ScheduleBatch
@@ -281,8 +282,12 @@ class CoreMachine(RuleBasedStateMachine):
             c = planner.chunked.req
             assert c.kv_alloc_len < c.seq_len and c.outputs_in_flight == 0
         for r in planner.running:
-            assert r.kv_committed_len == r.kv_alloc_len == r.seq_len - 1 + r.outputs_in_flight, (
-                r.rid, r.kv_committed_len, r.kv_alloc_len, r.seq_len, r.outputs_in_flight)
+            # decode slots are reserved in runs: at most a run ahead, never past the last position
+            # the request can compute
+            state = (r.rid, r.kv_committed_len, r.kv_alloc_len, r.seq_len, r.outputs_in_flight)
+            assert r.kv_committed_len == r.seq_len - 1 + r.outputs_in_flight, state
+            assert r.kv_committed_len <= r.kv_alloc_len < r.kv_committed_len + DECODE_SLOT_RUN, state
+            assert r.kv_alloc_len == r.kv_committed_len or r.kv_alloc_len <= r.max_total_len() - 1, state
 
     @invariant()
     def outputs_follow_the_fake_model(self):

@@ -1,4 +1,5 @@
-"""KVManager.leak_report and the scheduler's idle memory check built on it."""
+"""KVManager without processes: decode slots taken in runs, leak_report and the scheduler's idle
+memory check built on it."""
 from __future__ import annotations
 
 import logging
@@ -6,8 +7,70 @@ from types import SimpleNamespace
 
 import pytest
 
+from tandem.runtime.cache.pools import DECODE_SLOT_RUN
 from tandem.runtime.scheduler.scheduler import Scheduler
-from tests.scheduler_core import make_core
+from tests.scheduler_core import fake_token, make_core
+
+
+def _decode_slots(core, steps: int) -> dict[str, list[int]]:
+    """Run the prefill and `steps` decode steps; each request's slot per decode position."""
+    core.process(core.plan())
+    slots: dict[str, list[int]] = {}
+    for _ in range(steps):
+        batch = core.plan()
+        for span in batch.spans:
+            slots.setdefault(span.req.rid, []).extend(span.out_cache_loc.tolist())
+        core.process(batch)
+    return slots
+
+
+def test_decode_slots_of_a_request_are_contiguous_runs():
+    core = make_core(max_total_tokens=512, radix=False)
+    reqs = [core.add(rid, 6, max_new_tokens=60) for rid in "abc"]
+    slots = _decode_slots(core, 2 * DECODE_SLOT_RUN + 1)
+    for req in reqs:
+        own = slots[req.rid]
+        runs = [own[i:i + DECODE_SLOT_RUN] for i in range(0, 2 * DECODE_SLOT_RUN, DECODE_SLOT_RUN)]
+        assert all(run == list(range(run[0], run[0] + DECODE_SLOT_RUN)) for run in runs)
+        # the third run's first slot is in use; the rest sits in the row beyond the committed positions
+        assert req.kv_alloc_len == req.kv_committed_len + DECODE_SLOT_RUN - 1
+    core.run()
+    for req in reqs:
+        assert req.output_ids == [fake_token(p) for p in range(6, 66)]
+    assert core.kv.leak_report() is None  # what was reserved and never used went back
+
+
+def test_a_run_never_reaches_past_the_last_position_a_request_computes():
+    core = make_core(max_total_tokens=512, radix=False)
+    req = core.add("short", 6, max_new_tokens=4)  # decodes positions 6, 7 and 8
+    core.process(core.plan())
+    free_before = core.kv.allocator.available_size()
+    core.plan()
+    assert req.kv_alloc_len == 9 and core.kv.allocator.available_size() == free_before - 3
+
+
+def test_short_memory_drops_reserved_runs_before_retracting_anyone():
+    core = make_core(max_total_tokens=64, radix=False)
+    a, b = core.add("a", 4, max_new_tokens=40), core.add("b", 4, max_new_tokens=40)
+    core.process(core.plan())
+    core.process(core.plan())  # each reserved a run
+    assert a.kv_alloc_len - a.kv_committed_len == b.kv_alloc_len - b.kv_committed_len == DECODE_SLOT_RUN - 1
+    hog = core.kv.allocator.alloc(core.kv.available_tokens())  # memory held by something else
+    batch = core.plan()
+    assert [s.req.rid for s in batch.spans] == ["a", "b"] and core.planner.num_retractions == 0
+    core.process(batch)
+    core.kv.allocator.free(hog)
+    # with every reservation used up, a full pool and nothing reserved: a request is retracted
+    while a.kv_alloc_len > a.kv_committed_len or b.kv_alloc_len > b.kv_committed_len:
+        core.process(core.plan())
+    hog = core.kv.allocator.alloc(core.kv.available_tokens())
+    assert core.kv.drop_decode_runs([a, b]) is False
+    core.process(core.plan())
+    assert core.planner.num_retractions == 1
+    core.kv.allocator.free(hog)
+    core.run()
+    assert a.output_ids == b.output_ids == [fake_token(p) for p in range(4, 44)]
+    assert core.kv.leak_report() is None
 
 
 def test_no_leak_after_requests_finish_and_abort():
