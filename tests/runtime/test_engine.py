@@ -79,20 +79,29 @@ def _wait_idle(engine: Engine) -> None:
         time.sleep(0.05)
 
 
+def _wait_answered(engine: Engine, rid: str) -> None:
+    """Until the tokenizer manager holds the request's finished answer: the scheduler goes idle
+    a step or two before the detokenizer's last outputs reach it."""
+    deadline = time.monotonic() + 60
+    while not engine.tokenizer_manager.groups[rid].finished and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
 def test_a_busy_stream_consumer_gets_the_latest_chunk(engine):
     """As SGLang's Engine, a stream is read when its consumer asks: results that arrived while
     it was busy coalesce into one cumulative chunk (no backlog of every step, sync or async)."""
     params = {"max_new_tokens": 200, "temperature": 0, "ignore_eos": True}
-    stream = engine.generate(input_ids=[1, 2, 3], sampling_params=params, stream=True)
+    stream = engine.generate(input_ids=[1, 2, 3], sampling_params=params, stream=True, rid="busy-sync")
     next(stream)
-    _wait_idle(engine)
+    _wait_answered(engine, "busy-sync")
     rest = list(stream)
     assert len(rest) == 1 and len(rest[0]["output_ids"]) == 200
 
     async def busy_async_consumer() -> list:
-        chunks = await engine.async_generate(input_ids=[1, 2, 3], sampling_params=params, stream=True)
+        chunks = await engine.async_generate(input_ids=[1, 2, 3], sampling_params=params, stream=True,
+                                             rid="busy-async")
         await chunks.__anext__()
-        await asyncio.get_running_loop().run_in_executor(None, _wait_idle, engine)
+        await asyncio.get_running_loop().run_in_executor(None, _wait_answered, engine, "busy-async")
         return [chunk async for chunk in chunks]
 
     rest = asyncio.run(busy_async_consumer())
