@@ -95,16 +95,17 @@ class KVManager:
             runs = [1] * len(fresh)
         slots = self.alloc_slots(sum(runs))
         assert slots is not None, "alloc_decode without decode_need(reqs) slots available"
-        start = 0
-        for r, n in zip(fresh, runs):
-            self.req_to_token[r.req_pool_idx, r.kv_alloc_len:r.kv_alloc_len + n] = slots[start:start + n]
+        run_rows: list[int] = []
+        run_positions: list[int] = []
+        for r, n in zip(fresh, runs):  # one table write for every run (one launch on a GPU)
+            run_rows += [r.req_pool_idx] * n
+            run_positions += range(r.kv_alloc_len, r.kv_alloc_len + n)
             r.kv_alloc_len += n
-            start += n
-        rows = torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64)
-        positions = torch.tensor([r.kv_committed_len for r in reqs], dtype=torch.int64)
+        self.req_to_token[_long(run_rows), _long(run_positions)] = slots
+        positions = _long([r.kv_committed_len for r in reqs])
         for r in reqs:
             r.kv_committed_len += 1
-        return self.req_to_token[rows, positions]
+        return self.req_to_token[_long([r.req_pool_idx for r in reqs]), positions]
 
     def drop_decode_runs(self, reqs: list[Req]) -> bool:
         """Free the slots plain decoding reserved past each request's next position (no step
@@ -179,3 +180,7 @@ class KVManager:
         self.rows.reset()
         self.tree.reset()
         self.allocator.clear()
+
+
+def _long(values: list[int]) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int64)

@@ -51,23 +51,23 @@ def test_a_run_never_reaches_past_the_last_position_a_request_computes():
 
 def test_short_memory_drops_reserved_runs_before_retracting_anyone():
     core = make_core(max_total_tokens=64, radix=False)
-    a, b = core.add("a", 4, max_new_tokens=40), core.add("b", 4, max_new_tokens=40)
+    a = core.add("a", 4, max_new_tokens=40)
     core.process(core.plan())
-    core.process(core.plan())  # each reserved a run
-    assert a.kv_alloc_len - a.kv_committed_len == b.kv_alloc_len - b.kv_committed_len == DECODE_SLOT_RUN - 1
+    core.process(core.plan())  # a decodes once and holds the rest of its run
+    assert a.kv_alloc_len - a.kv_committed_len == DECODE_SLOT_RUN - 1
+    b = core.add("b", 4, max_new_tokens=40)
+    core.process(core.plan())  # b's prefill: b has no decode slot yet
     hog = core.kv.allocator.alloc(core.kv.available_tokens())  # memory held by something else
-    batch = core.plan()
+    batch = core.plan()  # b needs a slot and none is free: a's reserved run goes, nobody is retracted
     assert [s.req.rid for s in batch.spans] == ["a", "b"] and core.planner.num_retractions == 0
+    assert a.kv_alloc_len == a.kv_committed_len and b.kv_alloc_len == b.kv_committed_len  # one slot each
     core.process(batch)
-    core.kv.allocator.free(hog)
-    # with every reservation used up, a full pool and nothing reserved: a request is retracted
-    while a.kv_alloc_len > a.kv_committed_len or b.kv_alloc_len > b.kv_committed_len:
-        core.process(core.plan())
-    hog = core.kv.allocator.alloc(core.kv.available_tokens())
     assert core.kv.drop_decode_runs([a, b]) is False
-    core.process(core.plan())
-    assert core.planner.num_retractions == 1
+    more = core.kv.allocator.alloc(core.kv.available_tokens())  # what a's run gave back, taken too
+    core.process(core.plan())  # nothing reserved left to drop: the newest is retracted
+    assert core.planner.num_retractions == 1 and core.planner.waiting == [b]
     core.kv.allocator.free(hog)
+    core.kv.allocator.free(more)
     core.run()
     assert a.output_ids == b.output_ids == [fake_token(p) for p in range(4, 44)]
     assert core.kv.leak_report() is None
