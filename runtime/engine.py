@@ -12,6 +12,7 @@ import asyncio
 import atexit
 import concurrent.futures
 import dataclasses
+import functools
 import logging
 import sys
 import threading
@@ -59,17 +60,16 @@ async def _pump(tm: TokenizerManager, body: dict[str, Any], put: Callable[[Any],
         put(_STREAM_END)
 
 
-def _put_on_loop(caller: asyncio.AbstractEventLoop, chunks: asyncio.Queue) -> Callable[[Any], None]:
-    """Hand an async stream's items to its consumer's loop. Once that loop has closed (its
-    asyncio.run ended and closed the stream, whose pump ends on the engine's loop after that)
-    nobody is left to read them: they are dropped, not raised where no one would catch them."""
-    def put(item: Any) -> None:
-        try:
-            caller.call_soon_threadsafe(chunks.put_nowait, item)
-        except RuntimeError:
-            if not caller.is_closed():
-                raise
-    return put
+def _call_soon_unless_closed(loop: asyncio.AbstractEventLoop, fn: Callable[..., Any], *args: Any) -> None:
+    """`fn(*args)` on `loop`'s thread; dropped once `loop` has closed, where nobody is left to act
+    on it (a consumer's asyncio.run that ended and closed its stream, whose pump ends on the
+    engine's loop after that; or the engine's loop after shutdown), not raised where no one
+    would catch it."""
+    try:
+        loop.call_soon_threadsafe(fn, *args)
+    except RuntimeError:
+        if not loop.is_closed():
+            raise
 
 
 @dataclasses.dataclass(frozen=True)
@@ -233,7 +233,7 @@ class Engine:
 
     async def _async_stream(self, tm: TokenizerManager, body: dict[str, Any]) -> AsyncIterator[dict]:
         chunks: asyncio.Queue = asyncio.Queue()
-        put = _put_on_loop(asyncio.get_running_loop(), chunks)
+        put = functools.partial(_call_soon_unless_closed, asyncio.get_running_loop(), chunks.put_nowait)
         wanted = asyncio.Semaphore(0)
         fut = self._submit(_pump(tm, body, put, wanted))
         fut.add_done_callback(lambda f: f.cancelled() and put(RuntimeError(SHUT_DOWN)))
@@ -251,11 +251,7 @@ class Engine:
     def _ask(self, wanted: asyncio.Semaphore) -> None:
         """A stream's consumer wants its next chunk (the pump on the engine's loop takes it then).
         Once shut down there is no pump to ask: the stream's queue holds the shutdown error."""
-        try:
-            self._loop.call_soon_threadsafe(wanted.release)
-        except RuntimeError:
-            if not self._loop.is_closed():
-                raise
+        _call_soon_unless_closed(self._loop, wanted.release)
 
     def abort(self, rid: str = "", abort_all: bool = False) -> None:
         """Abort the request with exactly this rid (every choice of it), or every request."""
