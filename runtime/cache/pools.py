@@ -22,6 +22,12 @@ _MAX_PENDING_FREES = 1024
 DECODE_SLOT_RUN = 16
 
 
+def decode_run(next_position: int, last_position: int) -> int:
+    """How many slots a request with no slot at `next_position` takes: a run, never past the last
+    position it will compute (and at least the one it needs now)."""
+    return max(1, min(DECODE_SLOT_RUN, last_position + 1 - next_position))
+
+
 class ReqToTokenPool:
     """One row per running request; row r holds the KV slot index of each of its tokens."""
 

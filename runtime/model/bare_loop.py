@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tandem.runtime.cache.pools import DECODE_SLOT_RUN
+from tandem.runtime.cache.pools import decode_run
 from tandem.runtime.model.forward_batch import ForwardBatch, ForwardMode
 from tandem.runtime.model.runner import ModelRunner
 from tandem.runtime.sampling.sampler import SamplingBatchInfo
@@ -59,16 +59,14 @@ class BareLoop:
         return r.forward(batch)
 
     def decode(self, last_ids: torch.Tensor, rows: list[int], seq_lens: list[int],
-               last_positions: list[int] | None = None) -> torch.Tensor:
+               last_positions: list[int]) -> torch.Tensor:
         """One token per row at position seq_lens[i]; returns logits [B, V] (model dtype). Slots
-        come DECODE_SLOT_RUN positions at a time, as the scheduler takes them, never past
-        last_positions[i] (default: one run each)."""
+        come a run at a time, as the scheduler takes them, never past last_positions[i]."""
         r = self.runner
         req_to_token = r.req_to_token_pool.req_to_token
-        for i, (row, pos) in enumerate(zip(rows, seq_lens)):
+        for row, pos, last in zip(rows, seq_lens, last_positions):
             if self._reserved_to.get(row, 0) <= pos:
-                room = DECODE_SLOT_RUN if last_positions is None else last_positions[i] + 1 - pos
-                n = max(1, min(DECODE_SLOT_RUN, room))
+                n = decode_run(pos, last)
                 run = r.allocator.alloc(n)
                 if run is None:
                     raise RuntimeError("out of KV slots")

@@ -5,14 +5,14 @@ request's row holds `kv_alloc_len` slots: the tree's (matched or inserted prefix
 through `req.last_node`) followed by its own. Positions below `kv_committed_len` hold the KV
 of the request's known tokens; speculative decoding reserves slots beyond it (the verify's
 positions depend on how many drafts the step in flight accepts), and plain decoding reserves
-its slots DECODE_SLOT_RUN positions at a time; only committed positions ever reach the tree.
-Rows themselves come from and go back to ReqRows.
+its slots a run of positions at a time (`decode_run`); only committed positions ever reach the
+tree. Rows themselves come from and go back to ReqRows.
 """
 from __future__ import annotations
 
 import torch
 
-from tandem.runtime.cache.pools import DECODE_SLOT_RUN, TokenAllocator
+from tandem.runtime.cache.pools import TokenAllocator, decode_run
 from tandem.runtime.cache.radix import RadixCache
 from tandem.runtime.scheduler.req_rows import ReqRows
 from tandem.runtime.scheduler.request import Req
@@ -86,11 +86,12 @@ class KVManager:
 
     def alloc_decode(self, reqs: list[Req]) -> torch.Tensor:
         """The slot of each request's next position (`kv_committed_len`), which the step computes:
-        committed here. A request with no slot reserved there gets a run of up to DECODE_SLOT_RUN
-        (never past the last position it can compute), or one slot when memory is short for runs.
-        The caller has made sure that `decode_need(reqs)` slots are available."""
+        committed here. A request with no slot reserved there gets a run (`decode_run`), or one slot
+        when memory is short for runs. The caller has made sure that `decode_need(reqs)` slots are
+        available."""
         fresh = [r for r in reqs if r.kv_alloc_len <= r.kv_committed_len]
-        runs = [max(1, min(DECODE_SLOT_RUN, r.max_total_len() - 1 - r.kv_committed_len)) for r in fresh]
+        # the last sampled token is never an input: positions up to max_total_len - 2 are computed
+        runs = [decode_run(r.kv_committed_len, r.max_total_len() - 2) for r in fresh]
         if sum(runs) > self.available_tokens():
             runs = [1] * len(fresh)
         slots = self.alloc_slots(sum(runs))
@@ -113,7 +114,7 @@ class KVManager:
         dropped = False
         for r in reqs:
             if r.kv_alloc_len > r.kv_committed_len:
-                self.allocator.free(self.row_slots(r, r.kv_committed_len, r.kv_alloc_len))
+                self.allocator.free(self.req_to_token[r.req_pool_idx, r.kv_committed_len:r.kv_alloc_len])  # free copies
                 r.kv_alloc_len, dropped = r.kv_committed_len, True
         return dropped
 

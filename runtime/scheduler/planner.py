@@ -200,10 +200,10 @@ class Planner:
                 continue
             if (gave_up := self._make_room(reqs)) is not None:
                 return gave_up
-        positions = [r.kv_committed_len for r in reqs]
         slots = self.kv.alloc_decode(reqs)  # one position each, computed by this step: committed
-        spans = [ExtendSpan(r, pos, 1, slots[i:i + 1], samples=True) for i, (r, pos) in enumerate(zip(reqs, positions))]
-        for r in reqs:
+        spans = []
+        for i, r in enumerate(reqs):  # the step computes the position just committed
+            spans.append(ExtendSpan(r, r.kv_committed_len - 1, 1, slots[i:i + 1], samples=True))
             r.outputs_in_flight += 1
         return Plan(build_batch(ForwardMode.DECODE, spans, self.ctx))
 

@@ -21,8 +21,9 @@ def test_decode_slots_come_in_runs_and_go_back(runner):
     rows = [runner.req_to_token_pool.alloc() for _ in prompts]
     lens = [len(p) for p in prompts]
     ids = loop.prefill(prompts, rows).argmax(-1)
+    last_positions = [len(p) + 2 * DECODE_SLOT_RUN for p in prompts]
     for _ in range(DECODE_SLOT_RUN + 2):
-        ids = loop.decode(ids, rows, lens).argmax(-1)
+        ids = loop.decode(ids, rows, lens, last_positions).argmax(-1)
         lens = [n + 1 for n in lens]
     for row, prompt in zip(rows, prompts):
         run = runner.req_to_token_pool.req_to_token[row, len(prompt):len(prompt) + DECODE_SLOT_RUN].tolist()
