@@ -265,6 +265,29 @@ def test_partial_stop_prefix_released_on_finish(tok: Any) -> None:
     assert state.text == "value <EN"
 
 
+class CountingStr(str):
+    """A stop string that counts the characters read out of it."""
+
+    reads = 0
+
+    def __getitem__(self, key: Any) -> str:
+        part = str.__getitem__(self, key)
+        self.reads += len(part)
+        return part
+
+
+def test_holding_back_a_long_stop_prefix_costs_each_step_only_its_new_text(tok: Any) -> None:
+    """The held-back tail is found by a matcher fed only the new text: trying every tail length
+    against each stop at every step grew with the text (32 stops of 10k characters: 50 ms a step
+    of the detokenizer, for every request behind it)."""
+    text = " ".join(TEXTS) * 3
+    stop = CountingStr(text + " and then some")  # every prefix of the output is a prefix of it
+    state = DecodeState(tokenizer=tok, stop_strings=[stop])
+    assert all(state.add([i], finished=False) == "" for i in tok.encode(text))  # all of it held back
+    assert state.add([], finished=True) == text  # a finish without the stop releases it
+    assert stop.reads <= 4 * len(text)
+
+
 # (f) batch helper equals per-state decoding, with one batch_decode per option group.
 def make_states(tok: Any | None) -> list[DecodeState]:
     return [
