@@ -86,6 +86,24 @@ def test_a_malformed_structural_tag_names_the_field(fmt, field, fragment):
         assert err.value.field == field and fragment in err.value.message, err.value
 
 
+@pytest.mark.parametrize("fmt, field", [
+    ({"type": "json_schema", "json_schema": {"name": "s", "schema": "DEEP"}}, "response_format.json_schema.schema"),
+    ({**LEGACY, "structures": [{"begin": "<a>", "schema": "DEEP", "end": "</a>"}]}, "response_format"),
+    ({"type": "structural_tag", "format": {"type": "tag", "content": "DEEP"}}, "response_format"),
+])
+def test_a_format_nested_deeper_than_json_output_allows_is_a_400(fmt, field):
+    """The body parser takes 1024 levels, orjson writes at most 255: a schema nested 300 deep was a
+    TypeError out of the route, a 500."""
+    deep: dict = {"type": "object"}
+    for _ in range(300):
+        deep = {"type": "object", "properties": {"a": deep}}
+    fmt = json.loads(json.dumps(fmt).replace('"DEEP"', json.dumps(deep)))
+    for make in (_chat, _completion):
+        with pytest.raises(ValidationError) as err:
+            make({"response_format": fmt})
+        assert err.value.field == field and "cannot be encoded as JSON" in err.value.message, err.value
+
+
 def test_the_responses_text_format_has_no_structural_tag():
     """SGLang's ResponsesRequest takes OpenAI's ResponseTextConfig: text, json_object or json_schema."""
     for fmt in (LEGACY, {"type": "xml"}, "json_object"):
