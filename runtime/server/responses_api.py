@@ -12,6 +12,8 @@ import secrets
 import time
 from typing import Any, AsyncIterator, Callable
 
+import orjson
+
 from tandem.runtime.request_groups import CallStream
 from tandem.runtime.server.openai import OpenAIRequest, chat_request
 from tandem.runtime.server.openai_format import error_event
@@ -71,7 +73,19 @@ def responses_request(body: Any, served_model: str, render: Callable[[list, dict
                   "text": body.get("text") or {"format": {"type": "text"}},
                   "tool_choice": body.get("tool_choice", "auto"),
                   "parallel_tool_calls": body.get("parallel_tool_calls", True)}
+    _check_echoable(req.echoed)
     return req
+
+
+def _check_echoable(echoed: dict[str, Any]) -> None:
+    """The answer repeats these fields in its response object, which a stream event holds: one
+    nested deeper than orjson writes there (255 levels; the body parser takes 1024) is the client's
+    400, not a 500 after the whole generation (or a stream cut off at its first event)."""
+    for name, value in echoed.items():
+        try:
+            orjson.dumps({"response": {name: value}})
+        except orjson.JSONEncodeError as exc:
+            raise ValidationError(name, f"cannot be encoded as JSON: {exc}") from None
 
 
 def _input_messages(value: Any) -> list[dict]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
+import orjson
 import pytest
 from call_fakes import result, stream_of
 
@@ -68,6 +69,22 @@ def test_bad_responses_fields_are_named_as_the_client_sent_them(body, field):
     assert err.value.field == field
 
 
+
+
+@pytest.mark.parametrize("name", ["metadata", "user"])
+def test_a_repeated_field_nested_deeper_than_the_answer_can_hold_is_a_400(name):
+    """The answer repeats metadata and user inside its response object, inside a stream event:
+    nested 260 deep (the body parser takes 1024) it was accepted, generated, and then the answer
+    could not be written, a 500 (a stream cut off at its first event)."""
+    deep: object = "v"
+    for _ in range(260):
+        deep = {"k": deep}
+    with pytest.raises(ValidationError) as err:
+        _request({"input": "x", name: deep})
+    assert err.value.field == name and "cannot be encoded as JSON" in err.value.message
+    ok = _request({"input": "x", name: {"k": {"k": "v"}}})
+    events = _events(ok, stream_of(result("ab", 0, finish={"type": "stop"})))
+    assert orjson.dumps(events) and events[-1]["response"][name] == {"k": {"k": "v"}}
 
 
 def test_store_true_is_answered_store_false():
