@@ -6,8 +6,10 @@ from collections.abc import Sequence
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from tandem.runtime.incremental_detok import REPLACEMENT_CHAR, DecodeState, decode_batch
+from tandem.runtime.incremental_detok import REPLACEMENT_CHAR, DecodeState, StopTail, decode_batch
 from tandem.runtime.tokenizer import load_tokenizer
 
 IM_END = 2
@@ -286,6 +288,23 @@ def test_holding_back_a_long_stop_prefix_costs_each_step_only_its_new_text(tok: 
     assert all(state.add([i], finished=False) == "" for i in tok.encode(text))  # all of it held back
     assert state.add([], finished=True) == text  # a finish without the stop releases it
     assert stop.reads <= 4 * len(text)
+
+
+def held_by_definition(text: str, stop: str) -> int:
+    """The longest tail of `text` that is a proper prefix of `stop`, tried length by length."""
+    return max((k for k in range(1, len(stop)) if text.endswith(stop[:k])), default=0)
+
+
+@settings(max_examples=400, deadline=None)
+@given(stop=st.text("ab", min_size=1, max_size=8), pieces=st.lists(st.text("abc", max_size=6), max_size=12))
+def test_stop_tail_holds_what_the_definition_holds(stop: str, pieces: list[str]) -> None:
+    """After every piece of streamed text, the matcher's held length is the definition's (a
+    two-letter alphabet makes borders, and so the failure links, common)."""
+    tail, text = StopTail(stop), ""
+    for piece in pieces:
+        tail.feed(piece)
+        text += piece
+        assert tail.held == held_by_definition(text, stop)
 
 
 # (f) batch helper equals per-state decoding, with one batch_decode per option group.
