@@ -2,9 +2,11 @@
 pass must report (input logprobs, hidden states), penalties, and what the prefix cache may skip."""
 from __future__ import annotations
 
-from scheduler_core import EOS, make_core
+import torch
+from scheduler_core import EOS, VOCAB, make_core
 
 from tandem.ipc.messages import LogprobParams
+from tandem.runtime.scheduler.batch import BatchContext, _logit_bias
 
 
 def test_prompt_logprob_and_hidden_rows_are_split_over_chunks():
@@ -78,3 +80,46 @@ def test_plain_requests_build_no_penalty_or_logprob_work():
     job = core.plan().job
     assert job.penalties is None and job.top_logprobs_nums is None and job.return_hidden is None
     assert job.input_logprob_tasks == [] and job.prompt_hidden_tasks == []
+
+
+def _decode_steps(core, steps: int) -> list:
+    batches = []
+    for _ in range(steps):
+        batch = core.plan()
+        batches.append(batch)
+        core.process(batch)
+    return batches
+
+
+def test_logit_bias_is_built_once_while_the_batch_keeps_its_requests():
+    # rebuilt every step, a full-vocabulary bias was scattered again at every decode step
+    core = make_core()
+    core.add("biased", 3, max_new_tokens=20, logit_bias={i: 0.5 for i in range(VOCAB)})
+    core.add("plain", 3, max_new_tokens=20)
+    biases = [b.job.penalties.logit_bias for b in _decode_steps(core, 6)]
+    assert all(b is biases[0] for b in biases[1:])
+    late = core.add("late", 3, max_new_tokens=20, logit_bias={5: 2.0})
+    decode = _decode_steps(core, 3)[-1]  # after the late request's prefill, all three decode
+    bias = decode.job.penalties.logit_bias  # a new row: a new bias
+    assert bias is not biases[0] and bias.shape[0] == 3 and bias[decode.sampling_reqs.index(late), 5] == 2.0
+
+
+def test_the_kept_logit_bias_equals_a_fresh_build_as_requests_come_and_go():
+    core = make_core()
+    ctx = BatchContext(VOCAB, (EOS,), torch.device("cpu"))
+    arrivals = {0: [("a", 5, {3: 1.0}), ("b", 9, None)], 2: [("c", 4, {4: -2.0, 6: 0.25})],
+                4: [("d", 7, {3: 3.0})], 12: [("e", 3, None)], 14: [("f", 2, {9: 1.5})]}
+    checked = 0
+    for step in range(40):
+        for rid, max_new, bias in arrivals.get(step, []):
+            core.add(rid, 3, max_new_tokens=max_new, logit_bias=bias)
+        if (batch := core.plan()) is None:
+            continue
+        reqs, pen = batch.sampling_reqs, batch.job.penalties
+        if any(r.logit_bias is not None for r in reqs):
+            assert torch.equal(pen.logit_bias, _logit_bias(reqs, ctx)), step
+            checked += 1
+        else:
+            assert pen is None or pen.logit_bias is None
+        core.process(batch)
+    assert checked > 10 and len(core.finished) == 6
