@@ -157,8 +157,10 @@ def _penalties(reqs: list[Req], outputs_before: list[int], ctx: BatchContext) ->
         return None
     f32 = dict(dtype=torch.float32, device=ctx.device)
     bias = ctx.logit_bias.get(reqs, ctx) if has_bias else None
-    # min_new_tokens bans EOS even under ignore_eos (SGLang's): the first tokens are real ones
-    banned = [list(p.stop_token_ids) + list(ctx.eos_ids) for p in sps]
+    # min_new_tokens bans EOS even under ignore_eos (SGLang's): the first tokens are real ones.
+    # Only rows still under it carry their ban list (bans apply nowhere else): copying every
+    # row's stop_token_ids, up to the whole vocabulary, at every step cost milliseconds a step
+    banned = [list(p.stop_token_ids) + list(ctx.eos_ids) if under else [] for p, under in zip(sps, min_mask)]
     return PenaltyInfo(
         frequency=torch.tensor([p.frequency_penalty for p in sps], **f32),
         presence=torch.tensor([p.presence_penalty for p in sps], **f32),

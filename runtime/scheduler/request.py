@@ -34,6 +34,9 @@ class Req:
     # logit_bias as (ids int64, values float32), made once: a full-vocabulary bias must not cost
     # a Python loop every step
     logit_bias: tuple[np.ndarray, np.ndarray] | None = None
+    # stop_token_ids as a set, made once: the finish check looks every output token up in it, and
+    # a list of the whole vocabulary cost a 49k-element scan per token (SGLang keeps a set too)
+    stop_ids: frozenset[int] = frozenset()
     # output tokens the stop-string check decodes, worked out once (result_processor; 0: not yet)
     stop_window: int = 0
     stop_regex_window: int = 0  # the same for stop_regex
@@ -93,6 +96,7 @@ class Req:
                   stream=msg.stream, seed=seed, arrival_seq=arrival_seq, logprob=msg.logprob,
                   return_hidden_states=msg.return_hidden_states, priority=msg.priority,
                   extra_key=msg.extra_key, require_reasoning=msg.require_reasoning)
+        req.stop_ids = frozenset(sp.stop_token_ids)
         if sp.logit_bias:
             req.logit_bias = (np.fromiter(sp.logit_bias.keys(), np.int64, len(sp.logit_bias)),
                               np.fromiter(sp.logit_bias.values(), np.float32, len(sp.logit_bias)))

@@ -39,7 +39,7 @@ class FinishChecker:
             # as SGLang: ignore_eos switches off stop token ids too (the sampler bans them inside
             # min_new_tokens); stop strings count from the first token
             stoppable = n_out > sp.min_new_tokens and not sp.ignore_eos
-            if stoppable and (tok in sp.stop_token_ids or tok in self.eos_ids):
+            if stoppable and (tok in req.stop_ids or tok in self.eos_ids):
                 return i + 1, FinishReason(type="stop", matched=tok)
             if sp.stop and (hit := self._stop_string(req, new_tokens[:i + 1])) is not None:
                 return i + 1, FinishReason(type="stop", matched=hit)

@@ -59,8 +59,9 @@ def test_penalties_min_new_tokens_bans_and_logit_bias():
     pen = batch.job.penalties
     assert pen is not None and pen.counts_active
     assert pen.min_tokens_mask.tolist() == [True, False, False]
-    # stop ids and EOS are banned until min_new_tokens, even under ignore_eos (the test core's default)
-    assert pen.banned_ids == [[9, EOS], [EOS], [EOS]]
+    # stop ids and EOS are banned until min_new_tokens, even under ignore_eos (the test core's
+    # default); rows past it carry no ban list
+    assert pen.banned_ids == [[9, EOS], [], []]
     assert pen.logit_bias[1, 5] == 1.5 and pen.logit_bias[0].abs().sum() == 0
     assert pen.frequency.tolist() == [0.0, 0.5, 0.0]
     assert [a.req_pool_idx, b.req_pool_idx, c.req_pool_idx] == batch.job.rows
@@ -123,3 +124,14 @@ def test_the_kept_logit_bias_equals_a_fresh_build_as_requests_come_and_go():
             assert pen is None or pen.logit_bias is None
         core.process(batch)
     assert checked > 10 and len(core.finished) == 6
+
+
+def test_rows_past_min_new_tokens_carry_no_ban_list():
+    # every row's stop_token_ids (up to the whole vocabulary) was copied into the step at every step
+    core = make_core()
+    core.add("biased", 3, max_new_tokens=8, logit_bias={5: 1.0}, stop_token_ids=list(range(100, VOCAB)))
+    core.add("under", 3, max_new_tokens=8, min_new_tokens=3, stop_token_ids=[9])
+    bans = [(b.job.penalties.min_tokens_mask, b.job.penalties.banned_ids) for b in _decode_steps(core, 6)]
+    assert all(len(ids) == (2 if under else 0) for mask, banned in bans
+               for under, ids in zip(mask.tolist() if mask is not None else [False, False], banned))
+    assert any(mask is not None for mask, _ in bans) and any(mask is None for mask, _ in bans)

@@ -67,6 +67,32 @@ def test_stop_strings_count_inside_min_new_tokens_and_ignore_eos_silences_stop_i
     assert apply_new_tokens(r, [5, 7, 9], None, None, checker) and r.finished_reason.matched == 7
 
 
+class _CountedList(list):
+    """A list that counts the element-by-element reads of it."""
+
+    reads = 0
+
+    def __contains__(self, x: object) -> bool:
+        type(self).reads += 1
+        return super().__contains__(x)
+
+    def __iter__(self):
+        type(self).reads += 1
+        return super().__iter__()
+
+
+def test_stop_token_ids_are_read_once_per_request_not_per_token():
+    # a list of the whole vocabulary was scanned at every output token, on the scheduler thread
+    checker = FinishChecker([2], lambda ids: "")
+    stop_ids = _CountedList(range(100, 49152))
+    r = _req(9, max_new_tokens=300, stop_token_ids=stop_ids)
+    reads_at_start = _CountedList.reads
+    for tok in range(3, 99):
+        assert not apply_new_tokens(r, [tok], None, None, checker)
+    assert _CountedList.reads == reads_at_start
+    assert apply_new_tokens(r, [5000], None, None, checker) and r.finished_reason.matched == 5000
+
+
 def test_stop_regex_ends_at_the_token_that_completes_a_match_and_names_the_pattern():
     """SGLang's stop_regex: re.search over the output's tail each token; `matched` is the pattern.
     An unbounded pattern searches the whole output; a bounded one only the tail it can span."""
