@@ -68,7 +68,7 @@ class FinishChecker:
             # every token carries at least one byte of text: the stop's UTF-8 length in tokens covers
             # it (an emoji is one character but up to four byte-level tokens)
             req.stop_window = max(len(s.encode()) for s in req.sampling_params.stop) + _STOP_TAIL_TOKENS
-        tail = self.decode((req.output_ids + new_tokens)[-req.stop_window:])
+        tail = self.decode(tail_ids(req.output_ids, new_tokens, req.stop_window))
         return next((stop for stop in req.sampling_params.stop if stop in tail), None)
 
 
@@ -78,10 +78,17 @@ class FinishChecker:
         (the whole output for an unbounded one such as `\\d+`, as in SGLang)."""
         if not req.stop_regex_window:
             req.stop_regex_window = max(map(regex_token_bound, req.sampling_params.stop_regex)) + _STOP_TAIL_TOKENS
-        tail = self.decode((req.output_ids + new_tokens)[-req.stop_regex_window:])
+        tail = self.decode(tail_ids(req.output_ids, new_tokens, req.stop_regex_window))
         # the `regex` module: `re`'s syntax with a timeout (TimeoutError)
         return next((p for p in req.sampling_params.stop_regex
                      if regex.search(p, tail, timeout=STOP_REGEX_TIMEOUT_S)), None)
+
+
+def tail_ids(output_ids: list[int], new_tokens: list[int], window: int) -> list[int]:
+    """`(output_ids + new_tokens)[-window:]`, copying only the tail: joining first copied the
+    whole output at every token of every request with a stop (100k ids: 0.25 ms a token)."""
+    keep = window - len(new_tokens)
+    return (output_ids[-keep:] if keep > 0 else []) + new_tokens[-window:]
 
 
 def regex_token_bound(pattern: str) -> int:

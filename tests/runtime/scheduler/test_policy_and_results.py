@@ -13,7 +13,8 @@ from tandem.runtime.sampling.params import SamplingParams
 from tandem.runtime.scheduler.output_streamer import OutputStreamer
 from tandem.runtime.scheduler.policy import SchedulePolicy
 from tandem.runtime.scheduler.request import Req
-from tandem.runtime.scheduler.result_processor import STOP_REGEX_TIMEOUT_S, FinishChecker, apply_new_tokens
+from tandem.runtime.scheduler.result_processor import (STOP_REGEX_TIMEOUT_S, FinishChecker, apply_new_tokens,
+                                                       tail_ids)
 
 
 def _req(seq: int, ids=(1, 2, 3), priority: int = 0, stream: bool = False, **sp) -> Req:
@@ -91,6 +92,40 @@ def test_stop_token_ids_are_read_once_per_request_not_per_token():
         assert not apply_new_tokens(r, [tok], None, None, checker)
     assert _CountedList.reads == reads_at_start
     assert apply_new_tokens(r, [5000], None, None, checker) and r.finished_reason.matched == 5000
+
+
+class _CopyCountingList(list):
+    """An output list that counts the elements copied out of it by + and slicing."""
+
+    copied = 0
+
+    def __add__(self, other):
+        type(self).copied += len(self)
+        return list(self) + other
+
+    def __getitem__(self, i):
+        got = super().__getitem__(i)
+        if isinstance(i, slice):
+            type(self).copied += len(got)
+        return got
+
+
+def test_the_stop_checks_copy_only_the_tail_of_a_long_output():
+    # joining output and new tokens before cutting the tail copied the whole output every token
+    checker = FinishChecker([2], lambda ids: "".join(chr(97 + i % 26) for i in ids))
+    r = _req(10, max_new_tokens=20000, ignore_eos=True, stop=["zz"], stop_regex=["q{2}"])
+    r.output_ids = _CopyCountingList(range(3, 10003))
+    for tok in (4, 5, 6):
+        assert checker.finished_len(r, [tok]) == (1, None)
+    assert 0 < _CopyCountingList.copied <= 3 * (r.stop_window + r.stop_regex_window)
+
+
+def test_tail_ids_is_the_tail_of_output_and_new_tokens():
+    for n_out in range(5):
+        for n_new in range(4):
+            for window in range(1, 10):
+                out, new = list(range(n_out)), list(range(100, 100 + n_new))
+                assert tail_ids(out, new, window) == (out + new)[-window:], (n_out, n_new, window)
 
 
 def test_stop_regex_ends_at_the_token_that_completes_a_match_and_names_the_pattern():
