@@ -3,8 +3,9 @@
 Compilation runs in a thread pool (xgrammar releases the GIL while it compiles). Results are
 cached by (kind, text) as futures, so every request with the same schema shares one compiled
 grammar and only the first one waits for it. A failed compile is cached too: the same bad schema
-fails at once the next time. A compile no request waits for any more is cancelled if it has not
-started (`release`).
+fails at once the next time. The cache is bounded by count and by compiled bytes (least recently
+asked for goes first). A compile no request waits for any more is cancelled if it has not started
+(`release`).
 """
 from __future__ import annotations
 
@@ -20,6 +21,9 @@ from tandem.runtime.grammar.matcher import RequestGrammar
 from tandem.runtime.sampling.params import ANY_JSON
 
 _CACHE_SIZE = 1024  # distinct grammars kept compiled
+# and at most this many bytes of them: a 24 KB schema compiles to 7.5 MB against a 49k vocabulary
+# (a 121 KB one to 38 MB), so 1024 distinct schemas held the scheduler at 8-38 GB until it died
+_CACHE_BYTES = 1 << 30
 # grammars compiling at once, off the scheduler thread (xgrammar releases the GIL). Python's default
 # pool size, as SGLang's executor: with only 2, two slow schemas made a trivial regex queued behind
 # them time out
@@ -41,6 +45,7 @@ class GrammarBackend:
         self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)  # cached here instead
         self._pool = ThreadPoolExecutor(max_workers=_COMPILE_THREADS, thread_name_prefix="tandem-grammar")
         self._cache: OrderedDict[tuple[str, str], Future] = OrderedDict()
+        self._bytes: dict[tuple[str, str], int] = {}  # compiled size of the cached grammars that are done
         self._buffers: list[Any] = [None, None]
         self._batch = xgr.BatchGrammarMatcher(max_threads=1)  # one C++ call per step, the GIL released
         self._turn = 0
@@ -53,11 +58,22 @@ class GrammarBackend:
         fut = self._cache.get(key)
         if fut is None:
             fut = self._cache[key] = self._pool.submit(self._compile, kind, text)
-            if len(self._cache) > _CACHE_SIZE:
-                self._cache.popitem(last=False)
+            self._evict()
         else:
             self._cache.move_to_end(key)
         return fut
+
+    def _evict(self) -> None:
+        """Least recently asked for first, until the cache is within _CACHE_SIZE grammars and
+        _CACHE_BYTES of compiled ones (the newest always stays). Requests holding an evicted
+        grammar keep it; the next request for it compiles it again."""
+        for key, fut in self._cache.items():
+            if key not in self._bytes and fut.done():  # measured once: 0.16 ms for a big grammar
+                self._bytes[key] = _compiled_bytes(fut)
+        held = sum(self._bytes.values())
+        while len(self._cache) > 1 and (len(self._cache) > _CACHE_SIZE or held > _CACHE_BYTES):
+            key, _ = self._cache.popitem(last=False)
+            held -= self._bytes.pop(key, 0)
 
     def release(self, kind: str, text: str) -> None:
         """No request waits for this grammar any more (aborted, timed out): a compile that has not
@@ -68,6 +84,7 @@ class GrammarBackend:
         fut = self._cache.get(key)
         if fut is not None and fut.cancel():
             del self._cache[key]
+            self._bytes.pop(key, None)
 
     def matcher(self, compiled: Any, think_end_ids: tuple[int, ...] | None = None) -> RequestGrammar:
         """A request's grammar state; with `think_end_ids` it starts in the reasoning phase."""
@@ -157,6 +174,13 @@ class GrammarBackend:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _compiled_bytes(fut: Future) -> int:
+    """The memory of a compiled grammar (done); 0 when it failed."""
+    if fut.cancelled() or fut.exception() is not None:
+        return 0
+    return fut.result().memory_size_bytes
 
 
 def _default_schemas(fmt: Any) -> None:

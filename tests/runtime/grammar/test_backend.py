@@ -8,6 +8,7 @@ import threading
 import pytest
 import torch
 
+from tandem.runtime.grammar import backend as backend_module
 from tandem.runtime.grammar.backend import GrammarBackend
 from tandem.runtime.grammar.mask import GrammarMask
 
@@ -206,5 +207,22 @@ def test_json_without_free_whitespace_has_sglangs_separators(smol_tokenizer):
         for text, ok in (('{"a": 1, "b": 2}', True), ('{"a":1,"b":2}', False), ('{ "a": 1, "b": 2}', False)):
             matcher = be.matcher(compiled).constraining
             assert matcher.accept_string(text) is ok, text
+    finally:
+        be.close()
+
+
+def test_the_cache_keeps_compiled_grammars_within_its_byte_bound(smol_tokenizer, monkeypatch):
+    # bounded by count only, 1024 distinct schemas of 7.5 MB each (compiled) were all kept
+    be = GrammarBackend(smol_tokenizer, 49152)
+    try:
+        patterns = [f"w{i}x[0-9]{{1,3}}" for i in range(4)]
+        one = be.compile("regex", patterns[0]).result(timeout=60).memory_size_bytes
+        monkeypatch.setattr(backend_module, "_CACHE_BYTES", 2 * one + one // 2)
+        futures = [be.compile("regex", p) for p in patterns[1:3]]
+        [f.result(timeout=60) for f in futures]
+        assert be.compile("regex", patterns[0]).done()  # still kept (and now the most recent)
+        be.compile("regex", patterns[3]).result(timeout=60)  # three held: the least recent goes
+        assert be.compile("regex", patterns[1]) is not futures[0]
+        assert be.compile("regex", patterns[0]).done()
     finally:
         be.close()
