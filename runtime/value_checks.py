@@ -7,6 +7,8 @@ import math
 import struct
 from typing import Any
 
+import orjson
+
 INT64_MIN = -(2**63)
 INT64_MAX = 2**63 - 1
 _F32 = struct.Struct("<f")
@@ -23,6 +25,16 @@ class ValidationError(ValueError):
 
     def __str__(self) -> str:
         return f"{self.field} {self.message}"
+
+
+def json_text(field: str, value: Any) -> str:
+    """`value` as JSON text. orjson parses up to 1024 levels of nesting but writes at most 255, so a
+    value a request body held may not be writable: that is the client's 400 naming `field`, not a
+    TypeError out of the route (a 500), or an answer that fails after the whole generation."""
+    try:
+        return orjson.dumps(value).decode()
+    except orjson.JSONEncodeError as exc:
+        raise ValidationError(field, f"cannot be encoded as JSON: {exc}") from None
 
 
 def type_name(v: Any) -> str:

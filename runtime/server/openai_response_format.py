@@ -13,9 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-import orjson
-
-from tandem.runtime.value_checks import ValidationError
+from tandem.runtime.value_checks import ValidationError, json_text
 
 TYPES = ("text", "json_object", "json_schema", "structural_tag")
 
@@ -33,17 +31,8 @@ def response_format_constraint(fmt: Any) -> tuple[str, str] | None:
         spec = fmt.get("json_schema", {"schema": fmt.get("schema")})
         if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
             raise ValidationError("response_format.json_schema.schema", "is required: a JSON schema object")
-        return "json_schema", _json_text("response_format.json_schema.schema", spec["schema"])
-    return "structural_tag", _json_text("response_format", _structural_tag(fmt))
-
-
-def _json_text(field: str, value: Any) -> str:
-    """orjson writes at most 255 levels of nesting and parses up to 1024: a deeper object the body
-    held is the client's 400, not a TypeError out of the route (a 500)."""
-    try:
-        return orjson.dumps(value).decode()
-    except orjson.JSONEncodeError as exc:
-        raise ValidationError(field, f"cannot be encoded as JSON: {exc}") from None
+        return "json_schema", json_text("response_format.json_schema.schema", spec["schema"])
+    return "structural_tag", json_text("response_format", _structural_tag(fmt))
 
 
 def _structural_tag(fmt: dict) -> dict[str, Any]:

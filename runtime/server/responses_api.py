@@ -12,13 +12,11 @@ import secrets
 import time
 from typing import Any, AsyncIterator, Callable
 
-import orjson
-
 from tandem.runtime.request_groups import CallStream
 from tandem.runtime.server.openai import OpenAIRequest, chat_request
 from tandem.runtime.server.openai_format import error_event
 from tandem.runtime.server.reasoning import StreamSplitter
-from tandem.runtime.value_checks import ValidationError
+from tandem.runtime.value_checks import ValidationError, json_text
 
 # /v1/responses: what SGLang's ResponsesRequest takes beside input and instructions, as the chat
 # fields they are; what needs stored responses, tools or logprobs (none here) is a 400
@@ -78,14 +76,10 @@ def responses_request(body: Any, served_model: str, render: Callable[[list, dict
 
 
 def _check_echoable(echoed: dict[str, Any]) -> None:
-    """The answer repeats these fields in its response object, which a stream event holds: one
-    nested deeper than orjson writes there (255 levels; the body parser takes 1024) is the client's
-    400, not a 500 after the whole generation (or a stream cut off at its first event)."""
+    """The answer repeats these fields in its response object, which a stream event holds: each
+    must be writable at that depth, or it is refused before any generation."""
     for name, value in echoed.items():
-        try:
-            orjson.dumps({"response": {name: value}})
-        except orjson.JSONEncodeError as exc:
-            raise ValidationError(name, f"cannot be encoded as JSON: {exc}") from None
+        json_text(name, {"response": {name: value}})
 
 
 def _input_messages(value: Any) -> list[dict]:
