@@ -20,15 +20,39 @@ from tandem.runtime.scheduler.forward_worker import (ForwardJob, InputLogprobTas
 from tandem.runtime.scheduler.request import Req
 
 
+class LogitBiasCache:
+    """The last batch's [B, V] logit_bias, reused while every row holds the same request's bias.
+    Rebuilding it every step scattered each biased request's whole bias again (49k entries for a
+    full-vocabulary one) and copied B x V floats to the device: 8 such requests made every
+    decode step of the tiny server 2.8x slower (SGLang too builds it when a batch forms). The bias
+    arrays are made once per request and never change, so row i's bias is a function of the
+    array object in row i; the key holds those objects, so none can be freed and its id reused."""
+
+    def __init__(self) -> None:
+        self._key: tuple[tuple[np.ndarray, np.ndarray] | None, ...] = ()
+        self._bias: torch.Tensor | None = None
+
+    def get(self, reqs: list[Req], ctx: BatchContext) -> torch.Tensor:
+        key = tuple(r.logit_bias for r in reqs)
+        if len(key) != len(self._key) or any(a is not b for a, b in zip(key, self._key)):  # () after drop
+            self._bias, self._key = _logit_bias(reqs, ctx), key
+        return self._bias  # type: ignore[return-value]  # set whenever _key is not ()
+
+    def drop(self) -> None:
+        """A batch without any bias: let the finished requests' arrays and the tensor go."""
+        self._bias, self._key = None, ()
+
+
 @dataclass(frozen=True)
 class BatchContext:
-    """What batch building needs to know about the model and the device."""
+    """What batch building needs to know about the model and the device, and the one thing it keeps
+    from step to step: the last logit_bias tensor."""
 
     vocab_size: int
     eos_ids: tuple[int, ...]
     device: torch.device
     think_end_ids: tuple[int, ...] = ()  # "</think>" tokenized: what max_thinking_tokens forces
-    logit_bias: LogitBiasCache = field(default_factory=lambda: LogitBiasCache(), compare=False, repr=False)
+    logit_bias: LogitBiasCache = field(default_factory=LogitBiasCache, compare=False, repr=False)
 
 
 @dataclass
@@ -169,29 +193,6 @@ def _penalties(reqs: list[Req], outputs_before: list[int], ctx: BatchContext) ->
         min_tokens_mask=torch.tensor(min_mask, dtype=torch.bool, device=ctx.device) if any(min_mask) else None,
         banned_ids=banned, counts_active=counts_active,
     )
-
-
-class LogitBiasCache:
-    """The last batch's [B, V] logit_bias, reused while every row holds the same request's bias.
-    Rebuilding it every step scattered each biased request's whole bias again (49k entries for a
-    full-vocabulary one) and copied B x V floats to the device: 8 such requests made every
-    decode step of the tiny server 2.8x slower (SGLang too builds it when a batch forms). The bias
-    arrays are made once per request and never change, so row i's bias is a function of the
-    array object in row i; the key holds those objects, so none can be freed and its id reused."""
-
-    def __init__(self) -> None:
-        self._key: tuple[tuple[np.ndarray, np.ndarray] | None, ...] = ()
-        self._bias: torch.Tensor | None = None
-
-    def get(self, reqs: list[Req], ctx: BatchContext) -> torch.Tensor:
-        key = tuple(r.logit_bias for r in reqs)
-        if self._bias is None or len(key) != len(self._key) or any(a is not b for a, b in zip(key, self._key)):
-            self._bias, self._key = _logit_bias(reqs, ctx), key
-        return self._bias
-
-    def drop(self) -> None:
-        """A batch without any bias: let the finished requests' arrays and the tensor go."""
-        self._bias, self._key = None, ()
 
 
 def _logit_bias(reqs: list[Req], ctx: BatchContext) -> torch.Tensor:
