@@ -8,7 +8,8 @@ Order inside `apply_penalties`, SGLang's (additive penalties first, then the sca
      applied to the logits the additive penalties left, so a request that sets both samples
      what it would on SGLang;
   3. logit bias is added last among the finite terms, so a bias is never scaled by repetition;
-  4. rows still under `min_new_tokens` get -inf on their banned ids (EOS + stop_token_ids),
+  4. rows still under `min_new_tokens` get -inf on their banned ids (EOS + stop_token_ids; the
+     caller's [B, V] `ban_mask`, made when the batch forms, not every step),
      except a grammar-masked row the bans would leave with nothing to sample: its grammar has
      ended and allows only its end, and min_new_tokens cannot outlast the constraint.
 
@@ -39,15 +40,13 @@ def apply_penalties(
     repetition: Tensor | None,
     *,
     logit_bias: Tensor | None = None,
-    min_tokens_mask: Tensor | None = None,
-    banned_ids: list[list[int]] | None = None,
+    ban_mask: Tensor | None = None,
     grammar_masked: bool = False,
 ) -> Tensor:
     """Return penalized logits [B, V] (a new tensor; the input is not modified).
 
-    `output_token_counts` [B, V] counts each token in each row's output so far. `banned_ids`
-    is per row (its stop_token_ids, and EOS unless ignore_eos). Bans apply only where
-    `min_tokens_mask` is True.
+    `output_token_counts` [B, V] counts each token in each row's output so far. `ban_mask` [B, V]
+    is True where a row may not sample the id (min_new_tokens).
     `grammar_masked`: `logits` carry a grammar mask (-inf), so a ban may empty a row.
     """
     out = logits.clone()
@@ -64,38 +63,13 @@ def apply_penalties(
             out = torch.where(seen, penalized, out)
     if logit_bias is not None:
         out = out + logit_bias.to(out.dtype)
-    if min_tokens_mask is not None:
-        banned = _ban(out, min_tokens_mask, banned_ids)
+    if ban_mask is not None:
+        banned = out.masked_fill(ban_mask, float("-inf"))
         if grammar_masked:
             out = torch.where(torch.isneginf(banned).all(dim=1, keepdim=True), out, banned)
         else:
             out = banned
     return out
-
-
-def _ban_index(banned_ids: list[list[int]], device: torch.device | str) -> Tensor:
-    """Per-row banned ids packed into a [B, K] int64 tensor padded with -1."""
-    k = max((len(r) for r in banned_ids), default=0)
-    packed = torch.full((len(banned_ids), max(k, 1)), -1, dtype=torch.int64)
-    for i, r in enumerate(banned_ids):
-        if r:
-            packed[i, : len(r)] = torch.tensor(r, dtype=torch.int64)
-    return packed.to(device)
-
-
-def _ban(
-    logits: Tensor,
-    rows: Tensor,
-    banned_ids: list[list[int]] | None,
-) -> Tensor:
-    b, v = logits.shape
-    idx = _ban_index(banned_ids if banned_ids is not None else [[] for _ in range(b)], logits.device)
-    # Padding (-1) goes to an extra scratch column that is dropped afterwards.
-    idx = torch.where(idx < 0, torch.full_like(idx, v), idx)
-    mask = torch.zeros((b, v + 1), dtype=torch.bool, device=logits.device)
-    mask.scatter_(1, idx, True)
-    mask = mask[:, :v] & rows.to(logits.device).bool().unsqueeze(1)
-    return logits.masked_fill(mask, float("-inf"))
 
 
 class PenaltyCounts:

@@ -6,6 +6,7 @@ request's last known position samples the next token; a middle prefill chunk sam
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -20,39 +21,40 @@ from tandem.runtime.scheduler.forward_worker import (ForwardJob, InputLogprobTas
 from tandem.runtime.scheduler.request import Req
 
 
-class LogitBiasCache:
-    """The last batch's [B, V] logit_bias, reused while every row holds the same request's bias.
-    Rebuilding it every step scattered each biased request's whole bias again (49k entries for a
-    full-vocabulary one) and copied B x V floats to the device: 8 such requests made every
-    decode step of the tiny server 2.8x slower (SGLang too builds it when a batch forms). The bias
-    arrays are made once per request and never change, so row i's bias is a function of the
-    array object in row i; the key holds those objects, so none can be freed and its id reused."""
+class BatchTensorCache:
+    """A [B, V] tensor made from one object per row, reused while every row holds the same object.
+    Requests keep their logit_bias arrays and their Req for life, so a row's part of the tensor is a
+    function of that object; the key holds the objects themselves, so none can be freed and its id
+    reused. Rebuilding every step scattered each request's whole logit_bias or stop_token_ids list
+    again (49k entries for a full-vocabulary one) and copied B x V values to the device: 8 such
+    requests made each decode step of the tiny server 2.8x slower (bias) or 13x (min_new_tokens
+    bans). SGLang too builds these when a batch forms."""
 
     def __init__(self) -> None:
-        self._key: tuple[tuple[np.ndarray, np.ndarray] | None, ...] = ()
-        self._bias: torch.Tensor | None = None
+        self._key: tuple[object, ...] = ()
+        self._tensor: torch.Tensor | None = None
 
-    def get(self, reqs: list[Req], ctx: BatchContext) -> torch.Tensor:
-        key = tuple(r.logit_bias for r in reqs)
+    def get(self, key: tuple[object, ...], build: Callable[[], torch.Tensor]) -> torch.Tensor:
         if len(key) != len(self._key) or any(a is not b for a, b in zip(key, self._key)):  # () after drop
-            self._bias, self._key = _logit_bias(reqs, ctx), key
-        return self._bias  # type: ignore[return-value]  # set whenever _key is not ()
+            self._tensor, self._key = build(), key
+        return self._tensor  # type: ignore[return-value]  # set whenever _key is not ()
 
     def drop(self) -> None:
-        """A batch without any bias: let the finished requests' arrays and the tensor go."""
-        self._bias, self._key = None, ()
+        """No row needs it: let the finished requests' objects and the tensor go."""
+        self._tensor, self._key = None, ()
 
 
 @dataclass(frozen=True)
 class BatchContext:
-    """What batch building needs to know about the model and the device, and the one thing it keeps
-    from step to step: the last logit_bias tensor."""
+    """What batch building needs to know about the model and the device, and what it keeps from step
+    to step: the last logit_bias and min_new_tokens ban tensors."""
 
     vocab_size: int
     eos_ids: tuple[int, ...]
     device: torch.device
     think_end_ids: tuple[int, ...] = ()  # "</think>" tokenized: what max_thinking_tokens forces
-    logit_bias: LogitBiasCache = field(default_factory=LogitBiasCache, compare=False, repr=False)
+    logit_bias: BatchTensorCache = field(default_factory=BatchTensorCache, compare=False, repr=False)
+    bans: BatchTensorCache = field(default_factory=BatchTensorCache, compare=False, repr=False)
 
 
 @dataclass
@@ -174,25 +176,34 @@ def _penalties(reqs: list[Req], outputs_before: list[int], ctx: BatchContext) ->
     sps = [r.sampling_params for r in reqs]
     counts_active = any(p.has_penalties for p in sps)
     has_bias = any(r.logit_bias is not None for r in reqs)
-    min_mask = [n < p.min_new_tokens for n, p in zip(outputs_before, sps)]
+    under_min = [n < p.min_new_tokens for n, p in zip(outputs_before, sps)]
     if not has_bias:
         ctx.logit_bias.drop()
-    if not (counts_active or has_bias or any(min_mask)):
+    if not any(under_min):
+        ctx.bans.drop()
+    if not (counts_active or has_bias or any(under_min)):
         return None
     f32 = dict(dtype=torch.float32, device=ctx.device)
-    bias = ctx.logit_bias.get(reqs, ctx) if has_bias else None
-    # min_new_tokens bans EOS even under ignore_eos (SGLang's): the first tokens are real ones.
-    # Only rows still under it carry their ban list (bans apply nowhere else): copying every
-    # row's stop_token_ids, up to the whole vocabulary, at every step cost milliseconds a step
-    banned = [list(p.stop_token_ids) + list(ctx.eos_ids) if under else [] for p, under in zip(sps, min_mask)]
+    bias = ctx.logit_bias.get(tuple(r.logit_bias for r in reqs), lambda: _logit_bias(reqs, ctx)) if has_bias else None
+    ban_key = tuple(r if under else None for r, under in zip(reqs, under_min))
+    bans = ctx.bans.get(ban_key, lambda: _ban_mask(reqs, under_min, ctx)) if any(under_min) else None
     return PenaltyInfo(
         frequency=torch.tensor([p.frequency_penalty for p in sps], **f32),
         presence=torch.tensor([p.presence_penalty for p in sps], **f32),
         repetition=torch.tensor([p.repetition_penalty for p in sps], **f32),
-        logit_bias=bias,
-        min_tokens_mask=torch.tensor(min_mask, dtype=torch.bool, device=ctx.device) if any(min_mask) else None,
-        banned_ids=banned, counts_active=counts_active,
+        logit_bias=bias, ban_mask=bans, counts_active=counts_active,
     )
+
+
+def _ban_mask(reqs: list[Req], under_min: list[bool], ctx: BatchContext) -> torch.Tensor:
+    """[B, V] bool: the ids a row still under min_new_tokens may not sample, its stop_token_ids and
+    the EOS ids; rows past it ban nothing. EOS is banned even under ignore_eos (SGLang's): the first
+    tokens are real ones."""
+    mask = torch.zeros((len(reqs), ctx.vocab_size), dtype=torch.bool)
+    for i, (r, under) in enumerate(zip(reqs, under_min)):
+        if under:
+            mask[i, torch.tensor([*r.sampling_params.stop_token_ids, *ctx.eos_ids], dtype=torch.int64)] = True
+    return mask.to(ctx.device)
 
 
 def _logit_bias(reqs: list[Req], ctx: BatchContext) -> torch.Tensor:

@@ -58,18 +58,15 @@ class PenaltyInfo:
     presence: torch.Tensor
     repetition: torch.Tensor
     logit_bias: torch.Tensor | None
-    min_tokens_mask: torch.Tensor | None
-    banned_ids: list[list[int]]  # per row: stop_token_ids, plus EOS unless ignore_eos
+    ban_mask: torch.Tensor | None  # [B, V] bool: rows under min_new_tokens, their stop_token_ids and EOS
     counts_active: bool
 
     def spread(self, per_row: torch.Tensor) -> "PenaltyInfo":
         """The same penalties for logits rows that belong to requests `per_row` (a verify's tokens)."""
-        idx = per_row.tolist()
         return PenaltyInfo(
             frequency=self.frequency[per_row], presence=self.presence[per_row], repetition=self.repetition[per_row],
             logit_bias=None if self.logit_bias is None else self.logit_bias[per_row],
-            min_tokens_mask=None if self.min_tokens_mask is None else self.min_tokens_mask[per_row],
-            banned_ids=[self.banned_ids[i] for i in idx], counts_active=self.counts_active)
+            ban_mask=None if self.ban_mask is None else self.ban_mask[per_row], counts_active=self.counts_active)
 
 
 @dataclass
@@ -293,8 +290,8 @@ class ForwardWorker:
             pen = pen if per_row is None else pen.spread(per_row)
             counts = self.penalty_counts.gather(pool_rows) if pen.counts_active else None
             logits = apply_penalties(logits, counts, pen.frequency, pen.presence, pen.repetition,
-                                     logit_bias=pen.logit_bias, min_tokens_mask=pen.min_tokens_mask,
-                                     banned_ids=pen.banned_ids, grammar_masked=job.grammar_mask is not None)
+                                     logit_bias=pen.logit_bias, ban_mask=pen.ban_mask,
+                                     grammar_masked=job.grammar_mask is not None)
         info = job.sampling if per_row is None else job.sampling.take(per_row)  # type: ignore[union-attr]
         sampled = sample(logits, info, positions)  # type: ignore[arg-type]
         if job.forced_ids is not None:  # requests with a forced token never draft: their run is one token

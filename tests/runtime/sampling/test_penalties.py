@@ -88,9 +88,15 @@ def test_logit_bias_forces_argmax() -> None:
     assert out[0].argmax() == 4 and out[1].argmax() == 6
 
 
+def _bans(*rows: list[int]) -> torch.Tensor:
+    mask = torch.zeros((len(rows), V), dtype=torch.bool)
+    for i, ids in enumerate(rows):
+        mask[i, ids] = True
+    return mask
+
+
 def test_min_tokens_bans_eos_and_stop_ids_only_on_masked_rows() -> None:
-    mask = torch.tensor([True, False])
-    out = _apply(min_tokens_mask=mask, banned_ids=[[3, 6], [3, 6]])
+    out = _apply(ban_mask=_bans([3, 6], []))
     assert out[0, 6] == float("-inf") and out[0, 3] == float("-inf")
     assert out[0].argmax() == 0  # EOS (token 6) was the argmax before the ban
     assert torch.equal(out[1], _logits()[1])
@@ -102,18 +108,15 @@ def test_a_grammar_that_allows_only_its_end_outlasts_min_tokens() -> None:
     masked = torch.full((2, V), float("-inf"))
     masked[0, 6] = 3.0
     masked[1, [2, 6]] = torch.tensor([1.0, 3.0])
-    mask = torch.tensor([True, True])
-    out = apply_penalties(masked, None, None, None, None, min_tokens_mask=mask, banned_ids=[[6], [6]],
-                          grammar_masked=True)
+    out = apply_penalties(masked, None, None, None, None, ban_mask=_bans([6], [6]), grammar_masked=True)
     assert out[0].argmax() == 6 and out[0, 6] == 3.0
     assert out[1, 6] == float("-inf") and out[1].argmax() == 2
-    unflagged = apply_penalties(masked, None, None, None, None, min_tokens_mask=mask, banned_ids=[[6], [6]])
+    unflagged = apply_penalties(masked, None, None, None, None, ban_mask=_bans([6], [6]))
     assert torch.isneginf(unflagged[0]).all()  # without the flag a ban is a ban
 
 
 def test_rows_ban_different_ids_and_an_empty_row_bans_none() -> None:
-    mask = torch.tensor([True, True])
-    out = _apply(min_tokens_mask=mask, banned_ids=[[3, 6, 1], []])
+    out = _apply(ban_mask=_bans([3, 6, 1], []))
     assert torch.isneginf(out[0, [1, 3, 6]]).all() and not torch.isneginf(out[0]).all()
     assert torch.equal(out[1], _logits()[1])
 

@@ -55,9 +55,11 @@ def _penalties(n: int, bias: dict[tuple[int, int], float], bans: dict[int, list[
     logit_bias = torch.zeros((n, V))
     for (row, tok), v in bias.items():
         logit_bias[row, tok] = v
+    ban_mask = torch.zeros((n, V), dtype=torch.bool)
+    for row, ids in bans.items():
+        ban_mask[row, ids] = True
     return PenaltyInfo(frequency=torch.zeros(n), presence=torch.zeros(n), repetition=torch.ones(n),
-                       logit_bias=logit_bias, min_tokens_mask=torch.tensor([i in bans for i in range(n)]),
-                       banned_ids=[bans.get(i, []) for i in range(n)], counts_active=True)
+                       logit_bias=logit_bias, ban_mask=ban_mask, counts_active=True)
 
 
 def _decode_job(grammar: bool = True) -> ForwardJob:
