@@ -102,11 +102,8 @@ class DecodeState:
         if self.finished:
             return ""
         surrogate_text, read_text = texts[:2] if texts else ("", "")
-        if self.read_offset == self.context_len:
-            # before the first commit the window is the prompt's tail, which may end inside a
-            # character (a byte-fallback decoder writes one U+FFFD per byte of it): the output's
-            # text starts where the tail's complete characters end
-            surrogate_text = surrogate_text.rstrip(REPLACEMENT_CHAR)
+        if self.read_offset == self.context_len:  # before the first commit: the window is the prompt's tail
+            surrogate_text = context_text(surrogate_text, read_text)
         new_text = read_text[len(surrogate_text) :]
         if new_text and (finished or not new_text.endswith(REPLACEMENT_CHAR)):
             self._decoded += new_text
@@ -186,6 +183,18 @@ class StopTail:
                 k = fail[k - 1]
             fail.append(k + 1 if stop[i] == stop[k] else 0)
         return fail[j]
+
+
+def context_text(tail_text: str, read_text: str) -> str:
+    """The part of `read_text` (the prompt's tail and the output decoded) that is the tail's. A
+    tail may end inside a character (a byte-fallback decoder writes one U+FFFD per byte of it):
+    a U+FFFD the output turns into a character is the output's (the completed emoji shows), one
+    still there in `read_text` is the tail's (the output did not complete it: its text is
+    `decode(output_ids)`, with no U+FFFD for a prompt byte in front)."""
+    end = len(tail_text.rstrip(REPLACEMENT_CHAR))
+    while end < len(tail_text) and read_text[end:end + 1] == REPLACEMENT_CHAR:
+        end += 1
+    return tail_text[:end]
 
 
 def completed_at(text: str, stop: str, before_text: str) -> int:
