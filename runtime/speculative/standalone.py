@@ -79,8 +79,11 @@ class StandaloneDrafter:
         return drafts, lens
 
     def _catch_up(self, rows: list[int], lasts: list[int]) -> list[int]:
-        """Feed each row's true tokens from `valid` through its last one; the first drafts."""
-        starts = [int(self.valid[r]) for r in rows]
+        """Feed each row's true tokens from `valid` through its last one; the first drafts. The last
+        token is fed even when its draft KV is valid (a verify that checked fewer drafts than were fed
+        kept only tokens that matched them): its logits give the first draft, and a row fed nothing
+        would take another row's (all rows so: an empty pass, which took the scheduler down)."""
+        starts = [min(int(self.valid[r]), last) for r, last in zip(rows, lasts)]
         ids = np.concatenate([self.history[r, s:last + 1] for r, s, last in zip(rows, starts, lasts)])
         slots = torch.cat([self.req_to_token[r, s:last + 1] for r, s, last in zip(rows, starts, lasts)])
         batch = ForwardBatch.build(ForwardMode.EXTEND, torch.from_numpy(ids), rows, starts,

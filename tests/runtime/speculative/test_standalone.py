@@ -1,5 +1,6 @@
 """The STANDALONE drafter on a real (tiny) draft model: it never runs the draft model past its own
-positions, whatever the target's context allows."""
+positions, whatever the target's context allows, and drafts after a verify that kept fewer tokens
+than it had drafted."""
 from __future__ import annotations
 
 import json
@@ -38,3 +39,19 @@ def test_drafts_stop_at_the_draft_models_last_position(drafter, last, want):
     drafts, lens = drafter.propose([0], [last], [True], [1000])
     assert lens.tolist() == [want]
     assert (drafts[0, want:] == 0).all()
+
+
+def test_drafts_after_a_verify_that_kept_only_tokens_it_had_fed(drafter):
+    """A verify may check fewer drafts than were proposed (min_new_tokens not reached, max_new_tokens
+    near): when every token it keeps is one the drafter fed, the draft KV is valid through the new
+    last token, which still has to be fed for its logits. Fed nothing, the pass was empty and its
+    IndexError took the scheduler down (one greedy request with min_new_tokens on a STANDALONE server)."""
+    history = [5 + i % 7 for i in range(21)]
+    drafter.start(0, history)
+    first, _ = drafter.propose([0], [20], [True], [1000])
+    drafter.append(0, 21, [int(first[0, 0])])  # the verify checked no drafts; the target agreed with the first
+    drafts, lens = drafter.propose([0], [21], [True], [1000])
+    drafter.start(0, history + [int(first[0, 0])])
+    fresh, fresh_lens = drafter.propose([0], [21], [True], [1000])
+    assert lens.tolist() == fresh_lens.tolist() == [3]
+    assert drafts.tolist() == fresh.tolist()
