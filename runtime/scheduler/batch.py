@@ -177,16 +177,17 @@ def _penalties(reqs: list[Req], outputs_before: list[int], ctx: BatchContext) ->
     counts_active = any(p.has_penalties for p in sps)
     has_bias = any(r.logit_bias is not None for r in reqs)
     under_min = [n < p.min_new_tokens for n, p in zip(outputs_before, sps)]
+    has_bans = any(under_min)
     if not has_bias:
         ctx.logit_bias.drop()
-    if not any(under_min):
+    if not has_bans:
         ctx.bans.drop()
-    if not (counts_active or has_bias or any(under_min)):
+    if not (counts_active or has_bias or has_bans):
         return None
     f32 = dict(dtype=torch.float32, device=ctx.device)
     bias = ctx.logit_bias.get(tuple(r.logit_bias for r in reqs), lambda: _logit_bias(reqs, ctx)) if has_bias else None
     ban_key = tuple(r if under else None for r, under in zip(reqs, under_min))
-    bans = ctx.bans.get(ban_key, lambda: _ban_mask(reqs, under_min, ctx)) if any(under_min) else None
+    bans = ctx.bans.get(ban_key, lambda: _ban_mask(reqs, under_min, ctx)) if has_bans else None
     return PenaltyInfo(
         frequency=torch.tensor([p.frequency_penalty for p in sps], **f32),
         presence=torch.tensor([p.presence_penalty for p in sps], **f32),
