@@ -38,6 +38,9 @@ class Envs:
     CPU_PACK_WEIGHTS = EnvVar("TANDEM_CPU_PACK_WEIGHTS", True, "linears on packed weights on CPU: bf16 "
                               "in oneDNN's layout (native bf16 CPUs), fp32 in MKL's or oneDNN's, whichever measures faster "
                               "(0: torch's plain linear, for A/B runs)")
+    CPU_DECODE_STEP = EnvVar("TANDEM_CPU_DECODE_STEP", True, "with the cpu attention backend, a decode step's "
+                             "layers run in one C++ call (runtime/model/cpu_decode_step.py; 0: the Python modules, "
+                             "for A/B runs)")
     CPU_MALLOC_KEEP = EnvVar("TANDEM_CPU_MALLOC_KEEP", True, "CPU model processes keep freed large blocks in "
                              "glibc's heap instead of unmapping them (0: glibc's defaults, for A/B runs)")
     TEST_FORWARD_HANG = EnvVar("TANDEM_TEST_FORWARD_HANG", 0.0, "seconds every forward step sleeps first (watchdog tests)")

@@ -11,7 +11,8 @@ from torch import nn
 
 from tandem.runtime.model.attention import AttentionBackend
 from tandem.runtime.model.config import ModelConfig
-from tandem.runtime.model.forward_batch import ForwardBatch
+from tandem.runtime.model.cpu_decode_step import CpuDecodeStep
+from tandem.runtime.model.forward_batch import ForwardBatch, ForwardMode
 from tandem.runtime.model.layers import RMSNorm, RotaryEmbedding
 from tandem.runtime.model.ops import CpuOps, TorchOps, TritonOps
 from tandem.runtime.model.packed_linear import PackedLinear, pack_linears
@@ -95,6 +96,8 @@ class CausalLM(nn.Module):
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position, cfg.rope_theta, cfg.rope_scaling)
         self.lm_head = (None if cfg.tie_word_embeddings
                         else nn.Linear(cfg.hidden_size, cfg.vocab_size // tp.size, bias=False))
+        self._decode_step: CpuDecodeStep | None = None
+        self._decode_step_checked_for: AttentionBackend | None = None  # the backend it was built (or refused) for
 
     def use_ops(self, ops: TorchOps | TritonOps | CpuOps) -> None:
         """Route RMSNorm, rotary and SiLU-and-mul through `ops` (C++ on the cpu backend, Triton kernels with the triton backend)."""
@@ -105,15 +108,24 @@ class CausalLM(nn.Module):
     def hidden_states(self, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
         attn.init_forward(batch)
         x, residual = self.embed_tokens(batch.input_ids), None
+        step = self._cpu_decode_step(attn) if batch.mode == ForwardMode.DECODE else None
+        if step is not None:
+            return step.hidden_states(x, batch)
         for layer in self.layers:
             x, residual = layer(x, residual, batch, self.rotary, attn)
         x, _ = self.norm(x, residual)
         return x
 
+    def _cpu_decode_step(self, attn: AttentionBackend) -> CpuDecodeStep | None:
+        if self._decode_step_checked_for is not attn:
+            self._decode_step, self._decode_step_checked_for = CpuDecodeStep.build(self, attn), attn
+        return self._decode_step
+
     def pack_weights(self) -> int:
         """Every linear on packed weights (runtime/model/packed_linear.py); a tied LM head
         gets a packed copy of the embedding, which keeps its plain rows for lookups. Returns how many."""
         count = pack_linears(self)
+        self._decode_step_checked_for = None  # a step holds the weights it was built on
         if self.lm_head is None:
             self.lm_head = PackedLinear(self.embed_tokens.weight, None)
             count += 1
