@@ -114,9 +114,28 @@ at::Tensor decode_layers(const at::Tensor& embedded, const at::Tensor& positions
   return ops.add_rmsnorm.call(x, residual, final_norm, eps)[0];
 }
 
+// The GEMM-only bound's pass (runtime/model/gemm_bound.py): each layer's four linears, (weight,
+// like) pairs in `linears`, called back to back as decode_layers calls them, each fed the slice
+// of its producer's output it takes: qkv and gate_up read x, o reads qkv, down reads gate_up.
+void layer_matmuls(const at::Tensor& x, const c10::List<OptTensor>& linears, int64_t padded_rows) {
+  TORCH_CHECK(linears.size() % 8 == 0, "linears: (weight, like) for qkv, o, gate_up and down, per layer");
+  auto input_of = [](const at::Tensor& producer, const at::Tensor& w, const OptTensor& like) {
+    return producer.narrow(1, 0, (like.has_value() ? *like : w).size(1)).contiguous();
+  };
+  for (size_t i = 0; i < linears.size(); i += 8) {
+    const at::Tensor qkv = linear(x, *linears.get(i), linears.get(i + 1), std::nullopt, padded_rows);
+    linear(input_of(qkv, *linears.get(i + 2), linears.get(i + 3)), *linears.get(i + 2), linears.get(i + 3),
+           std::nullopt, padded_rows);
+    const at::Tensor gate_up = linear(x, *linears.get(i + 4), linears.get(i + 5), std::nullopt, padded_rows);
+    linear(input_of(gate_up, *linears.get(i + 6), linears.get(i + 7)), *linears.get(i + 6), linears.get(i + 7),
+           std::nullopt, padded_rows);
+  }
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(tandem_cpu, m) {
+  m.def("layer_matmuls(Tensor x, Tensor?[] linears, int padded_rows) -> ()");
   m.def("decode_layers(Tensor embedded, Tensor positions, Tensor?[] params, Tensor(a!)[] k_buffers, "
         "Tensor(b!)[] v_buffers, Tensor req_to_token, Tensor req_pool_indices, Tensor seq_lens, "
         "Tensor out_cache_loc, Tensor cos_sin, Tensor final_norm, float eps, float scale, int num_heads, "
@@ -124,5 +143,11 @@ TORCH_LIBRARY_FRAGMENT(tandem_cpu, m) {
 }
 
 // the dispatcher keys on every tensor argument: packed oneDNN weights make it MkldnnCPU
-TORCH_LIBRARY_IMPL(tandem_cpu, CPU, m) { m.impl("decode_layers", &decode_layers); }
-TORCH_LIBRARY_IMPL(tandem_cpu, MkldnnCPU, m) { m.impl("decode_layers", &decode_layers); }
+TORCH_LIBRARY_IMPL(tandem_cpu, CPU, m) {
+  m.impl("decode_layers", &decode_layers);
+  m.impl("layer_matmuls", &layer_matmuls);
+}
+TORCH_LIBRARY_IMPL(tandem_cpu, MkldnnCPU, m) {
+  m.impl("decode_layers", &decode_layers);
+  m.impl("layer_matmuls", &layer_matmuls);
+}

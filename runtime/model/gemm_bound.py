@@ -11,9 +11,9 @@ from dataclasses import dataclass
 
 import torch
 
-from tandem.kernels.cpu_ops import cpu_flags
+from tandem.kernels.cpu_ops import cpu_flags, load_cpu_ops
 from tandem.runtime.model.config import ModelConfig
-from tandem.runtime.model.packed_linear import best_seconds, linear, pack, packs_weights
+from tandem.runtime.model.packed_linear import MklPackedWeight, Weight, best_seconds, linear, pack, padded_rows, packs_weights
 
 PREFILL_CHUNK = 2048  # tokens per timed prefill matmul pass (tandem's default chunked prefill)
 
@@ -37,7 +37,7 @@ class GemmBound:
 
 
 def _weights(cfg: ModelConfig, dtype: torch.dtype, num_layers: int,
-             lm_head: bool = True) -> tuple[list[list[torch.Tensor]], torch.Tensor | None]:
+             lm_head: bool = True) -> tuple[list[list[Weight]], Weight | None]:
     """Every layer's own weights (sharing one layer's would let small batches run from cache,
     which the real model, hundreds of MB of weights, never does) and the LM head."""
     h, d = cfg.hidden_size, cfg.head_dim
@@ -48,18 +48,30 @@ def _weights(cfg: ModelConfig, dtype: torch.dtype, num_layers: int,
     return layers, held(torch.randn(cfg.vocab_size, h, dtype=dtype) * 0.02) if lm_head else None
 
 
-def _time_pass(x: torch.Tensor, layers: list[list[torch.Tensor]], lm_head: torch.Tensor | None,
-               repeats: int) -> float:
+def _time_pass(x: torch.Tensor, layers: list[list[Weight]], lm_head: Weight | None, repeats: int) -> float:
+    """The layers' matmuls back to back, from C++ where the C++ ops are built (as tandem's CPU
+    decode step calls them: timed from Python, 121 calls would add ~1 ms of Python to a 14 ms
+    batch-1 bound), else from Python; the LM head from Python, as the model calls it."""
+    ops = load_cpu_ops()
+
     def one_pass() -> None:
-        for layer in layers:
-            qkv = linear(x, layer[0])
-            linear(qkv[:, :layer[1].shape[1]].contiguous(), layer[1])
-            gate_up = linear(x, layer[2])
-            linear(gate_up[:, :layer[3].shape[1]].contiguous(), layer[3])
+        if ops is not None:
+            ops.layer_matmuls(x, [t for layer in layers for w in layer for t in _weight_and_like(w)],
+                              padded_rows(x.shape[0]))
+        else:
+            for layer in layers:
+                qkv = linear(x, layer[0])
+                linear(qkv[:, :layer[1].shape[1]].contiguous(), layer[1])
+                gate_up = linear(x, layer[2])
+                linear(gate_up[:, :layer[3].shape[1]].contiguous(), layer[3])
         if lm_head is not None:
             linear(x, lm_head)
 
     return best_seconds(one_pass, repeats)
+
+
+def _weight_and_like(weight: Weight) -> tuple[torch.Tensor, torch.Tensor | None]:
+    return (weight.packed, weight.like) if isinstance(weight, MklPackedWeight) else (weight, None)
 
 
 def measure(cfg: ModelConfig, dtype: torch.dtype, decode_batch: int, repeats: int = 3) -> GemmBound:

@@ -36,3 +36,24 @@ def test_auto_dtype_takes_bf16_only_for_a_clear_win(monkeypatch, flags, bf16_spe
     monkeypatch.setattr(gb, "_time_pass", lambda x, *a, **k: 1.0 if x.dtype == torch.float32 else 1.0 / bf16_speedup)
     dtype, why = gb.pick_cpu_dtype(CFG)
     assert dtype == want and why
+
+
+@pytest.mark.parametrize("layout", ["mkl", "onednn", "bf16"])
+def test_the_c_plus_plus_pass_runs_every_weight_layout(monkeypatch, layout) -> None:
+    """The layers' matmuls run from C++ (a wrong slice between two linears fails their shapes)."""
+    if layout == "bf16" and not gb.packs_weights(torch.bfloat16):
+        layout = "onednn"  # no native bf16 here: fp32's oneDNN layout covers the blocked weights
+    monkeypatch.setattr("tandem.runtime.model.packed_linear.fp32_layout", lambda: (layout, "test"))
+    calls = []
+    ops = gb.load_cpu_ops()
+    assert ops is not None, "the CPU ops did not build: see the warning logged by load_cpu_ops"
+    counting = type("CountingOps", (), {"layer_matmuls": staticmethod(lambda *a: calls.append(a) or ops.layer_matmuls(*a))})
+    monkeypatch.setattr(gb, "load_cpu_ops", counting)
+    bound = gb.measure(CFG, torch.bfloat16 if layout == "bf16" else torch.float32, 70, repeats=1)
+    assert bound.decode_step_s > 0 and calls
+    assert len(calls[0][1]) == 8 * CFG.num_layers  # (weight, like) for four linears a layer
+
+
+def test_without_the_c_plus_plus_ops_the_pass_runs_from_python(monkeypatch) -> None:
+    monkeypatch.setattr(gb, "load_cpu_ops", lambda: None)
+    assert gb.measure(CFG, torch.float32, 4, repeats=1).decode_step_s > 0
