@@ -2,9 +2,9 @@
 what CUDA graphs are to SGLang's decode on a GPU, a step without Python between its ops.
 
 Invariant: it runs the very ops the Python modules run, in their order, on the same weights, so
-its hidden states equal the modules' bit for bit; where it cannot (another attention backend,
-tensor parallelism, or the C++ ops not built) the model keeps its modules, as SGLang runs eager
-where a graph does not apply. Weights are read from the modules when a step is built, after
+its hidden states equal the modules' bit for bit; where it cannot (another attention backend or
+small ops, tensor parallelism, the C++ ops not built) the model keeps its modules, as SGLang
+runs eager where a graph does not apply. Weights are read from the modules when a step is built, after
 packing (runtime/model/packed_linear.py), and never copied.
 """
 from __future__ import annotations
@@ -17,6 +17,7 @@ from torch import nn
 from tandem.runtime.envs import envs
 from tandem.runtime.model.attention import AttentionBackend, CpuAttnBackend
 from tandem.runtime.model.forward_batch import ForwardBatch
+from tandem.runtime.model.ops import CpuOps
 from tandem.runtime.model.packed_linear import MklPackedWeight, padded_rows
 
 if TYPE_CHECKING:
@@ -37,8 +38,8 @@ class CpuDecodeStep:
     @staticmethod
     def build(model: CausalLM, attn: AttentionBackend) -> CpuDecodeStep | None:
         """A step for `model` under `attn`, or None where the modules must run (see the module doc)."""
-        if (type(attn) is not CpuAttnBackend or attn.ops is None or model.tp.size != 1
-                or not envs.CPU_DECODE_STEP.get()):
+        if (type(attn) is not CpuAttnBackend or attn.ops is None or not isinstance(model.norm.ops, CpuOps)
+                or model.tp.size != 1 or not envs.CPU_DECODE_STEP.get()):
             return None
         return CpuDecodeStep(model, attn)
 

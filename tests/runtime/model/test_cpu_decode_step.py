@@ -17,7 +17,7 @@ from tandem.runtime.model.config import ModelConfig
 from tandem.runtime.model.cpu_decode_step import CpuDecodeStep
 from tandem.runtime.model.forward_batch import ForwardBatch, ForwardMode
 from tandem.runtime.model.llama import CausalLM
-from tandem.runtime.model.ops import create_ops
+from tandem.runtime.model.ops import TorchOps, create_ops
 from tandem.runtime.model.packed_linear import EXACT_ROWS, MklPackedWeight, packs_weights
 from tandem.runtime.model.runner import ModelRunner
 from tandem.runtime.model.tensor_parallel import TensorParallel
@@ -144,6 +144,9 @@ def test_it_applies_only_to_the_cpu_backend_on_one_rank(monkeypatch):
     monkeypatch.setattr(s.attn, "ops", None)  # the C++ ops not built
     assert CpuDecodeStep.build(s.model, s.attn) is None
     monkeypatch.undo()
+    s.model.use_ops(TorchOps())  # the modules would round as torch does, the step as the C++ ops
+    assert CpuDecodeStep.build(s.model, s.attn) is None
+    s.model.use_ops(create_ops("cpu"))
     monkeypatch.setattr(s.model, "tp", TensorParallel(rank=0, size=2))  # the layers' all-reduces are Python's
     assert CpuDecodeStep.build(s.model, s.attn) is None
 
