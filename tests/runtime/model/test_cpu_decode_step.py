@@ -171,3 +171,14 @@ def test_a_runner_decodes_through_the_step_and_answers_alike(tiny_model_dir, mon
     assert calls == [ForwardMode.DECODE] * 9
     assert on.output_ids == off.output_ids
     assert all(torch.equal(a, b) for a, b in zip(on.step_logits, off.step_logits))
+
+
+def test_packing_after_a_decode_rebuilds_the_step(monkeypatch):
+    """A step holds the weights it was built on: packing replaces them, so the next decode builds anew."""
+    s = Setup(BASE, torch.float32, False, bs=3)
+    with torch.inference_mode():
+        s.model.hidden_states(s.decode_batch(), s.attn)
+    s.model.pack_weights()
+    with torch.inference_mode():
+        through_model = s.model.hidden_states(s.decode_batch(), s.attn)
+    assert torch.equal(s.modules(monkeypatch), through_model)
