@@ -62,6 +62,9 @@ class ServerArgs:
     disable_priority_preemption: bool = False  # SGLang's: with priority scheduling, urgent arrivals preempt unless set
     schedule_low_priority_values_first: bool = False  # SGLang's: smaller priority values run first
     priority_scheduling_preemption_threshold: int = 10  # SGLang's: preempt only above this priority gap
+    # SGLang's: without priority scheduling, a request that names a priority gets a 503 (it is
+    # ignored otherwise)
+    abort_on_priority_when_disabled: bool = False
     disable_radix_cache: bool = False
     disable_overlap_schedule: bool = False
     request_timeout: float | None = None

@@ -40,6 +40,7 @@ class PlannerConfig:
     priority_preemption: bool = False
     # an arrival preempts a running request only when more urgent by MORE than this (SGLang's default)
     priority_scheduling_preemption_threshold: int = 10
+    abort_on_priority_when_disabled: bool = False  # SGLang's flag: a priority without priority scheduling is a 503
     force_retract_every: int = 0  # TANDEM_TEST_RETRACT: retract one request every N decode steps
     speculative_num_drafts: int = 0  # drafts per verify; 0: plain decoding
     speculative_disable_batch_size: int | None = None  # more running requests than this: no drafts
@@ -55,6 +56,10 @@ class Plan:
 _NO_SLOTS = torch.empty(0, dtype=torch.int64)  # a verify's slots are read from the row by the worker
 _OOM = FinishReason(type="abort", status_code=500, err_type="OutOfMemory",
                     message="out of KV memory after retracting every other request")
+# SGLang's words and status for a priority on a server without priority scheduling (_set_or_validate_priority)
+_PRIORITY_DISABLED = FinishReason(type="abort", status_code=503, err_type="ServiceUnavailable",
+                                  message="Using priority is disabled for this server. "
+                                          "Please send a new request without a priority.")
 
 
 class Planner:
@@ -83,7 +88,7 @@ class Planner:
         self.waiting.append(req)
 
     def admission_error(self, req: Req) -> FinishReason | None:
-        """Checks that need the scheduler's numbers; the tokenizer manager already did the rest."""
+        """Checks that need the scheduler's numbers and flags; the tokenizer manager already did the rest."""
         limit = self.cfg.context_len
         if req.max_total_len() > limit:
             return FinishReason.bad_request(
@@ -94,6 +99,9 @@ class Planner:
                 "sampling_params.max_new_tokens", f"({req.sampling_params.max_new_tokens}) + the prompt "
                 f"({len(req.origin_input_ids)} tokens) needs more KV slots than the server has "
                 f"({self.cfg.max_total_tokens})")
+        cfg = self.cfg
+        if req.priority is not None and cfg.abort_on_priority_when_disabled and not cfg.enable_priority_scheduling:
+            return _PRIORITY_DISABLED
         return None
 
     def queue_error(self, req: Req) -> FinishReason | None:

@@ -58,6 +58,7 @@ def planner_config(args: ServerArgs, runner: ModelRunner) -> PlannerConfig:
         enable_priority_scheduling=args.enable_priority_scheduling, priority_preemption=not args.disable_priority_preemption,
         schedule_low_priority_values_first=args.schedule_low_priority_values_first,
         priority_scheduling_preemption_threshold=args.priority_scheduling_preemption_threshold,
+        abort_on_priority_when_disabled=args.abort_on_priority_when_disabled,
         force_retract_every=envs.TEST_RETRACT_INTERVAL.get() if envs.TEST_RETRACT.get() else 0,
         speculative_num_drafts=args.speculative_num_draft_tokens - 1 if args.speculative_algorithm else 0,
         speculative_disable_batch_size=args.speculative_disable_batch_size,

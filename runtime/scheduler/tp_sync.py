@@ -24,7 +24,7 @@ LOCKSTEP_FIELDS = ("dtype", "kv_cache_dtype", "max_total_tokens", "max_running_r
                    "max_queued_requests", "max_prefill_tokens", "chunked_prefill_size", "context_length",
                    "schedule_policy", "enable_priority_scheduling", "disable_priority_preemption",
                    "schedule_low_priority_values_first", "priority_scheduling_preemption_threshold",
-                   "disable_radix_cache", "disable_overlap_schedule")
+                   "abort_on_priority_when_disabled", "disable_radix_cache", "disable_overlap_schedule")
 
 
 # taken from rank 0 instead of compared: SGLang's scheduler broadcasts rank 0's seed, so nodes

@@ -171,6 +171,7 @@ def test_bad_values_name_the_flag(bad, fragment):
 def test_priority_scheduling_preempts_unless_disabled_as_sglang():
     assert not ServerArgs(enable_priority_scheduling=True).disable_priority_preemption
     assert _cli(["--enable-priority-scheduling", "--disable-priority-preemption"]).disable_priority_preemption
+    assert _cli(["--abort-on-priority-when-disabled"]).abort_on_priority_when_disabled  # SGLang's flag launches
 
 
 @pytest.mark.parametrize("toml, fragment", [

@@ -353,3 +353,23 @@ def test_a_full_queue_gives_way_to_a_more_urgent_arrival_only():
     plain.add("a_0", 4)
     assert plain.planner.queue_victim(urgent) is None and plain.planner.queue_error(urgent).status_code == 503
     assert low_old in core.planner.waiting
+
+
+def test_a_priority_without_priority_scheduling_is_ignored_or_a_503_as_sglang():
+    """SGLang's _set_or_validate_priority: without --enable-priority-scheduling a request's priority
+    is ignored, unless --abort-on-priority-when-disabled, which ends it with a 503 (a request that
+    names none still runs; with priority scheduling on, the flag changes nothing)."""
+    def arrival(priority: int | None) -> Req:
+        msg = TokenizedGenerateReq(rid="r_0", input_ids=np.arange(500, 504, dtype=np.int32), stream=False,
+                                   sampling_params=SamplingParams(max_new_tokens=2), priority=priority)
+        return Req.from_message(msg, 1, 0)
+
+    assert make_core().planner.admission_error(arrival(3)) is None
+    strict = make_core(abort_on_priority_when_disabled=True).planner
+    error = strict.admission_error(arrival(3))
+    assert (error.type, error.status_code) == ("abort", 503)
+    assert error.message == ("Using priority is disabled for this server. "
+                             "Please send a new request without a priority.")
+    assert strict.admission_error(arrival(None)) is None
+    enabled = make_core(abort_on_priority_when_disabled=True, enable_priority_scheduling=True).planner
+    assert enabled.admission_error(arrival(3)) is None
