@@ -235,28 +235,48 @@ def test_priority_orders_admission_when_full(tmp_path, tiny_model_dir):
         server.stop()
 
 
+def _stream_chunks(server, body: dict) -> list[dict]:
+    with requests.post(server.url + "/generate", json={**body, "stream": True}, stream=True, timeout=120) as resp:
+        assert resp.status_code == 200, resp.text
+        return [requests.models.complexjson.loads(line[6:]) for line in resp.iter_lines()
+                if line.startswith(b"data: {")]
+
+
 def test_priority_preemption_requeues_the_running_request(tmp_path, tiny_model_dir):
+    """The preempted request is requeued and ends with the output it gives alone; its streaming
+    client sees every token once, each with its logprob and top logprobs, across the retraction."""
     from server_utils import start_server
 
     server = start_server(["--model-path", tiny_model_dir("llama"), "--max-total-tokens", "4000",
                            "--max-running-requests", "1", "--enable-priority-scheduling"],  # preempts by default
                           str(tmp_path / "pp.log"), env={"TANDEM_TEST_FORWARD_HANG": "0.01"})  # low runs >= 3 s
     try:
-        low_body = {"input_ids": [9] * 5, "rid": "low", "priority": 0,
+        low_body = {"input_ids": [9] * 5, "rid": "low", "priority": 0, "return_logprob": True, "top_logprobs_num": 2,
                     "sampling_params": {"max_new_tokens": 300, "temperature": 0, "ignore_eos": True}}
         reference = server.generate({**low_body, "rid": "low-ref"})
         done: list[str] = []
         with ThreadPoolExecutor(2) as pool:
-            low = pool.submit(lambda: (server.generate(low_body), done.append("low"))[0])
+            low = pool.submit(lambda: (_stream_chunks(server, low_body), done.append("low"))[0])
             _wait_running(server, 1)
             time.sleep(0.3)
             high = pool.submit(lambda: (server.generate({"input_ids": [8] * 5, "rid": "high", "priority": 50,
                                                          "sampling_params": {"max_new_tokens": 3, "temperature": 0}}),
                                         done.append("high"))[0])
-            low_out = low.result(60)
+            chunks = low.result(60)
             high.result(60)
         assert done == ["high", "low"]
-        assert low_out["output_ids"] == reference["output_ids"]  # retracted, requeued, not lost
         assert server.info()["num_retractions"] >= 1
+        for before, after in zip(chunks, chunks[1:]):  # cumulative: nothing sent twice or taken back
+            assert after["output_ids"][:len(before["output_ids"])] == before["output_ids"]
+        for chunk in chunks:
+            meta = chunk["meta_info"]
+            assert [t[1] for t in meta["output_token_logprobs"]] == chunk["output_ids"]
+            assert len(meta["output_top_logprobs"]) == meta["completion_tokens"] == len(chunk["output_ids"])
+        final = chunks[-1]
+        assert final["output_ids"] == reference["output_ids"]  # retracted, requeued, not lost
+        assert final["text"] == reference["text"]
+        for got, want in zip(final["meta_info"]["output_token_logprobs"], reference["meta_info"]["output_token_logprobs"]):
+            assert got[1] == want[1] and got[0] == pytest.approx(want[0], abs=1e-4)
+        assert_no_leaks(server)
     finally:
         server.stop()
