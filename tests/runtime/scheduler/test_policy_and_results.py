@@ -352,3 +352,17 @@ def test_reasoning_tokens_count_through_the_think_end_for_require_reasoning():
     never_closed.require_reasoning = True
     apply_new_tokens(never_closed, [5, 6, 46], None, None, checker)
     assert never_closed.reasoning_tokens == 3 and not never_closed.reasoning_over
+
+
+def test_lpm_orders_by_cached_prefix_alone_even_with_priority_scheduling():
+    """SGLang's calc_priority sorts by priority only under fcfs: lpm orders by the cached prefix (ties
+    by arrival) whatever the priorities, and lpm without a radix cache is fcfs, priority first."""
+    tree = RadixCache(TokenAllocator(64))
+    tree.insert([7, 8, 9], torch.tensor([1, 2, 3]))
+    urgent, cached, later = _req(1, priority=9), _req(2, ids=(7, 8, 9, 10), priority=1), _req(3, priority=1)
+    waiting = [later, urgent, cached]
+    SchedulePolicy("lpm", True, tree).sort(waiting)
+    assert waiting == [cached, urgent, later]
+    waiting = [later, urgent, cached]
+    SchedulePolicy("lpm", True, RadixCache(TokenAllocator(64), disabled=True)).sort(waiting)
+    assert waiting == [urgent, cached, later]
