@@ -65,6 +65,9 @@ class ServerArgs:
     # SGLang's: without priority scheduling, a request that names a priority gets a 503 (it is
     # ignored otherwise)
     abort_on_priority_when_disabled: bool = False
+    # SGLang's: under priority scheduling, the priority of a request that names none (None: the
+    # least urgent value); ignored without priority scheduling
+    default_priority_value: int | None = None
     disable_radix_cache: bool = False
     disable_overlap_schedule: bool = False
     request_timeout: float | None = None
@@ -130,6 +133,7 @@ class ServerArgs:
             "dist_init_addr": self.dist_init_addr is None or _is_port(self.dist_init_addr.rpartition(":")[2]),
             "max_batch_items": self.max_batch_items >= 1,
             "max_top_logprobs_num": self.max_top_logprobs_num >= 0,
+            "default_priority_value": self.default_priority_value is None or -(1 << 63) <= self.default_priority_value < 1 << 63,
             # seconds: NaN compares false everywhere, so these refuse it too
             "request_timeout": self.request_timeout is None or self.request_timeout > 0,
             "health_generate_timeout": self.health_generate_timeout > 0,

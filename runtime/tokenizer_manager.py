@@ -200,9 +200,16 @@ class TokenizerManager:
             send(self.to_scheduler, TokenizedGenerateReq(
                 rid=choice.rid, input_ids=np.asarray(item.input_ids, dtype=np.int32),
                 sampling_params=_choice_params(sp, i), stream=item.stream, logprob=item.logprob,
-                return_hidden_states=item.return_hidden_states, priority=item.priority, extra_key=item.extra_key,
+                return_hidden_states=item.return_hidden_states, priority=self._priority(item), extra_key=item.extra_key,
                 require_reasoning=item.require_reasoning))
         return group
+
+    def _priority(self, item: GenerateItem) -> int | None:
+        """SGLang's _set_default_priority: under priority scheduling, --default-priority-value stands
+        for a priority the request does not name (unset: the scheduler's least urgent value)."""
+        if item.priority is None and self.args.enable_priority_scheduling:
+            return self.args.default_priority_value
+        return item.priority
 
     def _formatter(self, item: GenerateItem, choice: int) -> LogprobFormatter | None:
         lp = item.logprob

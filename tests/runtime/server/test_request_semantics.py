@@ -211,26 +211,28 @@ def test_priority_orders_admission_when_full(tmp_path, tiny_model_dir):
 
     server = start_server(["--model-path", tiny_model_dir("llama"), "--max-total-tokens", "4000",
                            "--max-running-requests", "1", "--enable-priority-scheduling",
-                           "--disable-priority-preemption"], str(tmp_path / "p.log"),  # admission order alone
+                           "--disable-priority-preemption",  # admission order alone
+                           "--default-priority-value", "7"],  # SGLang's: the priority of a request naming none
+                          str(tmp_path / "p.log"),
                           env={"TANDEM_TEST_FORWARD_HANG": "0.01"})  # requests end >= 40 ms apart: the client sees the order
     try:
         order: list[str] = []
         lock = threading.Lock()
 
-        def run(rid: str, priority: int, max_new: int) -> None:
+        def run(rid: str, priority: int | None, max_new: int) -> None:
             server.generate({"input_ids": [9] * 5, "rid": rid, "priority": priority,
                              "sampling_params": {"max_new_tokens": max_new, "temperature": 0, "ignore_eos": True}})
             with lock:
                 order.append(rid)
 
-        with ThreadPoolExecutor(4) as pool:
+        with ThreadPoolExecutor(5) as pool:
             pool.submit(run, "blocker", 0, 1500)
             _wait_running(server, 1)
-            for rid, prio in (("low", 1), ("high", 10), ("mid", 5)):
+            for rid, prio in (("low", 1), ("high", 10), ("none", None), ("mid", 5)):
                 pool.submit(run, rid, prio, 4)
-            _wait_running(server, 4)  # all three queued behind the blocker, whatever the machine's speed
+            _wait_running(server, 5)  # all four queued behind the blocker, whatever the machine's speed
             server.post("/abort_request", {"rid": "blocker"})
-        assert order == ["blocker", "high", "mid", "low"]
+        assert order == ["blocker", "high", "none", "mid", "low"]
     finally:
         server.stop()
 
