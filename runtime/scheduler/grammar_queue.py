@@ -3,6 +3,8 @@
 A constrained request waits here, not in the planner's queue, until its grammar is ready, so a
 slow compile never holds up anyone else; then it gets its own matcher (in the reasoning phase
 first when it has `require_reasoning`) and joins the waiting queue. A compile error or `--grammar-compile-timeout` ends it with a 400 quoting xgrammar.
+Under TP every rank compiles its own grammars, but which requests leave the queue in an
+iteration is rank 0's decision (`settled`), applied alike on every rank (`settle`).
 """
 from __future__ import annotations
 
@@ -38,14 +40,28 @@ class GrammarQueue:
 
     def poll(self) -> tuple[list[Req], list[tuple[Req, FinishReason]]]:
         """Requests whose grammar is ready (each with its own matcher), and those that failed."""
+        return self.settle(*self.settled())
+
+    def settled(self) -> tuple[list[str], list[str]]:
+        """The rids whose compile has finished, and those past --grammar-compile-timeout: under TP
+        only rank 0 asks (tp_sync shares its answer), since each rank compiles at its own pace."""
+        now = time.monotonic()
+        done = [w.req.rid for w in self._waiting if w.compiled.done()]
+        expired = [w.req.rid for w in self._waiting if not w.compiled.done() and now > w.deadline]
+        return done, expired
+
+    def settle(self, done: list[str], expired: list[str]) -> tuple[list[Req], list[tuple[Req, FinishReason]]]:
+        """Exactly these requests leave the queue, in queue order: `done` ones (waiting for this
+        rank's own compile, which rank 0 saw finish) ready or failed by its outcome, `expired` ones
+        failed; rids no longer here (aborted since) are skipped."""
+        done_set, expired_set = set(done), set(expired)
         ready: list[Req] = []
         failed: list[tuple[Req, FinishReason]] = []
         still: list[_Waiting] = []
-        now = time.monotonic()
         for w in self._waiting:
             kind = w.req.sampling_params.constraint[0]  # type: ignore[index]
-            if w.compiled.done():
-                exc = w.compiled.exception()
+            if w.req.rid in done_set:
+                exc = w.compiled.exception()  # blocks until this rank's compile is done too
                 if exc is None:
                     think_end = self.think_end_ids if w.req.require_reasoning else None
                     w.req.grammar = self.backend.matcher(w.compiled.result(), think_end)
@@ -53,7 +69,7 @@ class GrammarQueue:
                 else:
                     failed.append((w.req, FinishReason.bad_request(
                         f"sampling_params.{kind}", f"does not compile: {self.backend.error_message(exc)}")))
-            elif now > w.deadline:
+            elif w.req.rid in expired_set:
                 failed.append((w.req, FinishReason.bad_request(
                     f"sampling_params.{kind}",
                     f"did not compile within --grammar-compile-timeout ({self.timeout_s:g} s)")))

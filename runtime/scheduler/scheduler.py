@@ -118,7 +118,7 @@ class Scheduler:
         self.num_outputs_sent = 0  # to the detokenizer: /health_generate checks they all came through
         self.grammar: GrammarBackend | None = None
         self.grammar_queue: GrammarQueue | None = None
-        if args.grammar_backend == "xgrammar" and args.tp_size == 1:  # compile times differ across ranks
+        if args.grammar_backend == "xgrammar":
             self.grammar = GrammarBackend(self.tokenizer, runner.config.vocab_size,
                                           any_whitespace=not args.constrained_json_disable_any_whitespace,
                                           stop_token_ids=eos_ids)
@@ -207,12 +207,14 @@ class Scheduler:
             msgs = recv_all_nowait(self.recv_sock)
         # rank 0's clock decides: the other ranks' own would disagree near the deadline
         expired_rids = [req.rid for req in self.planner.expired(time.monotonic())] if self.is_leader else []
+        # compile times differ across ranks: rank 0's finished compiles decide who leaves the queue
+        settled = self.grammar_queue.settled() if self.grammar_queue and self.sync and self.is_leader else ([], [])
         if self.sync is not None:  # every rank takes rank 0's messages and rank 0's clock
-            msgs, expired_rids = self.sync.share(msgs, expired_rids)
+            msgs, expired_rids, settled = self.sync.share(msgs, expired_rids, settled)
         for msg in msgs:
             self._handle(msg)
         if self.grammar_queue:
-            ready, failed = self.grammar_queue.poll()
+            ready, failed = self.grammar_queue.settle(*settled) if self.sync else self.grammar_queue.poll()
             for req in ready:
                 self._enqueue(req)
             for req, reason in failed:
@@ -253,8 +255,7 @@ class Scheduler:
         if error is None and req.sampling_params.constraint is not None and self.grammar_queue is None:
             error = FinishReason.bad_request(
                 f"sampling_params.{req.sampling_params.constraint[0]}",
-                "needs guided decoding, which is off on this server (--grammar-backend none)"
-                if self.args.grammar_backend == "none" else "needs guided decoding, which --tp-size > 1 does not have")
+                "needs guided decoding, which is off on this server (--grammar-backend none)")
         if error is not None:
             self._end(req, error)
         elif req.sampling_params.constraint is not None:

@@ -1,11 +1,12 @@
 """Lockstep scheduling under tensor parallelism: rank 0 shares each iteration's inputs.
 
 Invariant: every rank's scheduler sees the same inputs in the same order (the messages rank 0
-received from the tokenizer manager this iteration, and the waiting requests rank 0's clock
-timed out), and planning is a deterministic function of them, so every rank plans the same
-batches without sending batches, and samples the same tokens (same logits, same seeds) without
-sending tokens. Rank 0 broadcasts the byte count and then the bytes, every iteration, on the
-control group (gloo), which only the scheduler thread uses.
+received from the tokenizer manager this iteration, the waiting requests rank 0's clock timed
+out, and the constrained requests whose grammar rank 0 saw compile or time out), and planning is
+a deterministic function of them, so every rank plans the same batches without sending batches,
+and samples the same tokens (same logits, same seeds) without sending tokens. Rank 0 broadcasts
+the byte count and then the bytes, every iteration, on the control group (gloo), which only the
+scheduler thread uses.
 """
 from __future__ import annotations
 
@@ -24,7 +25,8 @@ LOCKSTEP_FIELDS = ("dtype", "kv_cache_dtype", "max_total_tokens", "max_running_r
                    "max_queued_requests", "max_prefill_tokens", "chunked_prefill_size", "context_length",
                    "schedule_policy", "enable_priority_scheduling", "disable_priority_preemption",
                    "schedule_low_priority_values_first", "priority_scheduling_preemption_threshold",
-                   "abort_on_priority_when_disabled", "disable_radix_cache", "disable_overlap_schedule")
+                   "abort_on_priority_when_disabled", "disable_radix_cache", "disable_overlap_schedule",
+                   "grammar_backend", "constrained_json_disable_any_whitespace")
 
 
 # taken from rank 0 instead of compared: SGLang's scheduler broadcasts rank 0's seed, so nodes
@@ -39,6 +41,8 @@ def lockstep_settings(args: ServerArgs) -> dict[str, object]:
 class IterationInputs(msgspec.Struct, frozen=True):
     messages: list[bytes]  # each encoded with the IPC codec
     expired_rids: list[str]
+    grammar_done: list[str]  # compiled (or failed to) on rank 0: every rank takes them out now
+    grammar_expired: list[str]  # past --grammar-compile-timeout on rank 0's clock
 
 
 class ControlSync:
@@ -74,10 +78,13 @@ class ControlSync:
         dist.broadcast(buf, src=0, group=self.group)
         return payload if payload is not None else buf.numpy().tobytes()
 
-    def share(self, messages: list[Message], expired_rids: list[str]) -> tuple[list[Message], list[str]]:
+    def share(self, messages: list[Message], expired_rids: list[str], grammar_settled: tuple[list[str], list[str]]
+              ) -> tuple[list[Message], list[str], tuple[list[str], list[str]]]:
         """Rank 0: send its inputs and return them. Other ranks: pass nothing, get rank 0's."""
         if self.rank == 0:
-            self._broadcast(self._encoder.encode(IterationInputs([encode(m) for m in messages], expired_rids)))
-            return messages, expired_rids
+            self._broadcast(self._encoder.encode(IterationInputs([encode(m) for m in messages], expired_rids,
+                                                                 *grammar_settled)))
+            return messages, expired_rids, grammar_settled
         inputs = self._decoder.decode(self._broadcast(None))
-        return [decode(m) for m in inputs.messages], inputs.expired_rids
+        return ([decode(m) for m in inputs.messages], inputs.expired_rids,
+                (inputs.grammar_done, inputs.grammar_expired))

@@ -2,6 +2,7 @@
 errors and timeouts are a 400 quoting xgrammar; aborts reach requests still compiling."""
 from __future__ import annotations
 
+import threading
 from concurrent.futures import Future
 from types import SimpleNamespace
 
@@ -107,3 +108,21 @@ def test_a_grammar_nobody_waits_for_any_more_is_released(clock):
     assert backend.released == [("regex", "x")]
     clock[0] += 2
     assert [r for r, _ in queue.poll()[1]] == [c] and backend.released[-1] == ("ebnf", "root ::= y")
+
+
+def test_another_tp_rank_settles_what_rank0_settled(clock):
+    """Under TP rank 0 decides who leaves the queue: a compile rank 0 saw finish is waited for here
+    (this rank compiles slower), one rank 0 timed out fails here though it compiled, and one rank 0
+    did not name stays, compiled or not: every rank admits the same requests in the same order."""
+    backend = FakeBackend()
+    queue = GrammarQueue(backend, timeout_s=1.0)  # type: ignore[arg-type]
+    slow_here, timed_out, not_named = _req("a_0", regex="a"), _req("b_0", regex="b"), _req("c_0", regex="c")
+    for r in (slow_here, timed_out, not_named):
+        queue.add(r)
+    backend.futures[("regex", "b")].set_result("B")
+    backend.futures[("regex", "c")].set_result("C")
+    threading.Timer(0.2, backend.futures[("regex", "a")].set_result, ["A"]).start()
+    ready, failed = queue.settle(["a_0", "gone_0"], ["b_0"])
+    assert ready == [slow_here] and slow_here.grammar == "matcher of A"
+    assert [r for r, _ in failed] == [timed_out] and "--grammar-compile-timeout" in failed[0][1].message
+    assert len(queue) == 1 and queue.settled() == (["c_0"], [])

@@ -22,7 +22,8 @@ RANK_SCRIPT = textwrap.dedent("""
         kv = 4096 if seed >= 0 else 2048  # a negative "seed" stands for another --max-total-tokens
         rank0 = sync.agree(lockstep_settings(ServerArgs(tp_size=2, random_seed=abs(seed), node_rank=rank, nnodes=2,
                                                         dist_init_addr=addr, port=30000 + rank, max_total_tokens=kv)))
-        print("agreed", rank0["random_seed"], sync.share([], ["r1"] if rank == 0 else [])[1], flush=True)
+        shared = sync.share([], ["r1"], (["g1"], ["g2"])) if rank == 0 else sync.share([], [], ([], []))
+        print("agreed", rank0["random_seed"], shared[1:], flush=True)
         # leave together: a rank that exits while its peer's gloo pair threads still talk to it
         # can take the peer down at exit ("terminate called without an active exception")
         torch.distributed.barrier()
@@ -58,10 +59,10 @@ def test_nodes_with_another_planning_flag_refuse_to_start_naming_it():
 @pytest.mark.timeout(200)
 def test_nodes_take_rank0s_seed_as_sglang_broadcasts_it():
     """Node 0 launched with --random-seed 42, node 1 without it (0 there): both sample with 42."""
-    assert [out.strip().splitlines()[-1] for out in run_ranks((42, 0))] == ["agreed 42 ['r1']"] * 2
+    assert [out.strip().splitlines()[-1] for out in run_ranks((42, 0))] == ["agreed 42 (['r1'], (['g1'], ['g2']))"] * 2
 
 
 @pytest.mark.timeout(200)
 def test_nodes_with_the_same_settings_agree_and_share_rank0s_inputs():
     # --port and --node-rank differ between the nodes, as they may: only node 0 serves
-    assert [out.strip().splitlines()[-1] for out in run_ranks((7, 7))] == ["agreed 7 ['r1']"] * 2
+    assert [out.strip().splitlines()[-1] for out in run_ranks((7, 7))] == ["agreed 7 (['r1'], (['g1'], ['g2']))"] * 2

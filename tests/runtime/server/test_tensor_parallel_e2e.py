@@ -1,5 +1,5 @@
-"""--tp-size 2 on CPU (two scheduler processes on gloo) serves what --tp-size 1 serves; a dead
-rank takes the server down; --nnodes 2 runs as two launches on one machine."""
+"""--tp-size 2 on CPU (two scheduler processes on gloo) serves what --tp-size 1 serves (guided
+decoding too); a dead rank takes the server down; --nnodes 2 runs as two launches on one machine."""
 from __future__ import annotations
 
 import os
@@ -109,10 +109,28 @@ def test_request_timeout_uses_rank0s_clock(tiny_model_dir, tmp_path, tp):
         server.stop()
 
 
-def test_tp2_refuses_guided_decoding_by_name(tp_servers):
-    resp = tp_servers[1].post("/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 4,
-                                                                              "regex": "[a-z]+"}})
-    assert resp.status_code == 400 and "tp-size" in resp.text
+def _constrained(k: int) -> dict:
+    """Each its own grammar (so their compiles finish at different times on each rank), one that
+    does not compile, and one unconstrained request in the same batch."""
+    constraint = [{"regex": f"(ab|c{k})+[0-9]{{2,9}}"}, {"regex": "(("},
+                  {"json_schema": f'{{"type": "object", "properties": {{"f{k}": {{"type": "integer"}}}}}}'}, {}][k % 4]
+    return {"input_ids": [(i * 17 + k) % 20000 + 30 for i in range(12 + k)],
+            "sampling_params": {"max_new_tokens": 12, "temperature": 0, **constraint}}
+
+
+def _serve_constrained(server) -> list[tuple[int, list[int] | str]]:
+    with ThreadPoolExecutor(8) as pool:  # concurrent: compiles and decodes overlap
+        resps = list(pool.map(lambda k: server.post("/generate", _constrained(k)), range(8)))
+    return [(r.status_code, r.json()["output_ids"] if r.status_code == 200 else r.json()["error"]["message"])
+            for r in resps]
+
+
+def test_tp2_guided_decoding_gives_tp1_tokens(tp_servers):
+    """Every rank compiles its own grammars, but rank 0 decides which requests leave the grammar
+    queue each iteration, so the ranks batch them alike (they used to be refused with a 400)."""
+    tp1, tp2 = (_serve_constrained(server) for server in tp_servers)
+    assert tp2 == tp1
+    assert [code for code, _ in tp1] == [200, 400, 200, 200] * 2 and "does not compile" in tp1[1][1]
 
 
 def test_killing_one_rank_ends_the_server_with_no_orphans(tiny_model_dir, tmp_path):
