@@ -154,6 +154,21 @@ class KVManager:
         self.rows.release(row)
         req.req_pool_idx, req.kv_alloc_len, req.kv_committed_len, req.last_node = None, 0, 0, None
 
+    def releasable(self, reqs: list[Req]) -> int:
+        """Slots that releasing every one of `reqs` would make obtainable: each one's own slots
+        past its cached path, and the cached nodes that no request outside `reqs` locks (an n>1
+        sibling or a request sharing a system prompt keeps their common path)."""
+        locks: dict[int, list] = {}  # id(node) -> [node, locks `reqs` hold on it]
+        own = 0
+        for req in reqs:
+            node, cached = req.last_node, 0
+            while node is not None and node is not self.tree.root:
+                locks.setdefault(id(node), [node, 0])[1] += 1
+                cached += len(node.value)
+                node = node.parent
+            own += req.kv_alloc_len - cached
+        return own + sum(len(node.value) for node, held in locks.values() if node.lock_ref == held)
+
     def row_slots(self, req: Req, start: int, stop: int) -> torch.Tensor:
         """The KV slots of positions [start, stop) of the request (a copy)."""
         return self.req_to_token[req.req_pool_idx, start:stop].clone()

@@ -287,13 +287,15 @@ class Planner:
         if not (cfg.priority_preemption and cfg.enable_priority_scheduling and self.running):
             return False
         urgency = self.policy.urgency
-        short = adder.shortfall(req, len(self.kv.match_prefix(req)[0]))
+        needed = adder.shortfall(req, len(self.kv.match_prefix(req)[0]))
+        short = needed
         victims: list[Req] = []
         for victim in self.policy.retract_order(self.running):
             if urgency(req) - urgency(victim) <= cfg.priority_scheduling_preemption_threshold:
                 break  # strictly more than the threshold, as SGLang's
             victims.append(victim)
-            short -= victim.kv_alloc_len + decode_reserve([victim])
+            # what their release really frees: a path a request left running shares stays locked
+            short = needed - self.kv.releasable(victims) - decode_reserve(victims)
             if short <= 0:
                 break
         if not victims or short > 0:

@@ -373,3 +373,31 @@ def test_a_priority_without_priority_scheduling_is_ignored_or_a_503_as_sglang():
     assert strict.admission_error(arrival(None)) is None
     enabled = make_core(abort_on_priority_when_disabled=True, enable_priority_scheduling=True).planner
     assert enabled.admission_error(arrival(3)) is None
+
+
+def test_preemption_counts_only_the_memory_a_victim_frees():
+    """A victim sharing its prompt with a request that keeps running frees only its own slots: when
+    that is not enough the arrival waits and nobody is retracted (the victim was retracted for
+    nothing, counted as if it freed the shared prompt); n>1 siblings that all give way free it."""
+    prompt = list(range(1000, 1045))
+    core = make_core(max_total_tokens=100, max_running_requests=2, enable_priority_scheduling=True,
+                     priority_preemption=True)
+    kept, victim = core.add("kept_0", prompt, max_new_tokens=6, priority=45), core.add("v_0", prompt, max_new_tokens=6)
+    core.process(core.plan())
+    core.add("h_0", list(range(2000, 2060)), max_new_tokens=2, priority=50)  # 5 above kept: only v gives way
+    batch = core.plan()
+    assert batch.mode == ForwardMode.DECODE and victim.retract_count == 0
+    assert {kept.rid, victim.rid} == {r.rid for r in core.planner.running}
+    core.process(batch)
+    core.run()
+    core.assert_no_leaks()
+    core = make_core(max_total_tokens=100, max_running_requests=2, enable_priority_scheduling=True,
+                     priority_preemption=True)
+    siblings = [core.add(f"a_{i}", prompt, max_new_tokens=6, priority=0) for i in range(2)]
+    core.process(core.plan())
+    core.add("h_0", list(range(2000, 2060)), max_new_tokens=2, priority=50)
+    batch = core.plan()
+    assert [s.req.rid for s in batch.spans] == ["h_0"] and all(s.retract_count == 1 for s in siblings)
+    core.process(batch)
+    core.run()
+    core.assert_no_leaks()
