@@ -18,7 +18,7 @@ from tandem.runtime.envs import envs
 from tandem.runtime.model.attention import AttentionBackend, CpuAttnBackend
 from tandem.runtime.model.forward_batch import ForwardBatch
 from tandem.runtime.model.ops import CpuOps
-from tandem.runtime.model.packed_linear import MklPackedWeight, padded_rows
+from tandem.runtime.model.packed_linear import padded_rows, weight_and_like
 
 if TYPE_CHECKING:
     from tandem.runtime.model.llama import CausalLM, DecoderLayer
@@ -66,10 +66,7 @@ def _layer_params(layer: DecoderLayer) -> list[torch.Tensor | None]:
 
 def _linear(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """(weight, like, bias) as packed_linear.linear takes them: `like` only for MKL's packed weights."""
-    weight = module.weight
-    if isinstance(weight, MklPackedWeight):
-        return weight.packed, weight.like, module.bias
-    return weight, None, module.bias
+    return *weight_and_like(module.weight), module.bias
 
 
 def _weight(norm: nn.Module | None) -> torch.Tensor | None:

@@ -13,7 +13,8 @@ import torch
 
 from tandem.kernels.cpu_ops import cpu_flags, load_cpu_ops
 from tandem.runtime.model.config import ModelConfig
-from tandem.runtime.model.packed_linear import MklPackedWeight, Weight, best_seconds, linear, pack, padded_rows, packs_weights
+from tandem.runtime.model.packed_linear import (Weight, best_seconds, linear, pack, packs_weights, padded_rows,
+                                                weight_and_like)
 
 PREFILL_CHUNK = 2048  # tokens per timed prefill matmul pass (tandem's default chunked prefill)
 
@@ -56,7 +57,7 @@ def _time_pass(x: torch.Tensor, layers: list[list[Weight]], lm_head: Weight | No
 
     def one_pass() -> None:
         if ops is not None:
-            ops.layer_matmuls(x, [t for layer in layers for w in layer for t in _weight_and_like(w)],
+            ops.layer_matmuls(x, [t for layer in layers for w in layer for t in weight_and_like(w)],
                               padded_rows(x.shape[0]))
         else:
             for layer in layers:
@@ -69,9 +70,6 @@ def _time_pass(x: torch.Tensor, layers: list[list[Weight]], lm_head: Weight | No
 
     return best_seconds(one_pass, repeats)
 
-
-def _weight_and_like(weight: Weight) -> tuple[torch.Tensor, torch.Tensor | None]:
-    return (weight.packed, weight.like) if isinstance(weight, MklPackedWeight) else (weight, None)
 
 
 def measure(cfg: ModelConfig, dtype: torch.dtype, decode_batch: int, repeats: int = 3) -> GemmBound:

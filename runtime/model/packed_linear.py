@@ -64,6 +64,12 @@ class MklPackedWeight:
 Weight = torch.Tensor | MklPackedWeight
 
 
+def weight_and_like(weight: Weight) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A weight as tensors for a C++ op (kernels/csrc/decode_layers_cpu.cpp's `linear`): MKL's
+    packed buffer and its `like`, or the tensor itself and None."""
+    return (weight.packed, weight.like) if isinstance(weight, MklPackedWeight) else (weight, None)
+
+
 def packs_weights(dtype: torch.dtype, device: torch.device | str = "cpu") -> bool:
     """Whether linears of `dtype` on `device` run on packed weights (TANDEM_CPU_PACK_WEIGHTS=0: never)."""
     if torch.device(device).type != "cpu" or not envs.CPU_PACK_WEIGHTS.get():
