@@ -30,13 +30,11 @@ class SchedulePolicy:
         """Order `waiting` in place: the head is admitted first. As SGLang's calc_priority, priority
         orders only fcfs (lpm without a radix cache is fcfs): lpm orders by cached prefix alone, and
         by arrival past _LPM_MAX_QUEUE; priority still decides preemption and who gives way in a full queue."""
-        if self.policy == "lpm" and not self.tree.disabled:
-            if len(waiting) <= _LPM_MAX_QUEUE:
-                prefix = {id(r): len(self.tree.match_prefix(r.all_ids(), r.extra_key).slots) for r in waiting}
-                waiting.sort(key=lambda r: (-prefix[id(r)], r.arrival_seq))
-            else:
-                waiting.sort(key=lambda r: r.arrival_seq)
-        elif self.enable_priority:
+        lpm = self.policy == "lpm" and not self.tree.disabled
+        if lpm and len(waiting) <= _LPM_MAX_QUEUE:
+            prefix = {id(r): len(self.tree.match_prefix(r.all_ids(), r.extra_key).slots) for r in waiting}
+            waiting.sort(key=lambda r: (-prefix[id(r)], r.arrival_seq))
+        elif self.enable_priority and not lpm:
             waiting.sort(key=lambda r: (-self.urgency(r), r.arrival_seq))
         else:
             waiting.sort(key=lambda r: r.arrival_seq)
