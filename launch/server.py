@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import errno
 import logging
 import signal
+import socket
 import sys
 from collections.abc import Sequence
 from types import FrameType
@@ -24,6 +26,31 @@ from tandem.runtime.model_files import check_model_paths
 from tandem.runtime.server.http import create_app
 from tandem.runtime.server.protocol import protocol_with_head_timeout
 from tandem.runtime.server_args import ServerArgs
+
+
+class PortInUse(Exception):
+    pass
+
+
+def take_port(host: str, port: int, flag: str) -> socket.socket:
+    """Bind and listen on `host:port` now, before any child starts. Bound alone, a port is not
+    taken: with SO_REUSEADDR a second server binds the same port until one listens, loads its
+    model, says it is ready and never serves; and uvicorn would bind only after the startup (model
+    load, TP rendezvous), when gloo's or anyone's ephemeral sockets may have it. Connections that
+    arrive during the startup wait in the backlog."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a restart may bind over TIME_WAIT
+    try:
+        sock.bind((host, port))
+        sock.listen(2048)  # uvicorn's backlog
+    except OSError as exc:
+        sock.close()
+        if exc.errno == errno.EADDRINUSE:
+            raise PortInUse(f"port {port} is in use ({flag} {port} on {host}): another server listens there") from None
+        raise PortInUse(f"cannot listen on {host}:{port} ({flag}): {exc.strerror}") from None
+    sock.set_inheritable(True)
+    return sock
 
 
 class DrainingServer(uvicorn.Server):
@@ -81,10 +108,13 @@ def run_server(args: ServerArgs, notes: Sequence[str] = ()) -> int:
                             http=protocol_with_head_timeout(args.http_read_timeout), timeout_keep_alive=5,
                             limit_concurrency=args.max_connections, timeout_graceful_shutdown=5, access_log=False)
     server = DrainingServer(config, app, args.graceful_shutdown_timeout)
-    # the port is taken now, before the children start: uvicorn would bind only after the startup
-    # (model load, TP rendezvous), and meanwhile gloo's or anyone's ephemeral sockets could take it
     try:
-        server.run(sockets=[config.bind_socket()])
+        sock = take_port(args.host, args.port, "--port")
+    except PortInUse as exc:
+        logging.error("tandem serve: %s", exc)
+        return 1
+    try:
+        server.run(sockets=[sock])
     except SystemExit:  # uvicorn's exit when the startup failed; a stop asked for is no failure
         if start_error := getattr(app.state, "start_error", None):
             logging.error("tandem serve: %s", start_error)

@@ -1,7 +1,7 @@
 """API keys, as SGLang's `--api-key` / `--admin-api-key`.
 
-`--api-key`: every route but the probes and the scrape (paths under `/health` and `/metrics`,
-as SGLang leaves open) needs `Authorization: Bearer <key>` (the admin key
+`--api-key`: every route but the probes and the scrape (exactly `/health`, `/health_generate` and
+`/metrics`, as SGLang leaves open; a path that only starts like one is not open) needs `Authorization: Bearer <key>` (the admin key
 is accepted too). `--admin-api-key`: the control routes that touch every request (`/flush_cache`,
 `/abort_request` with `abort_all`) need it; without one they take the api key. Keys are
 compared in constant time and never appear in `/server_info`. gRPC takes the same keys, as
@@ -14,7 +14,7 @@ from typing import Any, Awaitable, Callable
 
 import orjson
 
-OPEN_PREFIXES = ("/health", "/metrics")  # /health, /health_generate, /metrics: probes and scrapers
+OPEN_PATHS = frozenset({"/health", "/health_generate", "/metrics"})  # probes and scrapers, matched exactly
 SECRET_ARGS = frozenset({"api_key", "admin_api_key"})
 
 Scope = dict[str, Any]
@@ -53,7 +53,7 @@ class ApiKeyMiddleware:
 
 
 def _open_route(scope: Scope) -> bool:
-    return scope["path"].startswith(OPEN_PREFIXES)
+    return scope["path"] in OPEN_PATHS
 
 
 def is_admin(headers: Any, api_key: str | None, admin_api_key: str | None) -> bool:

@@ -19,7 +19,6 @@ from tandem.runtime.server.info import current_loads, health_generate, model_inf
 from tandem.runtime.server.proto import sglang_pb2 as pb
 from tandem.runtime.tokenizer_manager import TokenizerManager
 
-HEALTH_TIMEOUT_S = 20.0
 
 
 def _meta(result: dict) -> dict[str, str]:
@@ -62,7 +61,7 @@ class NativeService:
         if self.tm.not_serving() is not None:  # a probe must not pass on other requests' outputs
             return pb.HealthCheckResponse(healthy=False)
         try:
-            await health_generate(self.tm, HEALTH_TIMEOUT_S)
+            await health_generate(self.tm, self.tm.args.health_generate_timeout)
         except Exception:  # noqa: BLE001 - any failure is "not healthy", never an RPC error
             return pb.HealthCheckResponse(healthy=False)
         return pb.HealthCheckResponse(healthy=True)

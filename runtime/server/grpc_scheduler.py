@@ -34,7 +34,6 @@ from tandem.runtime.server.info import VERSION, current_loads, health_generate, 
 from tandem.runtime.tokenizer_manager import TokenizerManager
 from tandem.runtime.value_checks import ValidationError
 
-HEALTH_TIMEOUT_S = 20.0
 _TOKENIZER_CHUNK = 1 << 20
 
 
@@ -134,7 +133,7 @@ class SchedulerService:
         if (reason := self.tm.not_serving()) is not None:
             return pb.HealthCheckResponse(healthy=False, message=reason)
         try:
-            await health_generate(self.tm, HEALTH_TIMEOUT_S)
+            await health_generate(self.tm, self.tm.args.health_generate_timeout)
         except Exception as exc:  # noqa: BLE001 - any failure is "not healthy", never an RPC error
             return pb.HealthCheckResponse(healthy=False, message=f"a 1-token generation failed: {exc}")
         return pb.HealthCheckResponse(healthy=True, message="a 1-token generation went through")

@@ -164,6 +164,10 @@ def _streaming(impl: Callable, auth: GrpcAuth) -> Callable:
     return handler
 
 
+class GrpcPortInUse(RuntimeError):
+    pass
+
+
 def bind_grpc_server(tm: TokenizerManager, host: str, port: int, auth: GrpcAuth) -> grpc.aio.Server:
     """Both services on `host:port`, bound now (a taken port fails before any model loads) and
     serving once started; a request message over --max-request-bytes is RESOURCE_EXHAUSTED."""
@@ -174,8 +178,11 @@ def bind_grpc_server(tm: TokenizerManager, host: str, port: int, auth: GrpcAuth)
     from tandem.runtime.server.proto import sglang_pb2
 
     # a request message is bounded as an HTTP body is: it is parsed, and its ids listed, on this loop
+    # no SO_REUSEPORT (grpc's default): with it a second server binds a port the first listens on
+    # and the kernel splits the connections between the two
     server = grpc.aio.server(options=[("grpc.max_send_message_length", 256 << 20),
-                                      ("grpc.max_receive_message_length", tm.args.max_request_bytes)])
+                                      ("grpc.max_receive_message_length", tm.args.max_request_bytes),
+                                      ("grpc.so_reuseport", 0)])
     server.add_generic_rpc_handlers([
         service_handler(sglang_pb2.DESCRIPTOR.services_by_name["SglangService"], NativeService(tm, auth), auth),
         service_handler(sglang_scheduler_pb2.DESCRIPTOR.services_by_name["SglangScheduler"],
@@ -186,5 +193,5 @@ def bind_grpc_server(tm: TokenizerManager, host: str, port: int, auth: GrpcAuth)
     except RuntimeError:  # grpc raises on a taken port, or returns 0
         bound = 0
     if bound == 0:
-        raise RuntimeError(f"cannot listen for gRPC on {host}:{port} (--grpc-port): is it taken?")
+        raise GrpcPortInUse(f"port {port} is in use (--grpc-port {port} on {host}): another server listens there")
     return server

@@ -44,10 +44,13 @@ def create_app(args: ServerArgs, on_child_death: Callable[[str], None] | None = 
         grpc_server = None
         try:
             if args.grpc_port is not None:  # bound before the children start: a taken port fails now
-                from tandem.runtime.server.grpc_server import GrpcAuth, bind_grpc_server  # lazy: grpc only when asked
+                from tandem.runtime.server.grpc_server import GrpcAuth, GrpcPortInUse, bind_grpc_server  # lazy
 
-                grpc_server = bind_grpc_server(tm, args.host, args.grpc_port,
-                                               GrpcAuth(args.api_key, args.admin_api_key))
+                try:
+                    grpc_server = bind_grpc_server(tm, args.host, args.grpc_port,
+                                                   GrpcAuth(args.api_key, args.admin_api_key))
+                except GrpcPortInUse as exc:  # one line, as a child that refused to start
+                    raise ChildStartError(str(exc)) from None
             await tm.start()
             if grpc_server is not None:
                 await grpc_server.start()

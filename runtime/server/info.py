@@ -57,7 +57,9 @@ async def health_generate(tm: TokenizerManager, timeout_s: float) -> None:
     step would count otherwise)."""
     started = time.monotonic()
     deadline = started + timeout_s
-    steps = (await asyncio.wait_for(tm.server_info(), timeout_s))["num_steps"]
+    # each control call waits as long as the probe has left, not the control default (10 s): the
+    # probe's own deadline answers, so --health-generate-timeout holds however long it is
+    steps = (await asyncio.wait_for(tm.server_info(timeout_s + 1), timeout_s))["num_steps"]
     body = {"input_ids": [0], "sampling_params": {"max_new_tokens": 1, "temperature": 0},
             "rid": f"health-{time.monotonic_ns()}"}
     probe = asyncio.ensure_future(tm.generate(body, log_metrics=False))  # probes stay out of /metrics, as SGLang's
@@ -75,7 +77,8 @@ async def health_generate(tm: TokenizerManager, timeout_s: float) -> None:
                 await asyncio.sleep(min(left, HEALTH_POLL_S))
             else:
                 await asyncio.wait({probe}, timeout=min(left, HEALTH_POLL_S))
-            info = await asyncio.wait_for(tm.server_info(), max(deadline - time.monotonic(), 0.001))
+            left = max(deadline - time.monotonic(), 0.001)
+            info = await asyncio.wait_for(tm.server_info(left + 1), left)
             if info["num_steps"] > steps and tm.num_outputs >= info["num_outputs_sent"]:
                 return
     finally:

@@ -48,6 +48,27 @@ def test_a_frozen_scheduler_gets_503s_and_no_reply_is_stale_afterwards(tmp_path,
         server.stop()
 
 
+def test_health_generate_waits_its_own_timeout_past_the_control_default(tmp_path, tiny_model_dir):
+    """--health-generate-timeout 20 against a frozen scheduler: the 503 comes after 20 s, not after
+    the 10 s every other control call waits for a scheduler reply."""
+    server = start_server(["--model-path", tiny_model_dir("llama"), "--max-total-tokens", "2000",
+                           "--health-generate-timeout", "20"], str(tmp_path / "server.log"))
+    try:
+        scheduler = server.info()["scheduler_pid"]
+        os.kill(scheduler, signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            resp = server.get("/health_generate")
+            waited = time.monotonic() - t0
+        finally:
+            os.kill(scheduler, signal.SIGCONT)
+        assert resp.status_code == 503 and "did not finish within 20 s" in resp.json()["error"]["message"], resp.text
+        assert waited >= 19.5, waited
+        assert server.get("/health_generate").status_code == 200
+    finally:
+        server.stop()
+
+
 def test_health_generate_is_ok_on_a_busy_server(tmp_path, tiny_model_dir):
     """Every slot busy with long non-streamed requests (no output for seconds) and the waiting
     queue full, so the probe itself is refused: the server still makes progress, which is health
