@@ -53,6 +53,16 @@ class Tally:
     outcomes: Counter = field(default_factory=Counter)
     problems: list[str] = field(default_factory=list)  # lost, hung and 5xx, with a short description
     tokens: int = 0
+    seconds: list[float] = field(default_factory=list)  # call to answer, of each request answered in full
+
+    def latency(self) -> dict[str, float]:
+        """p50 / p99 / max seconds of the answered requests: a starved or crawling request shows
+        in the tail long before it is hung."""
+        if not self.seconds:
+            return {}
+        ordered = sorted(self.seconds)
+        pick = lambda q: round(ordered[min(len(ordered) - 1, int(q * len(ordered)))], 2)  # noqa: E731
+        return {"p50": pick(0.5), "p99": pick(0.99), "max": round(ordered[-1], 2)}
 
     def add(self, outcome: str, problem: str | None = None) -> None:
         self.outcomes[outcome] += 1
@@ -99,6 +109,7 @@ async def _one(session: aiohttp.ClientSession, url: str, rng: random.Random, rid
     action = rng.random()
     hang_up = action < 0.3  # the client goes away mid-request
     abort = 0.3 <= action < 0.5  # the client asks the server to abort it
+    t0 = time.monotonic()
     task = asyncio.ensure_future(_call(session, url, body))
     if hang_up or abort:
         await asyncio.sleep(rng.uniform(0.02, 1.0))
@@ -118,6 +129,8 @@ async def _one(session: aiohttp.ClientSession, url: str, rng: random.Random, rid
     except aiohttp.ClientError as exc:
         tally.add("connection error", f"{rid}: {exc!r}")
         return
+    if status == 200:
+        tally.seconds.append(time.monotonic() - t0)
     _account(rid, status, results, tally)
 
 
@@ -206,7 +219,7 @@ def run(cfg: SoakConfig) -> dict[str, Any]:
     }
     return {"minutes": cfg.minutes, "seconds": round(seconds, 1), "concurrency": cfg.concurrency,
             "requests": sum(tally.outcomes.values()), "outcomes": dict(tally.outcomes), "tokens": tally.tokens,
-            "problems": tally.problems[:20], "leaks": leaks,
+            "problems": tally.problems[:20], "leaks": leaks, "latency_s": tally.latency(),
             "rss_mb_first_last": {n: [round(s[0] / 2**20, 1), round(s[-1] / 2**20, 1)] for n, s in rss.items() if s},
             "rss_mb_by_quarter": {n: _quarters(s) for n, s in rss.items() if len(s) >= 4},
             "rss_drift": drift, "leftovers": leftovers, "exit_status": exit_status, "checks": checks,
@@ -225,6 +238,8 @@ def print_report(result: dict[str, Any]) -> None:
     print(f"{'outcome':<28}{'requests':>10}")
     for outcome, n in sorted(result["outcomes"].items(), key=lambda kv: -kv[1]):
         print(f"{outcome:<28}{n:>10}")
+    if lat := result["latency_s"]:
+        print(f"\nanswered requests, call to answer: p50 {lat['p50']} s, p99 {lat['p99']} s, max {lat['max']} s")
     print(f"\n{'process':<14}{'RSS first MB':>14}{'RSS last MB':>13}{'drift':>8}")
     for name, (first, last) in result["rss_mb_first_last"].items():
         print(f"{name:<14}{first:>14}{last:>13}{result['rss_drift'][name]:>8}")

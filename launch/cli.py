@@ -14,6 +14,7 @@ _BENCHES = {
     "kernels": "tandem.launch.bench_kernels",
     "soak": "tandem.launch.bench_soak",
     "fuzz": "tandem.launch.bench_fuzz",
+    "grammar-load": "tandem.launch.bench_grammar_load",
     "tp": "tandem.launch.bench_tp",
 }
 

@@ -43,6 +43,8 @@ class Envs:
                              "for A/B runs)")
     CPU_MALLOC_KEEP = EnvVar("TANDEM_CPU_MALLOC_KEEP", True, "CPU model processes keep freed large blocks in "
                              "glibc's heap instead of unmapping them (0: glibc's defaults, for A/B runs)")
+    CPU_SHARE = EnvVar("TANDEM_CPU_SHARE", True, "on CPU, the forward runs one intra-op thread fewer for every "
+                       "core other processes keep busy (runtime/scheduler/cpu_share.py; 0: always every thread)")
     TEST_FORWARD_HANG = EnvVar("TANDEM_TEST_FORWARD_HANG", 0.0, "seconds every forward step sleeps first (watchdog tests)")
     STRICT_MEM_CHECK = EnvVar("TANDEM_STRICT_MEM_CHECK", False, "a scheduler that goes idle holding KV slots or "
                               "request rows raises (tests; as SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE); off: it logs an error")

@@ -84,6 +84,8 @@ class ServerArgs:
     enable_docs: bool = False  # serve /docs and /openapi.json
     grammar_backend: str = "xgrammar"  # guided decoding: xgrammar | none
     grammar_compile_timeout: float = 30.0  # a grammar not compiled by then: the request gets a 400
+    grammar_compile_threads: int = 1  # compiles at once, on threads at the lowest OS priority
+    max_grammar_bytes: int = 131072  # a json_schema / regex / ebnf / structural_tag longer than this: a 400
     constrained_json_disable_any_whitespace: bool = False  # JSON schemas: no free whitespace, ", " and ": "
     speculative_algorithm: str | None = None  # NGRAM | STANDALONE; None: plain decoding
     speculative_num_draft_tokens: int = 4  # tokens one verify checks per request: the last token + drafts
@@ -141,6 +143,8 @@ class ServerArgs:
             "graceful_shutdown_timeout": self.graceful_shutdown_timeout >= 0,
             "http_read_timeout": self.http_read_timeout > 0,
             "grammar_compile_timeout": self.grammar_compile_timeout > 0,
+            "grammar_compile_threads": self.grammar_compile_threads >= 1,
+            "max_grammar_bytes": self.max_grammar_bytes >= 1,
         }
         bad = [name for name, ok in checks.items() if not ok]
         if bad:

@@ -1,22 +1,22 @@
 """GrammarBackend: compiles request grammars with xgrammar, off the scheduler thread.
 
-Compilation runs in a thread pool (xgrammar releases the GIL while it compiles). Results are
-cached by (kind, text) as futures, so every request with the same schema shares one compiled
-grammar and only the first one waits for it. A failed compile is cached too: the same bad schema
-fails at once the next time. The cache is bounded by count and by compiled bytes (least recently
-asked for goes first). A compile no request waits for any more is cancelled if it has not started
-(`release`).
+Compilation runs on the CompilePool's niced threads (xgrammar releases the GIL while it
+compiles). Results are cached by (kind, text) as futures, so every request with the same schema
+shares one compiled grammar and only the first one waits for it. A failed compile is cached too:
+the same bad schema fails at once the next time. The cache is bounded by count and by compiled
+bytes (least recently asked for goes first). A compile no request waits for any more is given up
+(`release`): cancelled if it has not started, its pool place freed if it has.
 """
 from __future__ import annotations
 
-import os
 import re
 from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Any
 
 import orjson
 
+from tandem.runtime.grammar.compile_pool import CompilePool
 from tandem.runtime.grammar.matcher import RequestGrammar
 from tandem.runtime.sampling.params import ANY_JSON
 
@@ -24,17 +24,13 @@ _CACHE_SIZE = 1024  # distinct grammars kept compiled
 # and at most this many bytes of them: a 24 KB schema compiles to 7.5 MB against a 49k vocabulary
 # (a 121 KB one to 38 MB), so 1024 distinct schemas held the scheduler at 8-38 GB until it died
 _CACHE_BYTES = 1 << 30
-# grammars compiling at once, off the scheduler thread (xgrammar releases the GIL). Python's default
-# pool size, as SGLang's executor: with only 2, two slow schemas made a trivial regex queued behind
-# them time out
-_COMPILE_THREADS = min(32, (os.cpu_count() or 1) + 4)
 _XGRAMMAR_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:\d+: ")  # "[19:49:01] /project/cpp/x.cc:83: "
 _CHECK_FAILED = re.compile(r"^Check failed: \(.*?\) is false: ")  # xgrammar's internal assertion, not the cause
 
 
 class GrammarBackend:
     def __init__(self, tokenizer: Any, vocab_size: int, any_whitespace: bool = True,
-                 stop_token_ids: tuple[int, ...] | None = None) -> None:
+                 stop_token_ids: tuple[int, ...] | None = None, compile_threads: int = 1) -> None:
         import xgrammar as xgr  # heavy (and imports torch): only schedulers with guided decoding load it
 
         self._xgr = xgr
@@ -43,7 +39,7 @@ class GrammarBackend:
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
                                                   stop_token_ids=list(stop_token_ids) if stop_token_ids else None)
         self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)  # cached here instead
-        self._pool = ThreadPoolExecutor(max_workers=_COMPILE_THREADS, thread_name_prefix="tandem-grammar")
+        self._pool = CompilePool(compile_threads)
         self._cache: OrderedDict[tuple[str, str], Future] = OrderedDict()
         self._bytes: dict[tuple[str, str], int] = {}  # compiled size of the cached grammars that are done
         self._buffers: list[Any] = [None, None]
@@ -77,12 +73,12 @@ class GrammarBackend:
 
     def release(self, kind: str, text: str) -> None:
         """No request waits for this grammar any more (aborted, timed out): a compile that has not
-        started is cancelled and forgotten, as SGLang cancels it, so abandoned grammars do not hold
-        the pool's threads from the ones requests still wait for. One already running finishes
-        and stays cached."""
+        started is cancelled, as SGLang cancels it, and one running gives its pool place to the
+        next (CompilePool.abandon); either is forgotten, so abandoned grammars do not hold the
+        pool from the ones requests still wait for. A finished one stays cached."""
         key = (kind, text)
         fut = self._cache.get(key)
-        if fut is not None and fut.cancel():
+        if fut is not None and self._pool.abandon(fut):
             del self._cache[key]
             self._bytes.pop(key, None)
 
@@ -173,7 +169,7 @@ class GrammarBackend:
         return " ".join(line for line in lines if line) or type(exc).__name__
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._pool.close()
 
 
 def _compiled_bytes(fut: Future) -> int:

@@ -12,6 +12,7 @@ plain decoding and in a verify alike; a step where no request asks for them comp
 """
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 import time
@@ -29,10 +30,13 @@ from tandem.runtime.model.runner import ModelRunner
 from tandem.runtime.sampling.logprobs import LogprobChunk, batch_output_logprobs, compute_logprobs_from_hidden
 from tandem.runtime.sampling.penalties import PenaltyCounts, apply_penalties
 from tandem.runtime.sampling.sampler import SamplingBatchInfo, sample
+from tandem.runtime.scheduler.cpu_share import CpuShare
 from tandem.runtime.scheduler.future_map import FutureMap, RelayPayload
 from tandem.runtime.scheduler.stats import StepStats
 from tandem.runtime.speculative.drafter import Drafter
 from tandem.runtime.speculative.verify import VerifyLayout, accept_runs
+
+logger = logging.getLogger("tandem.scheduler")
 
 
 @dataclass
@@ -174,8 +178,15 @@ class ForwardWorker:
             self._ready.set_exception(exc)
             return
         self._ready.set_result(None)
+        share = CpuShare(self._intra_op_threads) if self.runner.device.type == "cpu" and envs.CPU_SHARE.get() else None
+        threads = self._intra_op_threads
         while True:
             job, fut = self._jobs.get()
+            if share is not None and (wanted := share.threads()) != threads:
+                logger.info("intra-op threads %d -> %d: other processes keep %d of %d cores busy", threads, wanted,
+                            self._intra_op_threads - wanted, self._intra_op_threads)
+                torch.set_num_threads(threads := wanted)
+                self.stats.intra_op_threads = threads
             if self._test_hang_s:
                 time.sleep(self._test_hang_s)
             t0 = time.perf_counter()

@@ -24,6 +24,18 @@ class _Waiting:
     deadline: float
 
 
+def grammar_size_error(constraint: tuple[str, str], max_bytes: int) -> FinishReason | None:
+    """The 400 for a constraint over --max-grammar-bytes: compile time and memory grow with its
+    size (a 24 KB schema compiles to 7.5 MB against a 49k vocabulary), so one client's huge
+    schema is refused before it takes a compile thread."""
+    kind, text = constraint
+    size = len(text.encode())
+    if size <= max_bytes:
+        return None
+    return FinishReason.bad_request(f"sampling_params.{kind}",
+                                    f"is {size} bytes, over --max-grammar-bytes ({max_bytes})")
+
+
 class GrammarQueue:
     def __init__(self, backend: GrammarBackend, timeout_s: float, think_end_ids: tuple[int, ...] = ()) -> None:
         self.backend = backend

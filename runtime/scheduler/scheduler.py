@@ -29,7 +29,7 @@ from tandem.runtime.sampling.penalties import PenaltyCounts
 from tandem.runtime.scheduler.batch import BatchContext, ScheduleBatch
 from tandem.runtime.scheduler.forward_worker import ForwardWorker, GenerationBatchResult, reserve_intra_op_threads
 from tandem.runtime.scheduler.future_map import FutureMap
-from tandem.runtime.scheduler.grammar_queue import GrammarQueue
+from tandem.runtime.scheduler.grammar_queue import GrammarQueue, grammar_size_error
 from tandem.runtime.scheduler.kv_manager import KVManager
 from tandem.runtime.scheduler.output_streamer import OutputStreamer
 from tandem.runtime.scheduler.planner import Planner, PlannerConfig
@@ -121,7 +121,7 @@ class Scheduler:
         if args.grammar_backend == "xgrammar":
             self.grammar = GrammarBackend(self.tokenizer, runner.config.vocab_size,
                                           any_whitespace=not args.constrained_json_disable_any_whitespace,
-                                          stop_token_ids=eos_ids)
+                                          stop_token_ids=eos_ids, compile_threads=args.grammar_compile_threads)
             self.grammar_queue = GrammarQueue(self.grammar, args.grammar_compile_timeout, think_end_ids)
         self.watchdog = Watchdog(args.watchdog_timeout)
         self._arrivals = 0
@@ -256,6 +256,8 @@ class Scheduler:
             error = FinishReason.bad_request(
                 f"sampling_params.{req.sampling_params.constraint[0]}",
                 "needs guided decoding, which is off on this server (--grammar-backend none)")
+        if error is None and req.sampling_params.constraint is not None:
+            error = grammar_size_error(req.sampling_params.constraint, self.args.max_grammar_bytes)
         if error is not None:
             self._end(req, error)
         elif req.sampling_params.constraint is not None:

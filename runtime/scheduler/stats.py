@@ -31,6 +31,7 @@ class StepStats:
         self._grammar_fill: deque[float] = deque(maxlen=2000)  # seconds per constrained row, per step
         # speculative decoding since start: request-verifies, tokens they kept, drafts checked / accepted
         self._spec_verifies = self._spec_tokens = self._spec_drafts = self._spec_accepted = 0
+        self.intra_op_threads: int | None = None  # the forward's current count, once CpuShare changed it
 
     # -- recording ---------------------------------------------------------------------------------
     def record_step(self, cpu_s: float) -> None:
@@ -99,7 +100,9 @@ class StepStats:
                 "device_idle_s": round(idle, 4), "step_time_median_ms": median, "step_time_p99_ms": p99,
                 "num_steps": self.num_steps, "gen_throughput": round(self.gen_throughput(), 3),
                 "grammar_mask_us_per_row": round(statistics.median(self._grammar_fill) * 1e6, 2)
-                if self._grammar_fill else None, **self._spec_info()}
+                if self._grammar_fill else None,
+                **({"intra_op_threads": self.intra_op_threads} if self.intra_op_threads is not None else {}),
+                **self._spec_info()}
 
     def _spec_info(self) -> dict[str, float]:
         if not self._spec_verifies:

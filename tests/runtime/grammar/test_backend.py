@@ -164,7 +164,7 @@ def test_every_model_eos_id_ends_a_grammar(smol_tokenizer):
 def test_releasing_a_grammar_cancels_a_compile_that_has_not_started(smol_tokenizer):
     be = GrammarBackend(smol_tokenizer, 49152)
     try:
-        blockers = [threading.Event() for _ in range(be._pool._max_workers)]
+        blockers = [threading.Event() for _ in range(be._pool.threads)]
         for ev in blockers:  # every compile thread busy until we let go
             be._pool.submit(ev.wait, 60)
         queued = be.compile("regex", "abandoned")
@@ -181,16 +181,19 @@ def test_releasing_a_grammar_cancels_a_compile_that_has_not_started(smol_tokeniz
         be.close()
 
 
-def test_a_quick_grammar_compiles_while_two_slow_ones_do(smol_tokenizer):
-    """Two long compiles (a schema of hundreds of patterned strings takes seconds) used to hold
-    both compile threads: a trivial regex behind them timed out. The pool is Python's default
-    size now, as SGLang's executor."""
+def test_a_quick_grammar_compiles_once_the_slow_one_ahead_of_it_is_given_up(smol_tokenizer):
+    """One compile thread (the default): a trivial regex queued behind a compile that nobody waits
+    for any more starts as soon as that one is released, while xgrammar still runs the old one."""
     be = GrammarBackend(smol_tokenizer, 49152)
     slow_done = threading.Event()
     try:
-        for _ in range(2):
-            be._pool.submit(slow_done.wait, 60)
-        assert be.compile("regex", "a|b").result(timeout=10) is not None
+        assert be._pool.threads == 1
+        slow = be._pool.submit(slow_done.wait, 60)
+        quick = be.compile("regex", "a|b")
+        assert not quick.done() and be._pool.busy() == (1, 0, 1)
+        assert be._pool.abandon(slow)
+        assert quick.result(timeout=10) is not None
+        assert not slow_done.is_set()  # the slow one's thread was never waited for
     finally:
         slow_done.set()
         be.close()

@@ -24,6 +24,7 @@ SCRIPT = textwrap.dedent("""
     torch.mm(torch.randn(512, 512), torch.randn(512, 512))  # the model load's work stays on one thread
     class Runner:
         packed_on = None
+        device = torch.device("cpu")
         def pack_weights(self):  # MKL's fp32 packs keep the thread count they were made under
             Runner.packed_on = (threading.current_thread().name, torch.get_num_threads())
     worker = ForwardWorker(Runner(), None, None, StepStats(), None, threads)
@@ -34,6 +35,7 @@ SCRIPT = textwrap.dedent("""
     torch.mm(torch.randn(512, 512), torch.randn(512, 512))
     assert torch.get_num_threads() == 1, torch.get_num_threads()
     class Broken:
+        device = torch.device("cpu")
         def pack_weights(self):
             raise MemoryError("no room for the packed weights")
     try:

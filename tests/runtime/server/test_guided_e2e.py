@@ -102,6 +102,7 @@ def test_constrained_and_unconstrained_agree_across_overlap_chunking_and_retract
     ({"regex": "a+", "ebnf": 'root ::= "a"'}, "ebnf", "cannot be combined with regex"),
     ({"choice": []}, "choice", "is an empty constraint"),
     ({"regex": ""}, "regex", "is an empty constraint"),
+    ({"regex": "a" * 131073}, "regex", "is 131073 bytes, over --max-grammar-bytes (131072)"),
 ])
 def test_bad_constraints_are_a_400_and_leave_nothing_behind(tiny_server, sp, field, fragment):
     resp = tiny_server.post("/generate", {"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 4, **sp}})
