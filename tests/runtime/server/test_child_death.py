@@ -280,5 +280,5 @@ def test_a_taken_grpc_port_ends_the_start_before_any_child_and_leaves_nothing(tm
             if proc.poll() is None:
                 proc.kill()
     assert proc.returncode != 0
-    assert "cannot listen for gRPC" in log and "--grpc-port" in log, log[-3000:]
+    assert "is in use" in log and "--grpc-port" in log, log[-3000:]
     assert _ipc_dirs(proc.pid) == []  # the IPC directory made for the children is gone with them

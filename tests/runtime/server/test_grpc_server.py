@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from types import SimpleNamespace
 from typing import Any
 
 import grpc
@@ -194,6 +195,7 @@ def test_health_checks_are_unhealthy_while_draining(monkeypatch):
     monkeypatch.setattr(grpc_scheduler, "health_generate", progressing)
     tm = FakeTM()
     tm.dead_reason, tm.draining = None, False
+    tm.args = SimpleNamespace(health_generate_timeout=20.0)
     native = NativeService(tm, GrpcAuth())  # type: ignore[arg-type]
     gateway = SchedulerService(tm, GrpcAuth())  # type: ignore[arg-type]
     assert asyncio.run(native.HealthCheck(pb.HealthCheckRequest(), None)).healthy
