@@ -124,11 +124,25 @@ def _read(pool: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype) -> torch.
     return pool.view(torch.uint8)[slots].view(pool.dtype).to(dtype)
 
 
+@dataclass
+class _QueryRows:
+    """Extend on the cpu backend: each new token as a query of its own, with its request's
+    req_to_token row and the length it attends over (its cached prefix, then the new tokens
+    up to itself)."""
+    req_pool_indices: torch.Tensor  # [num_tokens] int64
+    seq_lens: torch.Tensor  # [num_tokens] int64
+
+
 class CpuAttnBackend(TorchAttnBackend):
-    """The torch backend with decode in one C++ op (kernels/csrc) that stores the step's K/V and
-    reads each request's K/V in place through its req_to_token row: no per-layer gather into a
-    padded batch (that copy took about a third of a batch-64 decode step). Extend stays the torch
-    path. Without a toolchain to build the op, decode stays the torch path too (logged)."""
+    """Attention in one C++ op (kernels/csrc) that stores the pass's K/V and reads each request's
+    K/V in place through its req_to_token row: no per-layer gather into a padded batch (that copy
+    took about a third of a batch-64 decode step). Without a toolchain to build the op, the torch
+    path runs (logged).
+
+    Invariant: a query at position p computes the same bits in a decode step, in a prefill whole
+    or chunked, in an extend over a cached prefix and in a speculative verify, whatever else is in
+    the batch: extend runs each new token through the decode op as a query of its own over the
+    first p + 1 slots of its row, so every query reduces over its keys in decode's one order."""
 
     def __init__(self, kv_pool: KVPool, req_to_token_pool: ReqToTokenPool) -> None:
         super().__init__(kv_pool, req_to_token_pool)
@@ -137,18 +151,34 @@ class CpuAttnBackend(TorchAttnBackend):
         self.ops = load_cpu_ops()
 
     def init_forward(self, batch: ForwardBatch) -> None:
-        if batch.mode == ForwardMode.DECODE and self.ops is not None:
+        if self.ops is None:
+            super().init_forward(batch)
+        elif batch.mode == ForwardMode.DECODE:
             batch.attn_metadata = None  # the op reads req_pool_indices and seq_lens itself
         else:
-            super().init_forward(batch)
+            batch.attn_metadata = _query_rows(batch)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
                 batch: ForwardBatch, scale: float) -> torch.Tensor:
-        if batch.mode != ForwardMode.DECODE or self.ops is None:
+        if self.ops is None:
             return super().forward(q, k, v, layer_id, batch, scale)
+        rows: _QueryRows | None = batch.attn_metadata  # type: ignore[assignment]
+        req_pool_indices, seq_lens = (batch.req_pool_indices, batch.seq_lens) if rows is None else \
+            (rows.req_pool_indices, rows.seq_lens)
         return self.ops.decode_attention(q, self.kv_pool.k_buffer[layer_id], self.kv_pool.v_buffer[layer_id],
-                                         self.req_to_token, batch.req_pool_indices, batch.seq_lens, scale,
+                                         self.req_to_token, req_pool_indices, seq_lens, scale,
                                          k, v, batch.out_cache_loc)
+
+
+def _query_rows(batch: ForwardBatch) -> _QueryRows:
+    extend_lens = torch.tensor(batch.extend_lens_cpu, dtype=torch.int64)
+    prefix_lens = torch.tensor(batch.prefix_lens_cpu, dtype=torch.int64)
+    starts = extend_lens.cumsum(0) - extend_lens  # each request's first token in the pass
+    token_req = torch.repeat_interleave(torch.arange(len(extend_lens)), extend_lens)
+    index_in_req = torch.arange(int(extend_lens.sum())) - starts[token_req]
+    device = batch.req_pool_indices.device
+    return _QueryRows(batch.req_pool_indices[token_req.to(device)],
+                      (prefix_lens[token_req] + index_in_req + 1).to(device))
 
 
 def create_attention_backend(name: str, kv_pool: KVPool, req_to_token_pool: ReqToTokenPool) -> AttentionBackend:

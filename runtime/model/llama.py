@@ -15,7 +15,7 @@ from tandem.runtime.model.cpu_decode_step import CpuDecodeStep
 from tandem.runtime.model.forward_batch import ForwardBatch, ForwardMode
 from tandem.runtime.model.layers import RMSNorm, RotaryEmbedding
 from tandem.runtime.model.ops import CpuOps, TorchOps, TritonOps
-from tandem.runtime.model.packed_linear import PackedLinear, pack_linears
+from tandem.runtime.model.packed_linear import Weight, fp32_head, linear, pack_linears
 from tandem.runtime.model.tensor_parallel import SINGLE, TensorParallel, VocabParallelEmbedding
 
 
@@ -96,6 +96,7 @@ class CausalLM(nn.Module):
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position, cfg.rope_theta, cfg.rope_scaling)
         self.lm_head = (None if cfg.tie_word_embeddings
                         else nn.Linear(cfg.hidden_size, cfg.vocab_size // tp.size, bias=False))
+        self._head_fp32: Weight | None = None  # built from the head's weight on first use (fp32_head)
         self._decode_step: CpuDecodeStep | None = None
         self._decode_step_checked_for: AttentionBackend | None = None  # the backend it was built (or refused) for
 
@@ -122,21 +123,26 @@ class CausalLM(nn.Module):
         return self._decode_step
 
     def pack_weights(self) -> int:
-        """Every linear on packed weights (runtime/model/packed_linear.py); a tied LM head
-        gets a packed copy of the embedding, which keeps its plain rows for lookups. Returns how many."""
-        count = pack_linears(self)
+        """Every linear but the LM head on packed weights (runtime/model/packed_linear.py); the
+        head gets its fp32 copy here, on the thread that runs forward passes. Returns how many."""
+        count = pack_linears(self, skip=("lm_head",))
         self._decode_step_checked_for = None  # a step holds the weights it was built on
-        if self.lm_head is None:
-            self.lm_head = PackedLinear(self.embed_tokens.weight, None)
-            count += 1
-        return count
+        self._head_fp32 = fp32_head(self._head_weight())
+        return count + 1
+
+    def _head_weight(self) -> torch.Tensor:
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        tied = self.lm_head is None
-        local = torch.nn.functional.linear(hidden, self.embed_tokens.weight) if tied else self.lm_head(hidden)
+        """fp32 logits from a head with an fp32 weight, whatever the model's dtype (SGLang's
+        --enable-fp32-lm-head, always on): bf16 logits are coarse enough to tie the top tokens,
+        and greedy then picks by rounding. The head's GEMM gives a row the same bits in any batch."""
+        if self._head_fp32 is None:
+            self._head_fp32 = fp32_head(self._head_weight())
+        local = linear(hidden.float(), self._head_fp32)
         return self.tp.all_gather_last_dim(local)
 
     def forward(self, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
-        """Logits at `batch.logits_indices`, in the model's dtype (samplers read them as they are)."""
+        """fp32 logits at `batch.logits_indices`."""
         hidden = self.hidden_states(batch, attn)
         return self.logits(hidden[batch.logits_indices])

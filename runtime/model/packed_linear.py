@@ -173,12 +173,24 @@ class PackedLinear(nn.Module):
         return linear(x, self.weight, self.bias)
 
 
-def pack_linears(model: nn.Module) -> int:
-    """Replace every nn.Linear under `model` by a PackedLinear; returns how many."""
+def fp32_head(weight: torch.Tensor) -> Weight:
+    """An fp32 copy of an LM head's [vocab, hidden] weight for `linear`. On CPU it is packed in
+    MKL's layout: its packed GEMM gives a row the same bits at any row count and thread count
+    (tests/runtime/model/test_batch_invariance.py), which neither the plain fp32 linear (a gemv
+    for one row) nor oneDNN's fp32 kernels do."""
+    weight = weight.detach().to(torch.float32).contiguous()
+    if packs_weights(torch.float32, weight.device) and torch.backends.mkl.is_available():
+        return pack(weight, "mkl")
+    return weight
+
+
+def pack_linears(model: nn.Module, skip: tuple[str, ...] = ()) -> int:
+    """Replace every nn.Linear under `model` (but the children named in `skip`) by a PackedLinear;
+    returns how many."""
     count = 0
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
-            if isinstance(child, nn.Linear):
+            if isinstance(child, nn.Linear) and name not in skip:
                 setattr(module, name, PackedLinear(child.weight, child.bias))
                 count += 1
     return count

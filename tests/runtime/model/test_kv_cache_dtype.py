@@ -1,7 +1,7 @@
-"""--kv-cache-dtype fp8_e5m2 / fp8_e4m3: the pool stores one byte per element, prefill is untouched
-(it attends over the new K/V before they are rounded), and decode reads the rounded K/V back
-within what 2 or 3 mantissa bits allow, on SmolLM2's real weights; the triton backend reads the
-same pool."""
+"""--kv-cache-dtype fp8_e5m2 / fp8_e4m3: the pool stores one byte per element and attention reads
+the rounded K/V back within what 2 or 3 mantissa bits allow, on SmolLM2's real weights. The torch
+backend's prefill attends over the new K/V before they are rounded; the cpu backend reads every
+key from the pool, as its decode does (a chunk boundary or a cached prefix changes no bits)."""
 from __future__ import annotations
 
 import pytest
@@ -27,26 +27,32 @@ def generate(kv_cache_dtype: str, prompts, backend: str = "cpu"):
     return runner, BareLoop(runner).generate(prompts, 2, keep_logits=True)
 
 
-@pytest.fixture(scope="module")
-def full_precision(prompts):
-    return generate("auto", prompts)[1]
+_FULL_PRECISION: dict[str, object] = {}
 
 
-# relative L2 error of the first decode step's logits (the only step whose inputs match): the
-# rounding of one fp8 element is up to 2^-3 (e5m2) or 2^-4 (e4m3) of it; measured on these prompts
-# 0.26 and 0.025, bounded here at about 1.5x that
+def full_precision(prompts, backend: str):
+    if backend not in _FULL_PRECISION:
+        _FULL_PRECISION[backend] = generate("auto", prompts, backend)[1]
+    return _FULL_PRECISION[backend]
+
+
+# relative L2 error of the prefill's logits (cpu backend) and the first decode step's (the last step
+# whose inputs match): the rounding of one fp8 element is up to 2^-3 (e5m2) or 2^-4 (e4m3) of it;
+# measured on these prompts at most 0.26 and 0.116, bounded here at about 1.5x that
 @pytest.mark.parametrize("kv_cache_dtype, pool_dtype, bound", [("fp8_e5m2", torch.float8_e5m2, 0.4),
-                                                                ("fp8_e4m3", torch.float8_e4m3fn, 0.04)])
+                                                                ("fp8_e4m3", torch.float8_e4m3fn, 0.17)])
 @pytest.mark.parametrize("backend", ["cpu", "torch"])
-def test_fp8_pool_decode_stays_close(prompts, full_precision, kv_cache_dtype, pool_dtype, bound, backend):
+def test_fp8_pool_decode_stays_close(prompts, kv_cache_dtype, pool_dtype, bound, backend):
     runner, res = generate(kv_cache_dtype, prompts, backend)
+    full = full_precision(prompts, backend)
     assert runner.kv_dtype == pool_dtype
     assert all(b.dtype == pool_dtype for b in runner.kv_pool.k_buffer + runner.kv_pool.v_buffer)
-    if backend == "cpu":  # the same prefill code: bit for bit
-        assert torch.equal(res.step_logits[0], full_precision.step_logits[0])
-    assert [o[0] for o in res.output_ids] == [o[0] for o in full_precision.output_ids]
-    got, ref = res.step_logits[1], full_precision.step_logits[1]
-    assert 0 < ((got - ref).norm(dim=-1) / ref.norm(dim=-1)).max().item() < bound
+    if backend == "torch":  # the same prefill code: bit for bit
+        assert torch.equal(res.step_logits[0], full.step_logits[0])
+    assert [o[0] for o in res.output_ids] == [o[0] for o in full.output_ids]
+    for step in range(0 if backend == "cpu" else 1, 2):
+        got, ref = res.step_logits[step], full.step_logits[step]
+        assert 0 < ((got - ref).norm(dim=-1) / ref.norm(dim=-1)).max().item() < bound
 
 
 def test_fp8_pool_holds_four_times_the_tokens_of_fp32_per_byte():

@@ -157,7 +157,15 @@ def test_gemm_bound_times_the_weights_as_the_model_holds_them(dtype):
         arch="LlamaForCausalLM", vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=1, num_heads=4,
         num_kv_heads=2, head_dim=16, rms_norm_eps=1e-5, rope_theta=1e4, max_position=64, tie_word_embeddings=True,
         qkv_bias=False, qk_norm=False), dtype, 1)
-    assert all(_packed_as_the_model_holds_it(w, dtype) for w in layers[0]) and _packed_as_the_model_holds_it(head, dtype)
+    assert all(_packed_as_the_model_holds_it(w, dtype) for w in layers[0])
+    assert _head_as_the_model_holds_it(head)
+
+
+def _head_as_the_model_holds_it(head) -> bool:
+    """fp32 whatever the model's dtype, MKL-packed where MKL is there (fp32_head)."""
+    if torch.backends.mkl.is_available():
+        return isinstance(head, packed_linear.MklPackedWeight)
+    return isinstance(head, torch.Tensor) and head.dtype == torch.float32
 
 
 @pytest.mark.parametrize("dtype", [pytest.param("bfloat16", marks=needs_native_bf16),
@@ -175,7 +183,9 @@ def test_packed_model_equals_the_plain_one(tiny_model_dir, monkeypatch, arch, dt
         monkeypatch.setenv(envs.CPU_PACK_WEIGHTS.name, str(int(pack)))
         runner = ModelRunner(ServerArgs(model_path=path, max_total_tokens=400, max_running_requests=3, dtype=dtype))
         linears = [m for m in runner.model.modules() if isinstance(m, PackedLinear)]
-        assert len(linears) == (4 * runner.config.num_layers + 1 if pack else 0)  # 4 per layer and the LM head
+        assert len(linears) == (4 * runner.config.num_layers if pack else 0)  # 4 per layer
+        if pack:
+            assert _head_as_the_model_holds_it(runner.model._head_fp32)
         results.append(BareLoop(runner).generate(prompts, 6, keep_logits=True))
     plain, packed = results
     assert plain.output_ids == packed.output_ids
