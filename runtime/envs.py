@@ -38,6 +38,9 @@ class Envs:
     CPU_PACK_WEIGHTS = EnvVar("TANDEM_CPU_PACK_WEIGHTS", True, "linears on packed weights on CPU: bf16 "
                               "in oneDNN's layout (native bf16 CPUs), fp32 in MKL's or oneDNN's, whichever measures faster "
                               "(0: torch's plain linear, for A/B runs)")
+    CPU_AMX_LINEAR = EnvVar("TANDEM_CPU_AMX_LINEAR", True, "bf16 linears on CPUs with AMX run tandem's "
+                            "batch-invariant AMX kernel (kernels/csrc/amx_linear_cpu.cpp; 0: oneDNN's, whose "
+                            "results change with the row count, for A/B runs)")
     CPU_DECODE_STEP = EnvVar("TANDEM_CPU_DECODE_STEP", True, "with the cpu attention backend, a decode step's "
                              "layers run in one C++ call (runtime/model/cpu_decode_step.py; 0: the Python modules, "
                              "for A/B runs)")

@@ -20,7 +20,7 @@ namespace {
 using OptTensor = std::optional<at::Tensor>;
 
 // A layer's entries in `params`, in runtime/model/cpu_decode_step.py's LAYER_PARAMS order. A
-// linear's `like` is set for MKL's packed fp32 weights only. qkv and gate_up take their bias
+// linear's `like` is set for packed weights that are no MKL-DNN tensor (MKL's fp32, AMX's bf16). qkv and gate_up take their bias
 // inside the linear; o_bias and down_bias are added after it, as the modules do.
 enum Param : int64_t {
   kInNorm, kQkv, kQkvLike, kQkvBias, kQNorm, kKNorm, kO, kOLike, kOBias,
@@ -30,6 +30,7 @@ enum Param : int64_t {
 using LinearPointwise = at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&, c10::string_view,
                                    c10::List<std::optional<at::Scalar>>, std::optional<c10::string_view>);
 using MklLinear = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const OptTensor&, int64_t);
+using AmxLinear = at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&);
 using AddRmsnorm = std::vector<at::Tensor>(const at::Tensor&, const OptTensor&, const at::Tensor&, double);
 using Rotary = void(const at::Tensor&, at::Tensor, at::Tensor, const at::Tensor&);
 using SiluAndMul = at::Tensor(const at::Tensor&);
@@ -54,11 +55,16 @@ struct Ops {
 };
 
 // packed_linear.linear: x @ w.T (+ bias), on whichever layout the weight is held in. oneDNN
-// computes `padded_rows` rows (zeros below x's), as packed_linear._onednn_linear does. The two
-// packed ops are looked up when first met: a torch without MKL never meets an MKL weight.
+// computes `padded_rows` rows (zeros below x's), as packed_linear._onednn_linear does. The
+// packed ops are looked up when first met: a torch without MKL never meets an MKL weight, a CPU
+// without AMX never an AMX one (amx_linear_cpu.cpp's 4-D tile layout).
 at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const OptTensor& like, const OptTensor& bias,
                   int64_t padded_rows) {
-  if (like.has_value()) {  // first: MKL's packs are MKL-DNN tensors too
+  if (w.dim() == 4) {
+    static const auto amx_linear = op<AmxLinear>("tandem_cpu::amx_linear");
+    return amx_linear.call(x, w, bias);
+  }
+  if (like.has_value()) {  // before oneDNN's: MKL's packs are MKL-DNN tensors too
     static const auto mkl_linear = op<MklLinear>("mkl::_mkl_linear");
     return mkl_linear.call(x, w, *like, bias, x.size(0));
   }

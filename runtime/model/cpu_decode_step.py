@@ -65,7 +65,7 @@ def _layer_params(layer: DecoderLayer) -> list[torch.Tensor | None]:
 
 
 def _linear(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """(weight, like, bias) as packed_linear.linear takes them: `like` only for MKL's packed weights."""
+    """(weight, like, bias) as packed_linear.linear takes them: `like` only for MKL's or AMX's packed weights."""
     return *weight_and_like(module.weight), module.bias
 
 

@@ -61,13 +61,40 @@ class MklPackedWeight:
         return self.like.shape
 
 
-Weight = torch.Tensor | MklPackedWeight
+@dataclass(frozen=True)
+class AmxPackedWeight:
+    """A bfloat16 [out, in] weight in the AMX tile layout of kernels/csrc/amx_linear_cpu.cpp
+    ([out/16, in/32, 16, 32]), whose linear gives a row the same bits among any rows. `like` is a
+    zero-storage [out, in] view for the weight's shape."""
+    packed: torch.Tensor
+    like: torch.Tensor
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.like.shape
+
+
+Weight = torch.Tensor | MklPackedWeight | AmxPackedWeight
 
 
 def weight_and_like(weight: Weight) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """A weight as tensors for a C++ op (kernels/csrc/decode_layers_cpu.cpp's `linear`): MKL's
-    packed buffer and its `like`, or the tensor itself and None."""
-    return (weight.packed, weight.like) if isinstance(weight, MklPackedWeight) else (weight, None)
+    """A weight as tensors for a C++ op (kernels/csrc/decode_layers_cpu.cpp's `linear`): a packed
+    buffer and its `like` (MKL's is 2-D, AMX's 4-D), or the tensor itself and None."""
+    return (weight.packed, weight.like) if isinstance(weight, (MklPackedWeight, AmxPackedWeight)) else (weight, None)
+
+
+def amx_ops() -> object | None:
+    """The C++ ops where they hold AMX's batch-invariant bf16 linear on this CPU, else None."""
+    from tandem.kernels.cpu_ops import load_cpu_ops
+
+    if "amx_bf16" not in cpu_flags() or not envs.CPU_AMX_LINEAR.get():
+        return None
+    ops = load_cpu_ops()
+    return ops if ops is not None and ops.amx_available() else None
+
+
+def _amx_fits(weight: torch.Tensor) -> bool:
+    return weight.shape[0] % 16 == 0 and weight.shape[1] % 32 == 0
 
 
 def packs_weights(dtype: torch.dtype, device: torch.device | str = "cpu") -> bool:
@@ -88,6 +115,8 @@ def pack(weight: torch.Tensor, fp32_as: str | None = None) -> Weight:
     if fp32_as not in (None, "mkl", "onednn"):
         raise ValueError(f"fp32_as must be 'mkl' or 'onednn', got {fp32_as!r}")
     weight = weight.detach().contiguous()
+    if weight.dtype == torch.bfloat16 and _amx_fits(weight) and (ops := amx_ops()) is not None:
+        return AmxPackedWeight(ops.amx_pack(weight), torch.zeros((), dtype=weight.dtype).expand(weight.shape))
     if weight.dtype == torch.float32 and (fp32_as or fp32_layout()[0]) == "mkl":
         packed = torch.ops.mkl._mkl_reorder_linear_weight(weight, _MKL_PLAN_ROWS)
         return MklPackedWeight(packed, torch.zeros((), dtype=weight.dtype).expand(weight.shape))
@@ -130,6 +159,8 @@ def best_seconds(run: Callable[[], object], repeats: int) -> float:
 
 def linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x @ weight.T (+ bias), the weight plain or packed."""
+    if isinstance(weight, AmxPackedWeight):
+        return amx_ops().amx_linear(x, weight.packed, bias)
     if isinstance(weight, MklPackedWeight):
         # the last argument is the row count MKL's packed path runs for; any other count would
         # send torch to its plain fallback, which would read `like`

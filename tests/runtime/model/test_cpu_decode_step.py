@@ -18,7 +18,7 @@ from tandem.runtime.model.cpu_decode_step import CpuDecodeStep
 from tandem.runtime.model.forward_batch import ForwardBatch, ForwardMode
 from tandem.runtime.model.llama import CausalLM
 from tandem.runtime.model.ops import TorchOps, create_ops
-from tandem.runtime.model.packed_linear import EXACT_ROWS, MklPackedWeight, packs_weights
+from tandem.runtime.model.packed_linear import EXACT_ROWS, AmxPackedWeight, MklPackedWeight, amx_ops, packs_weights
 from tandem.runtime.model.runner import ModelRunner
 from tandem.runtime.model.tensor_parallel import TensorParallel
 from tandem.runtime.server_args import ServerArgs
@@ -132,8 +132,18 @@ def test_a_batch_past_onednns_exact_row_counts(monkeypatch):
     """More rows than EXACT_ROWS: the packed linears compute padded row counts, as the modules do."""
     dtype = torch.bfloat16 if packs_weights(torch.bfloat16) else torch.float32
     monkeypatch.setattr("tandem.runtime.model.packed_linear.fp32_layout", lambda: ("onednn", "test"))
+    monkeypatch.setenv("TANDEM_CPU_AMX_LINEAR", "0")  # bf16 on oneDNN, not the AMX kernel
     s = Setup(BASE, dtype, True, bs=EXACT_ROWS + 5)
     assert s.model.layers[0].self_attn.qkv_proj.weight.is_mkldnn
+    assert torch.equal(s.modules(monkeypatch), s.step())
+
+
+@pytest.mark.timeout(300)
+def test_bf16_on_the_amx_kernel(monkeypatch):
+    if amx_ops() is None:
+        pytest.skip("no AMX-BF16 on this CPU: bf16 linears stay oneDNN's")
+    s = Setup(BASE, torch.bfloat16, True, bs=EXACT_ROWS + 5)
+    assert isinstance(s.model.layers[0].self_attn.qkv_proj.weight, AmxPackedWeight)
     assert torch.equal(s.modules(monkeypatch), s.step())
 
 

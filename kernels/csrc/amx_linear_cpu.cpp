@@ -1,0 +1,194 @@
+// A bfloat16 linear on AMX whose every output element is one fixed reduction: the dot product of
+// an input row and a weight row summed by TDPBF16PS over K in ascending steps of 32, in one tile
+// register, from zero, then the bias added in float32 and rounded once to bfloat16. How many rows
+// the call has, where a row sits among them, and how many threads run it change which tiles are
+// loaded together, never that sum: a row gets the same bits alone, in any batch, at any thread
+// count. oneDNN's bf16 kernels change their blocking with the row count (past 32 rows, and again
+// past ~70 or ~500 depending on the shape), and with it the last bits of a row.
+//
+// The weight is packed once into TDPBF16PS's B layout: for each block of 16 output features and
+// each step of 32 inputs, a 16 x 64-byte tile whose row p holds, for each of the 16 features, the
+// input pair (2p, 2p + 1) of that step: [N / 16, K / 32, 16, 32] bfloat16. Shapes need N % 16 ==
+// 0 and K % 32 == 0 (packed_linear.py keeps oneDNN for any other).
+#include <torch/library.h>
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#define TANDEM_AMX 1
+#endif
+
+namespace {
+
+constexpr int64_t kTileRows = 16;  // rows of an A or C tile, and feature columns of a B tile
+constexpr int64_t kStepK = 32;     // bfloat16 inputs one TDPBF16PS reduces
+constexpr int64_t kChunkRows = 256;  // rows of x a pass over the weight holds in L2 (a multiple of 32)
+
+bool amx_usable() {
+#ifdef TANDEM_AMX
+  // Linux hands out AMX's tile state per process on request (ARCH_REQ_XCOMP_PERM, XTILEDATA)
+  static const bool ok = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+  return ok;
+#else
+  return false;
+#endif
+}
+
+at::Tensor amx_pack(const at::Tensor& weight) {
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kBFloat16, "weight: [out, in] bfloat16");
+  const int64_t n = weight.size(0), k = weight.size(1);
+  TORCH_CHECK(n % kTileRows == 0 && k % kStepK == 0, "weight: out % 16 == 0 and in % 32 == 0, got [", n, ", ", k, "]");
+  // [n/16, 16 features, k/32, 16 pairs, 2] -> [n/16, k/32, 16 pairs, 16 features, 2]
+  return weight.contiguous().view({n / kTileRows, kTileRows, k / kStepK, kStepK / 2, 2})
+      .permute({0, 2, 3, 1, 4}).contiguous().view({n / kTileRows, k / kStepK, kStepK / 2, kTileRows * 2});
+}
+
+#ifdef TANDEM_AMX
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// tmm0-3: C (a 2 x 2 block of 16 x 16 float32), tmm4-5: A (rows of x), tmm6-7: B (weight tiles)
+void configure(int64_t rows0, int64_t rows1) {
+  TileConfig cfg;
+  const int64_t rows[4] = {rows0, rows0, rows1, rows1};
+  for (int t = 0; t < 4; ++t) cfg.rows[t] = uint8_t(rows[t]), cfg.colsb[t] = 64;
+  cfg.rows[4] = uint8_t(rows0), cfg.rows[5] = uint8_t(rows1), cfg.colsb[4] = cfg.colsb[5] = 64;
+  cfg.rows[6] = cfg.rows[7] = kStepK / 2, cfg.colsb[6] = cfg.colsb[7] = 64;
+  for (int t = 0; t < 8; ++t)
+    if (cfg.rows[t] == 0) cfg.colsb[t] = 0;  // an unused tile is configured empty
+  _tile_loadconfig(&cfg);
+}
+
+// c: a stored 16 x 16 float32 tile; rows of out get c (+ bias) rounded to bfloat16
+inline void epilogue(const float* c, int64_t rows, const float* bias, at::BFloat16* out, int64_t out_stride) {
+  const __m512 b = bias != nullptr ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
+  for (int64_t r = 0; r < rows; ++r) {
+    const __m256bh v = _mm512_cvtneps_pbh(_mm512_add_ps(_mm512_loadu_ps(c + r * kTileRows), b));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + r * out_stride), reinterpret_cast<const __m256i&>(v));
+  }
+}
+
+// out[m0 : m0 + rows0 + rows1, columns of blocks nb0 and nb1 (nb1 < 0: none)]
+void block(const at::BFloat16* x, int64_t k, const at::BFloat16* packed, int64_t steps, int64_t nb0, int64_t nb1,
+           int64_t m0, int64_t rows0, int64_t rows1, const float* bias, at::BFloat16* out, int64_t n) {
+  // a tile configured empty (no second row block) must not be touched: that is #UD
+  _tile_zero(0);
+  _tile_zero(1);
+  if (rows1 > 0) {
+    _tile_zero(2);
+    _tile_zero(3);
+  }
+  const int64_t x_stride = k * 2, block_elems = steps * kStepK * kTileRows;
+  const at::BFloat16* b0 = packed + nb0 * block_elems;
+  const at::BFloat16* b1 = packed + (nb1 < 0 ? nb0 : nb1) * block_elems;
+  const at::BFloat16* a0 = x + m0 * k;
+  const at::BFloat16* a1 = a0 + kTileRows * k;
+  for (int64_t s = 0; s < steps; ++s) {
+    _tile_loadd(4, a0 + s * kStepK, x_stride);
+    _tile_loadd(6, b0 + s * kStepK * kTileRows, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    if (nb1 >= 0) {
+      _tile_loadd(7, b1 + s * kStepK * kTileRows, 64);
+      _tile_dpbf16ps(1, 4, 7);
+    }
+    if (rows1 > 0) {
+      _tile_loadd(5, a1 + s * kStepK, x_stride);
+      _tile_dpbf16ps(2, 5, 6);
+      if (nb1 >= 0) _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  alignas(64) float c[kTileRows * kTileRows];
+  auto flush = [&](int64_t nb, int64_t row0, int64_t rows) {
+    epilogue(c, rows, bias != nullptr ? bias + nb * kTileRows : nullptr, out + row0 * n + nb * kTileRows, n);
+  };
+  _tile_stored(0, c, 64);
+  flush(nb0, m0, rows0);
+  if (nb1 >= 0) {
+    _tile_stored(1, c, 64);
+    flush(nb1, m0, rows0);
+  }
+  if (rows1 > 0) {
+    _tile_stored(2, c, 64);
+    flush(nb0, m0 + kTileRows, rows1);
+    if (nb1 >= 0) {
+      _tile_stored(3, c, 64);
+      flush(nb1, m0 + kTileRows, rows1);
+    }
+  }
+}
+#endif
+
+at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(amx_usable(), "amx_linear: this CPU or kernel does not give AMX to the process");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && packed.scalar_type() == at::kBFloat16, "x, packed: bfloat16");
+  TORCH_CHECK(packed.dim() == 4 && packed.size(2) == kStepK / 2 && packed.size(3) == 2 * kTileRows && packed.is_contiguous(),
+              "packed: amx_pack's [out/16, in/32, 16, 32]");
+  const int64_t n = packed.size(0) * kTileRows, k = packed.size(1) * kStepK, steps = packed.size(1);
+  TORCH_CHECK(x.size(-1) == k, "x: ", k, " inputs, got ", x.size(-1));
+  at::Tensor x2 = x.reshape({-1, k}).contiguous();
+  const int64_t m = x2.size(0);
+  std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
+  out_shape.back() = n;
+  at::Tensor out = at::empty({m, n}, x.options());
+  at::Tensor bias_f;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->numel() == n, "bias: ", n, " values");
+    bias_f = bias->to(at::kFloat).contiguous();
+  }
+  if (m == 0) return out.view(out_shape);
+#ifdef TANDEM_AMX
+  const at::BFloat16* xp = x2.data_ptr<at::BFloat16>();
+  const at::BFloat16* pp = packed.data_ptr<at::BFloat16>();
+  const float* bp = bias.has_value() ? bias_f.data_ptr<float>() : nullptr;
+  at::BFloat16* op = out.data_ptr<at::BFloat16>();
+  const int64_t blocks = n / kTileRows, pairs = (blocks + 1) / 2;
+  // one task per pair of feature blocks, every row: an element's sum never leaves its thread
+  // rows go kChunkRows at a time through every pair of a thread's feature blocks, so that the
+  // chunk's rows stay in the core's L2 while the pair's weight tiles stay in L1
+  at::parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) {
+    int64_t configured0 = -1, configured1 = -1;
+    for (int64_t chunk = 0; chunk < m; chunk += kChunkRows)
+    for (int64_t p = begin; p < end; ++p) {
+      const int64_t nb0 = 2 * p, nb1 = 2 * p + 1 < blocks ? 2 * p + 1 : -1;
+      for (int64_t m0 = chunk; m0 < std::min(m, chunk + kChunkRows); m0 += 2 * kTileRows) {
+        const int64_t rows0 = std::min(kTileRows, m - m0);
+        const int64_t rows1 = std::max<int64_t>(0, std::min(kTileRows, m - m0 - kTileRows));
+        if (rows0 != configured0 || rows1 != configured1) {
+          configure(rows0, rows1);
+          configured0 = rows0, configured1 = rows1;
+        }
+        block(xp, k, pp, steps, nb0, nb1, m0, rows0, rows1, bp, op, n);
+      }
+    }
+    if (configured0 >= 0) _tile_release();
+  });
+#endif
+  return out.view(out_shape);
+}
+
+bool amx_available() { return amx_usable(); }
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(tandem_cpu, m) {
+  m.def("amx_available() -> bool");
+  m.def("amx_pack(Tensor weight) -> Tensor");
+  m.def("amx_linear(Tensor x, Tensor packed, Tensor? bias=None) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(tandem_cpu, CatchAll, m) { m.impl("amx_available", &amx_available); }
+
+TORCH_LIBRARY_IMPL(tandem_cpu, CPU, m) {
+  m.impl("amx_pack", &amx_pack);
+  m.impl("amx_linear", &amx_linear);
+}
