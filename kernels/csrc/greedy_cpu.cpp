@@ -7,6 +7,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <limits>
 
@@ -66,6 +67,48 @@ at::Tensor greedy_ids(const at::Tensor& logits) {
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(tandem_cpu, m) { m.def("greedy_ids(Tensor logits) -> Tensor"); }
+// Each row's log(sum(exp(x))) over float32 logits, one thread a row, in one fixed order (the
+// max, then the sum of exp(x - max) in 16 lanes added in a fixed tree): a row gets the same bits
+// among any rows and at any thread count. torch's logsumexp splits a row across threads when
+// there are few rows, so a decode step's logprobs changed with the batch size.
+at::Tensor logsumexp_rows(const at::Tensor& logits) {
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat, "logits: [rows, vocab] float32");
+  const at::Tensor x = logits.contiguous();
+  const int64_t rows = x.size(0), vocab = x.size(1);
+  TORCH_CHECK(vocab > 0, "logits: an empty vocab");
+  at::Tensor out = at::empty({rows}, x.options());
+  const float* xp = x.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  constexpr int64_t kLanes = 16;
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* row = xp + r * vocab;
+      const float m = block_max(row, vocab);
+      if (m == -std::numeric_limits<float>::infinity() || m == std::numeric_limits<float>::infinity()) {
+        op[r] = m;  // every token masked (or an infinite logit): no finite sum to take
+        continue;
+      }
+      float lanes[kLanes] = {};
+      int64_t i = 0;
+      for (; i + kLanes <= vocab; i += kLanes) {
+#pragma omp simd
+        for (int64_t l = 0; l < kLanes; ++l) lanes[l] += std::exp(row[i + l] - m);
+      }
+      for (int64_t l = 0; i < vocab; ++i, ++l) lanes[l] += std::exp(row[i] - m);
+      for (int64_t width = kLanes / 2; width > 0; width /= 2)
+        for (int64_t l = 0; l < width; ++l) lanes[l] += lanes[l + width];
+      op[r] = m + std::log(lanes[0]);
+    }
+  });
+  return out;
+}
 
-TORCH_LIBRARY_IMPL(tandem_cpu, CPU, m) { m.impl("greedy_ids", &greedy_ids); }
+TORCH_LIBRARY_FRAGMENT(tandem_cpu, m) {
+  m.def("greedy_ids(Tensor logits) -> Tensor");
+  m.def("logsumexp_rows(Tensor logits) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(tandem_cpu, CPU, m) {
+  m.impl("greedy_ids", &greedy_ids);
+  m.impl("logsumexp_rows", &logsumexp_rows);
+}

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from tandem.ipc.messages import LogprobArrays
+from tandem.kernels.cpu_ops import load_cpu_ops
 
 # 512 rows x 49k vocab x 4 B = 100 MB per float32 chunk (plus logsumexp/topk temporaries).
 DEFAULT_CHUNK_SIZE = 512
@@ -153,7 +154,7 @@ def _fill_rows(out: LogprobChunk, start: int, stop: int, x: torch.Tensor,
                ids: torch.Tensor | None, req_ids: torch.Tensor | None) -> None:
     """x: float32 logits for rows [start, stop); writes their logprob results into out. Only the
     picked values are clamped (-inf logits read LOGPROB_FLOOR), never the whole [n, V] block."""
-    lse = torch.logsumexp(x, dim=-1, keepdim=True)
+    lse = _logsumexp(x)
     if ids is not None:
         out.token_logprobs[start:stop] = _floored(x.gather(1, ids[:, None]) - lse).squeeze(1)
     k = out.top_vals.shape[1]
@@ -163,6 +164,14 @@ def _fill_rows(out: LogprobChunk, start: int, stop: int, x: torch.Tensor,
         out.top_idx[start:stop] = idx.to(torch.int32)
     if req_ids is not None:
         out.ids_logprobs[start:stop] = _floored(x.index_select(1, req_ids) - lse)
+
+
+def _logsumexp(x: torch.Tensor) -> torch.Tensor:
+    """[n, 1]; on CPU the C++ op, whose row sums do not depend on n or the thread count (torch's
+    split a row across threads when n is small: logprobs changed with the batch)."""
+    if x.device.type == "cpu" and x.dtype == torch.float32 and x.shape[-1] and (ops := load_cpu_ops()) is not None:
+        return ops.logsumexp_rows(x)[:, None]
+    return torch.logsumexp(x, dim=-1, keepdim=True)
 
 
 def _floored(logprobs: torch.Tensor) -> torch.Tensor:

@@ -57,3 +57,22 @@ def test_bad_input_is_refused(ops):
         ops.greedy_ids(torch.zeros(4, 6).t())
     with pytest.raises(RuntimeError, match="dtype"):
         ops.greedy_ids(torch.zeros(2, 3, dtype=torch.int32))
+
+
+@pytest.mark.parametrize("vocab", [1, 15, 17, 49152])
+def test_logsumexp_rows_is_torchs_and_gives_a_row_the_same_bits_in_any_batch(ops, vocab):
+    logits = torch.randn(40, vocab, generator=torch.Generator().manual_seed(vocab)) * 5
+    batched = ops.logsumexp_rows(logits)
+    torch.testing.assert_close(batched, torch.logsumexp(logits, -1), rtol=1e-6, atol=1e-5)  # another order
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            assert all(torch.equal(ops.logsumexp_rows(logits[i:i + 1])[0], batched[i]) for i in range(40))
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_logsumexp_rows_of_a_masked_row_is_minus_infinity(ops):
+    row = torch.full((1, 8), float("-inf"))
+    assert ops.logsumexp_rows(row).item() == float("-inf")
