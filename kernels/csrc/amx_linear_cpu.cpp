@@ -66,21 +66,28 @@ void configure(int64_t rows0, int64_t rows1) {
   cfg.rows[6] = cfg.rows[7] = kStepK / 2, cfg.colsb[6] = cfg.colsb[7] = 64;
   for (int t = 0; t < 8; ++t)
     if (cfg.rows[t] == 0) cfg.colsb[t] = 0;  // an unused tile is configured empty
+  // GCC does not see that ldtilecfg reads the struct and drops the stores above: make them stay
+  asm volatile("" : : "r"(&cfg) : "memory");
   _tile_loadconfig(&cfg);
 }
 
-// c: a stored 16 x 16 float32 tile; rows of out get c (+ bias) rounded to bfloat16
-inline void epilogue(const float* c, int64_t rows, const float* bias, at::BFloat16* out, int64_t out_stride) {
+// c: a stored 16 x 16 float32 tile; rows of out get c (+ bias), rounded once to bfloat16 or kept
+inline void store_row(__m512 v, at::BFloat16* out) {
+  const __m256bh r = _mm512_cvtneps_pbh(v);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), reinterpret_cast<const __m256i&>(r));
+}
+inline void store_row(__m512 v, float* out) { _mm512_storeu_ps(out, v); }
+
+template <typename out_t>
+inline void epilogue(const float* c, int64_t rows, const float* bias, out_t* out, int64_t out_stride) {
   const __m512 b = bias != nullptr ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
-  for (int64_t r = 0; r < rows; ++r) {
-    const __m256bh v = _mm512_cvtneps_pbh(_mm512_add_ps(_mm512_loadu_ps(c + r * kTileRows), b));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + r * out_stride), reinterpret_cast<const __m256i&>(v));
-  }
+  for (int64_t r = 0; r < rows; ++r) store_row(_mm512_add_ps(_mm512_loadu_ps(c + r * kTileRows), b), out + r * out_stride);
 }
 
 // out[m0 : m0 + rows0 + rows1, columns of blocks nb0 and nb1 (nb1 < 0: none)]
+template <typename out_t>
 void block(const at::BFloat16* x, int64_t k, const at::BFloat16* packed, int64_t steps, int64_t nb0, int64_t nb1,
-           int64_t m0, int64_t rows0, int64_t rows1, const float* bias, at::BFloat16* out, int64_t n) {
+           int64_t m0, int64_t rows0, int64_t rows1, const float* bias, out_t* out, int64_t n) {
   // a tile configured empty (no second row block) must not be touched: that is #UD
   _tile_zero(0);
   _tile_zero(1);
@@ -128,33 +135,13 @@ void block(const at::BFloat16* x, int64_t k, const at::BFloat16* packed, int64_t
 }
 #endif
 
-at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(amx_usable(), "amx_linear: this CPU or kernel does not give AMX to the process");
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && packed.scalar_type() == at::kBFloat16, "x, packed: bfloat16");
-  TORCH_CHECK(packed.dim() == 4 && packed.size(2) == kStepK / 2 && packed.size(3) == 2 * kTileRows && packed.is_contiguous(),
-              "packed: amx_pack's [out/16, in/32, 16, 32]");
-  const int64_t n = packed.size(0) * kTileRows, k = packed.size(1) * kStepK, steps = packed.size(1);
-  TORCH_CHECK(x.size(-1) == k, "x: ", k, " inputs, got ", x.size(-1));
-  at::Tensor x2 = x.reshape({-1, k}).contiguous();
-  const int64_t m = x2.size(0);
-  std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
-  out_shape.back() = n;
-  at::Tensor out = at::empty({m, n}, x.options());
-  at::Tensor bias_f;
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->numel() == n, "bias: ", n, " values");
-    bias_f = bias->to(at::kFloat).contiguous();
-  }
-  if (m == 0) return out.view(out_shape);
 #ifdef TANDEM_AMX
-  const at::BFloat16* xp = x2.data_ptr<at::BFloat16>();
-  const at::BFloat16* pp = packed.data_ptr<at::BFloat16>();
-  const float* bp = bias.has_value() ? bias_f.data_ptr<float>() : nullptr;
-  at::BFloat16* op = out.data_ptr<at::BFloat16>();
-  const int64_t blocks = n / kTileRows, pairs = (blocks + 1) / 2;
-  // one task per pair of feature blocks, every row: an element's sum never leaves its thread
-  // rows go kChunkRows at a time through every pair of a thread's feature blocks, so that the
-  // chunk's rows stay in the core's L2 while the pair's weight tiles stay in L1
+template <typename out_t>
+void run(const at::BFloat16* xp, const at::BFloat16* pp, const float* bp, out_t* op, int64_t m, int64_t n, int64_t k) {
+  const int64_t steps = k / kStepK, blocks = n / kTileRows, pairs = (blocks + 1) / 2;
+  // one task per pair of feature blocks, every row: an element's sum never leaves its thread.
+  // Rows go kChunkRows at a time through every pair of a thread's feature blocks, so that the
+  // chunk's rows stay in the core's L2 while the pair's weight tiles stay in L1.
   at::parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) {
     int64_t configured0 = -1, configured1 = -1;
     for (int64_t chunk = 0; chunk < m; chunk += kChunkRows)
@@ -172,6 +159,36 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, const c10::
     }
     if (configured0 >= 0) _tile_release();
   });
+}
+#endif
+
+// out_fp32: the float32 sums (+ bias) as they are, unrounded (the LM head's fp32 logits)
+at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
+                      bool out_fp32) {
+  TORCH_CHECK(amx_usable(), "amx_linear: this CPU or kernel does not give AMX to the process");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && packed.scalar_type() == at::kBFloat16, "x, packed: bfloat16");
+  TORCH_CHECK(packed.dim() == 4 && packed.size(2) == kStepK / 2 && packed.size(3) == 2 * kTileRows && packed.is_contiguous(),
+              "packed: amx_pack's [out/16, in/32, 16, 32]");
+  const int64_t n = packed.size(0) * kTileRows, k = packed.size(1) * kStepK;
+  TORCH_CHECK(x.size(-1) == k, "x: ", k, " inputs, got ", x.size(-1));
+  at::Tensor x2 = x.reshape({-1, k}).contiguous();
+  const int64_t m = x2.size(0);
+  std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
+  out_shape.back() = n;
+  at::Tensor out = at::empty({m, n}, x.options().dtype(out_fp32 ? at::kFloat : at::kBFloat16));
+  at::Tensor bias_f;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->numel() == n, "bias: ", n, " values");
+    bias_f = bias->to(at::kFloat).contiguous();
+  }
+  if (m == 0) return out.view(out_shape);
+#ifdef TANDEM_AMX
+  const float* bp = bias.has_value() ? bias_f.data_ptr<float>() : nullptr;
+  if (out_fp32) {
+    run(x2.data_ptr<at::BFloat16>(), packed.data_ptr<at::BFloat16>(), bp, out.data_ptr<float>(), m, n, k);
+  } else {
+    run(x2.data_ptr<at::BFloat16>(), packed.data_ptr<at::BFloat16>(), bp, out.data_ptr<at::BFloat16>(), m, n, k);
+  }
 #endif
   return out.view(out_shape);
 }
@@ -183,7 +200,7 @@ bool amx_available() { return amx_usable(); }
 TORCH_LIBRARY_FRAGMENT(tandem_cpu, m) {
   m.def("amx_available() -> bool");
   m.def("amx_pack(Tensor weight) -> Tensor");
-  m.def("amx_linear(Tensor x, Tensor packed, Tensor? bias=None) -> Tensor");
+  m.def("amx_linear(Tensor x, Tensor packed, Tensor? bias=None, bool out_fp32=False) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tandem_cpu, CatchAll, m) { m.impl("amx_available", &amx_available); }

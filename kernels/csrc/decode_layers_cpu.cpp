@@ -30,7 +30,7 @@ enum Param : int64_t {
 using LinearPointwise = at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&, c10::string_view,
                                    c10::List<std::optional<at::Scalar>>, std::optional<c10::string_view>);
 using MklLinear = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const OptTensor&, int64_t);
-using AmxLinear = at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&);
+using AmxLinear = at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&, bool);
 using AddRmsnorm = std::vector<at::Tensor>(const at::Tensor&, const OptTensor&, const at::Tensor&, double);
 using Rotary = void(const at::Tensor&, at::Tensor, at::Tensor, const at::Tensor&);
 using SiluAndMul = at::Tensor(const at::Tensor&);
@@ -62,7 +62,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const OptTensor& lik
                   int64_t padded_rows) {
   if (w.dim() == 4) {
     static const auto amx_linear = op<AmxLinear>("tandem_cpu::amx_linear");
-    return amx_linear.call(x, w, bias);
+    return amx_linear.call(x, w, bias, false);
   }
   if (like.has_value()) {  // before oneDNN's: MKL's packs are MKL-DNN tensors too
     static const auto mkl_linear = op<MklLinear>("mkl::_mkl_linear");

@@ -13,8 +13,8 @@ import torch
 
 from tandem.kernels.cpu_ops import cpu_flags, load_cpu_ops
 from tandem.runtime.model.config import ModelConfig
-from tandem.runtime.model.packed_linear import (Weight, best_seconds, fp32_head, linear, pack, packs_weights,
-                                                padded_rows, weight_and_like)
+from tandem.runtime.model.packed_linear import (Weight, best_seconds, fp32_head, head_logits, linear, pack,
+                                                packs_weights, padded_rows, weight_and_like)
 
 PREFILL_CHUNK = 2048  # tokens per timed prefill matmul pass (tandem's default chunked prefill)
 
@@ -40,14 +40,14 @@ class GemmBound:
 def _weights(cfg: ModelConfig, dtype: torch.dtype, num_layers: int,
              lm_head: bool = True) -> tuple[list[list[Weight]], Weight | None]:
     """Every layer's own weights (sharing one layer's would let small batches run from cache,
-    which the real model, hundreds of MB of weights, never does) and the LM head, in fp32 as the
-    model holds it (CausalLM.logits)."""
+    which the real model, hundreds of MB of weights, never does) and the LM head as the model
+    holds it (fp32_head)."""
     h, d = cfg.hidden_size, cfg.head_dim
     shapes = [((cfg.num_heads + 2 * cfg.num_kv_heads) * d, h), (h, cfg.num_heads * d),
               (2 * cfg.intermediate_size, h), (h, cfg.intermediate_size)]
     held = pack if packs_weights(dtype) else (lambda w: w)
     layers = [[held(torch.randn(shape, dtype=dtype) * 0.02) for shape in shapes] for _ in range(num_layers)]
-    return layers, fp32_head(torch.randn(cfg.vocab_size, h) * 0.02) if lm_head else None
+    return layers, fp32_head(torch.randn(cfg.vocab_size, h, dtype=dtype) * 0.02) if lm_head else None
 
 
 def _time_pass(x: torch.Tensor, layers: list[list[Weight]], lm_head: Weight | None, repeats: int) -> float:
@@ -67,7 +67,7 @@ def _time_pass(x: torch.Tensor, layers: list[list[Weight]], lm_head: Weight | No
                 gate_up = linear(x, layer[2])
                 linear(gate_up[:, :layer[3].shape[1]].contiguous(), layer[3])
         if lm_head is not None:
-            linear(x.float(), lm_head)
+            head_logits(x, lm_head)
 
     return best_seconds(one_pass, repeats)
 

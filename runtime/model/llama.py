@@ -15,7 +15,7 @@ from tandem.runtime.model.cpu_decode_step import CpuDecodeStep
 from tandem.runtime.model.forward_batch import ForwardBatch, ForwardMode
 from tandem.runtime.model.layers import RMSNorm, RotaryEmbedding
 from tandem.runtime.model.ops import CpuOps, TorchOps, TritonOps
-from tandem.runtime.model.packed_linear import Weight, fp32_head, linear, pack_linears
+from tandem.runtime.model.packed_linear import Weight, fp32_head, head_logits, pack_linears
 from tandem.runtime.model.tensor_parallel import SINGLE, TensorParallel, VocabParallelEmbedding
 
 
@@ -134,12 +134,12 @@ class CausalLM(nn.Module):
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """fp32 logits from a head with an fp32 weight, whatever the model's dtype (SGLang's
-        --enable-fp32-lm-head, always on): bf16 logits are coarse enough to tie the top tokens,
-        and greedy then picks by rounding. The head's GEMM gives a row the same bits in any batch."""
+        """fp32 logits whatever the model's dtype (SGLang's --enable-fp32-lm-head, always on): bf16
+        logits are coarse enough to tie the top tokens, and greedy then picks by rounding. The
+        head's GEMM gives a row the same bits in any batch (packed_linear.fp32_head)."""
         if self._head_fp32 is None:
             self._head_fp32 = fp32_head(self._head_weight())
-        local = linear(hidden.float(), self._head_fp32)
+        local = head_logits(hidden, self._head_fp32)
         return self.tp.all_gather_last_dim(local)
 
     def forward(self, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:

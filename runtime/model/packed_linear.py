@@ -205,14 +205,26 @@ class PackedLinear(nn.Module):
 
 
 def fp32_head(weight: torch.Tensor) -> Weight:
-    """An fp32 copy of an LM head's [vocab, hidden] weight for `linear`. On CPU it is packed in
-    MKL's layout: its packed GEMM gives a row the same bits at any row count and thread count
-    (tests/runtime/model/test_batch_invariance.py), which neither the plain fp32 linear (a gemv
-    for one row) nor oneDNN's fp32 kernels do."""
-    weight = weight.detach().to(torch.float32).contiguous()
+    """An LM head's [vocab, hidden] weight held for `head_logits`, which gives fp32 logits that a
+    row gets alike among any rows and at any thread count. A bf16 weight on a CPU with AMX stays
+    bf16 (the AMX kernel sums in fp32 and keeps the fp32 sums: half the bytes a step reads);
+    otherwise an fp32 copy, packed in MKL's layout where MKL is there (its packed GEMM keeps a
+    row's bits at any row count, which neither the plain fp32 linear, a gemv for one row, nor
+    oneDNN's fp32 kernels do)."""
+    weight = weight.detach().contiguous()
+    if weight.dtype == torch.bfloat16 and _amx_fits(weight) and (ops := amx_ops()) is not None:
+        return AmxPackedWeight(ops.amx_pack(weight), torch.zeros((), dtype=weight.dtype).expand(weight.shape))
+    weight = weight.to(torch.float32)
     if packs_weights(torch.float32, weight.device) and torch.backends.mkl.is_available():
         return pack(weight, "mkl")
     return weight
+
+
+def head_logits(hidden: torch.Tensor, head: Weight) -> torch.Tensor:
+    """fp32 logits from a head `fp32_head` made."""
+    if isinstance(head, AmxPackedWeight):
+        return amx_ops().amx_linear(hidden.to(torch.bfloat16), head.packed, None, True)
+    return linear(hidden.float(), head)
 
 
 def pack_linears(model: nn.Module, skip: tuple[str, ...] = ()) -> int:

@@ -36,6 +36,17 @@ def test_matches_the_fp32_product_to_bf16_rounding(ops, n, k):
     torch.testing.assert_close(got.float(), ref, rtol=2 ** -7, atol=1e-3)
 
 
+def test_fp32_out_keeps_the_sums_the_bf16_out_rounds(ops):
+    x, w = _case(64, 576, 9, seed=4)
+    bias = torch.randn(64, generator=torch.Generator().manual_seed(2)).bfloat16()
+    packed = ops.amx_pack(w)
+    sums = ops.amx_linear(x, packed, bias, True)
+    assert sums.dtype == torch.float32
+    assert torch.equal(sums.bfloat16(), ops.amx_linear(x, packed, bias))  # one rounding of the same sums
+    torch.testing.assert_close(sums, x.float() @ w.float().T + bias.float(), rtol=1e-5, atol=1e-4)  # fp32 order
+    assert torch.equal(ops.amx_linear(x[3:4], packed, bias, True)[0], sums[3])
+
+
 @pytest.mark.parametrize("n, k", SHAPES[:4])
 def test_a_row_gets_the_same_bits_among_any_rows(ops, n, k):
     x, w = _case(n, k, 300, seed=7)

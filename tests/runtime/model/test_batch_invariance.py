@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tandem.runtime.model.bare_loop import BareLoop
-from tandem.runtime.model.packed_linear import fp32_head, linear, packs_weights
+from tandem.runtime.model.packed_linear import fp32_head, head_logits, packs_weights
 from tandem.runtime.model.runner import ModelRunner
 from tandem.runtime.server_args import ServerArgs
 
@@ -128,16 +128,18 @@ def test_a_decode_step_gets_the_same_logits_in_any_batch(runner, others):
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-def test_the_lm_head_gives_a_row_the_same_bits_among_any_rows(threads):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_lm_head_gives_a_row_the_same_fp32_bits_among_any_rows(threads, dtype):
     g = torch.Generator().manual_seed(0)
-    head = fp32_head((torch.randn(4096, 192, generator=g) * 0.05).bfloat16())
-    x = torch.randn(300, 192, generator=g).bfloat16()
+    head = fp32_head((torch.randn(4096, 192, generator=g) * 0.05).to(dtype))
+    x = torch.randn(300, 192, generator=g).to(dtype)
     saved = torch.get_num_threads()
     try:
         torch.set_num_threads(threads)
-        alone = [linear(x[i:i + 1].float(), head) for i in range(0, 300, 37)]
+        alone = [head_logits(x[i:i + 1], head) for i in range(0, 300, 37)]
+        assert alone[0].dtype == torch.float32
         for rows in (2, 16, 33, 64, 71, 300):
-            batched = linear(x[:rows].float(), head)
+            batched = head_logits(x[:rows], head)
             for i in range(0, rows, 37):
                 assert torch.equal(batched[i:i + 1], alone[i // 37]), (rows, i)
     finally:

@@ -160,11 +160,13 @@ def test_gemm_bound_times_the_weights_as_the_model_holds_them(dtype):
         num_kv_heads=2, head_dim=16, rms_norm_eps=1e-5, rope_theta=1e4, max_position=64, tie_word_embeddings=True,
         qkv_bias=False, qk_norm=False), dtype, 1)
     assert all(_packed_as_the_model_holds_it(w, dtype) for w in layers[0])
-    assert _head_as_the_model_holds_it(head)
+    assert _head_as_the_model_holds_it(head, dtype)
 
 
-def _head_as_the_model_holds_it(head) -> bool:
-    """fp32 whatever the model's dtype, MKL-packed where MKL is there (fp32_head)."""
+def _head_as_the_model_holds_it(head, dtype: torch.dtype) -> bool:
+    """bf16 on the AMX kernel (fp32 sums kept), else fp32, MKL-packed where MKL is there (fp32_head)."""
+    if dtype == torch.bfloat16 and packed_linear.amx_ops() is not None:
+        return isinstance(head, packed_linear.AmxPackedWeight)
     if torch.backends.mkl.is_available():
         return isinstance(head, packed_linear.MklPackedWeight)
     return isinstance(head, torch.Tensor) and head.dtype == torch.float32
@@ -187,7 +189,7 @@ def test_packed_model_equals_the_plain_one(tiny_model_dir, monkeypatch, arch, dt
         linears = [m for m in runner.model.modules() if isinstance(m, PackedLinear)]
         assert len(linears) == (4 * runner.config.num_layers if pack else 0)  # 4 per layer
         if pack:
-            assert _head_as_the_model_holds_it(runner.model._head_fp32)
+            assert _head_as_the_model_holds_it(runner.model._head_fp32, runner.model.embed_tokens.weight.dtype)
         results.append(BareLoop(runner).generate(prompts, 6, keep_logits=True))
     plain, packed = results
     assert plain.output_ids == packed.output_ids
