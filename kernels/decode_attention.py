@@ -45,12 +45,14 @@ def decode_block_n(head_dim: int, dtype: torch.dtype) -> int:
 
 
 def num_kv_splits(seq_lens: list[int], num_kv_heads: int, *, min_split_len: int = 256, max_splits: int = 16,
-                  target_programs: int = 264) -> list[int]:
+                  target_programs: int | None = 264) -> list[int]:
     """Splits per request: about one per `min_split_len` keys, capped so that a batch that already
-    has `target_programs` (request, kv head) pairs is not split further."""
+    has `target_programs` (request, kv head) pairs is not split further. `target_programs=None`:
+    no cap by the batch, so a request's splits (and its bits) depend on its own length alone."""
     if not seq_lens:
         return []
-    cap = max(1, min(max_splits, math.ceil(target_programs / (len(seq_lens) * num_kv_heads))))
+    cap = max_splits if target_programs is None else \
+        max(1, min(max_splits, math.ceil(target_programs / (len(seq_lens) * num_kv_heads))))
     return [max(1, min(cap, math.ceil(n / min_split_len))) for n in seq_lens]
 
 

@@ -62,9 +62,6 @@ class TritonAttnBackend:
         self.max_kv_splits = max_kv_splits
         num_kv_heads = kv_pool.k_buffer[0].shape[1] if kv_pool.k_buffer else 1
         self.num_kv_heads = num_kv_heads
-        device = self.req_to_token.device
-        sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
-        self.target_programs = 2 * sms  # two split programs per SM hides the tail of the slowest split
 
     def init_forward(self, batch: ForwardBatch) -> None:
         device = self.req_to_token.device
@@ -74,8 +71,11 @@ class TritonAttnBackend:
         kv_lens = batch.seq_lens_cpu if decode else batch.prefix_lens_cpu
         kv_offsets = _offsets(kv_lens)
         if decode:
+            # splits by each request's own length, never by the batch: a request gets the same bits
+            # alone or in any batch (deterministic by default; SGLang fixes its split size only
+            # under --enable-deterministic-inference)
             splits = num_kv_splits(kv_lens, self.num_kv_heads, min_split_len=self.min_split_len,
-                                   max_splits=self.max_kv_splits, target_programs=self.target_programs)
+                                   max_splits=self.max_kv_splits, target_programs=None)
             kv_indptr, lens, num_splits = _to_device([kv_offsets, kv_lens, splits], device)
             qo_indptr, max_extend, max_splits = None, 1, max(splits)
         else:

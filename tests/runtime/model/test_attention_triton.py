@@ -104,3 +104,31 @@ def test_decode_rejects_multi_token_batch() -> None:
     batch = ForwardBatch.build(ForwardMode.DECODE, [1, 2], [0], [3], [2], torch.tensor([1, 2]), device=DEVICE)
     with pytest.raises(ValueError, match="decode batch has 2 tokens for 1 requests"):
         side.attn.init_forward(batch)
+
+
+def test_decode_gives_a_request_the_same_bits_in_any_batch() -> None:
+    """Splits follow a request's own length, never the batch size: 30 keys split 4 ways alone and
+    beside 140 others (the cap by the batch this replaced, 2 programs per SM, split it once there)."""
+    g, pool = torch.Generator().manual_seed(0), 1024
+    kv, r2t = KVPool(pool, 1, 2, 16, torch.float32, DEVICE), ReqToTokenPool(150, MAX_CTX, DEVICE)
+    kv.set_kv(0, torch.arange(pool, device=DEVICE), torch.randn(pool, 2, 16, generator=g).to(DEVICE),
+              torch.randn(pool, 2, 16, generator=g).to(DEVICE))
+    lens = [30] + [int(n) for n in torch.randint(1, 6, (140,), generator=g)]
+    slots = torch.randperm(pool - 1, generator=g)[:sum(lens)] + 1
+    start = 0
+    for row, n in enumerate(lens):
+        r2t.req_to_token[row, :n] = slots[start:start + n].to(DEVICE)
+        start += n
+    q, k, v = (torch.randn(len(lens), h, 16, generator=g).to(DEVICE) for h in (4, 2, 2))
+    attn = TritonAttnBackend(kv, r2t, min_split_len=8, max_kv_splits=4)
+
+    def decode(count: int) -> torch.Tensor:
+        rows = list(range(count))
+        loc = torch.stack([r2t.req_to_token[row, lens[row] - 1] for row in rows])
+        batch = ForwardBatch.build(ForwardMode.DECODE, rows, rows, [n - 1 for n in lens[:count]], [1] * count, loc,
+                                   device=DEVICE)
+        attn.init_forward(batch)
+        assert batch.attn_metadata.num_splits[0].item() == 4
+        return attn.forward(q[:count], k[:count], v[:count], 0, batch, 0.25)[0]
+
+    assert torch.equal(decode(1), decode(len(lens)))
