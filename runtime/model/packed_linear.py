@@ -93,8 +93,22 @@ def amx_ops() -> object | None:
     return ops if ops is not None and ops.amx_available() else None
 
 
-def _amx_fits(weight: torch.Tensor) -> bool:
-    return weight.shape[0] % 16 == 0 and weight.shape[1] % 32 == 0
+def _amx_pack(weight: torch.Tensor) -> AmxPackedWeight | None:
+    """A contiguous bf16 weight in the AMX kernel's layout, or None where the kernel cannot take it."""
+    fits = weight.dtype == torch.bfloat16 and weight.shape[0] % 16 == 0 and weight.shape[1] % 32 == 0
+    ops = amx_ops() if fits else None
+    return None if ops is None else AmxPackedWeight(ops.amx_pack(weight), _like(weight))
+
+
+def _like(weight: torch.Tensor) -> torch.Tensor:
+    return torch.zeros((), dtype=weight.dtype).expand(weight.shape)
+
+
+def _loaded_ops() -> object:
+    """The C++ ops an AmxPackedWeight was packed by (loaded then, cached since): no check per call."""
+    from tandem.kernels.cpu_ops import load_cpu_ops
+
+    return load_cpu_ops()
 
 
 def packs_weights(dtype: torch.dtype, device: torch.device | str = "cpu") -> bool:
@@ -115,11 +129,10 @@ def pack(weight: torch.Tensor, fp32_as: str | None = None) -> Weight:
     if fp32_as not in (None, "mkl", "onednn"):
         raise ValueError(f"fp32_as must be 'mkl' or 'onednn', got {fp32_as!r}")
     weight = weight.detach().contiguous()
-    if weight.dtype == torch.bfloat16 and _amx_fits(weight) and (ops := amx_ops()) is not None:
-        return AmxPackedWeight(ops.amx_pack(weight), torch.zeros((), dtype=weight.dtype).expand(weight.shape))
+    if (amx := _amx_pack(weight)) is not None:
+        return amx
     if weight.dtype == torch.float32 and (fp32_as or fp32_layout()[0]) == "mkl":
-        packed = torch.ops.mkl._mkl_reorder_linear_weight(weight, _MKL_PLAN_ROWS)
-        return MklPackedWeight(packed, torch.zeros((), dtype=weight.dtype).expand(weight.shape))
+        return MklPackedWeight(torch.ops.mkl._mkl_reorder_linear_weight(weight, _MKL_PLAN_ROWS), _like(weight))
     return torch.ops.mkldnn._reorder_linear_weight(weight, None)
 
 
@@ -160,7 +173,7 @@ def best_seconds(run: Callable[[], object], repeats: int) -> float:
 def linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x @ weight.T (+ bias), the weight plain or packed."""
     if isinstance(weight, AmxPackedWeight):
-        return amx_ops().amx_linear(x, weight.packed, bias)
+        return _loaded_ops().amx_linear(x, weight.packed, bias)
     if isinstance(weight, MklPackedWeight):
         # the last argument is the row count MKL's packed path runs for; any other count would
         # send torch to its plain fallback, which would read `like`
@@ -212,8 +225,8 @@ def fp32_head(weight: torch.Tensor) -> Weight:
     row's bits at any row count, which neither the plain fp32 linear, a gemv for one row, nor
     oneDNN's fp32 kernels do)."""
     weight = weight.detach().contiguous()
-    if weight.dtype == torch.bfloat16 and _amx_fits(weight) and (ops := amx_ops()) is not None:
-        return AmxPackedWeight(ops.amx_pack(weight), torch.zeros((), dtype=weight.dtype).expand(weight.shape))
+    if (amx := _amx_pack(weight)) is not None:
+        return amx
     weight = weight.to(torch.float32)
     if packs_weights(torch.float32, weight.device) and torch.backends.mkl.is_available():
         return pack(weight, "mkl")
@@ -223,7 +236,7 @@ def fp32_head(weight: torch.Tensor) -> Weight:
 def head_logits(hidden: torch.Tensor, head: Weight) -> torch.Tensor:
     """fp32 logits from a head `fp32_head` made."""
     if isinstance(head, AmxPackedWeight):
-        return amx_ops().amx_linear(hidden.to(torch.bfloat16), head.packed, None, True)
+        return _loaded_ops().amx_linear(hidden.to(torch.bfloat16), head.packed, None, True)
     return linear(hidden.float(), head)
 
 
