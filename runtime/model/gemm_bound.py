@@ -83,21 +83,16 @@ def measure(cfg: ModelConfig, dtype: torch.dtype, decode_batch: int, repeats: in
     return GemmBound(decode_batch, decode_s, prefill_s / PREFILL_CHUNK)
 
 
-BF16_MIN_SPEEDUP = 1.25  # bf16 costs fidelity: take it only for a clear win (AMX gives ~3x), never for noise
-
-
-def pick_cpu_dtype(cfg: ModelConfig, batch: int = 64) -> tuple[torch.dtype, str]:
-    """--dtype auto on CPU: bfloat16 only where it measures clearly faster than float32 for this
-    model's matmuls at a decode batch (AMX-BF16 CPUs); float32 without bf16 instructions at all.
-    Times one layer (a few ms), not the model. Returns the dtype and the reason, for the log."""
+def pick_cpu_dtype(cfg: ModelConfig) -> tuple[torch.dtype, str]:
+    """--dtype auto on CPU: bfloat16 where the CPU has AMX-BF16 (its bf16 matmuls run ~3x fp32's),
+    float32 everywhere else. A rule on the CPU's flags, never a timing: the dtype decides every
+    bit of every answer, so it must be the same from start to start. (A timed choice with a
+    threshold flipped between starts wherever the two dtypes ran near it, as on small models.)
+    `cfg` is taken for the log. Returns the dtype and the reason."""
     flags = cpu_flags()
-    if not flags & {"amx_bf16", "avx512_bf16"}:
-        return torch.float32, "no AMX-BF16 / AVX512-BF16 on this CPU"
-    times = {}
-    for dtype in (torch.float32, torch.bfloat16):
-        layers, _ = _weights(cfg, dtype, 1, lm_head=False)
-        times[dtype] = _time_pass(torch.randn(batch, cfg.hidden_size, dtype=dtype), layers, None, repeats=5)
-    speedup = times[torch.float32] / times[torch.bfloat16]
-    has = "AMX-BF16" if "amx_bf16" in flags else "AVX512-BF16 without AMX"
-    why = f"{has}; one layer's matmuls at batch {batch}: bf16 {speedup:.2f}x fp32's speed"
-    return (torch.bfloat16 if speedup >= BF16_MIN_SPEEDUP else torch.float32), why
+    shape = f"hidden {cfg.hidden_size}"
+    if "amx_bf16" in flags:
+        return torch.bfloat16, f"AMX-BF16 on this CPU ({shape})"
+    if "avx512_bf16" in flags:
+        return torch.float32, f"AVX512-BF16 without AMX: bf16 is not clearly faster ({shape})"
+    return torch.float32, f"no AMX-BF16 on this CPU ({shape})"
