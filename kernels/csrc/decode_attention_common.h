@@ -2,11 +2,13 @@
 // prefetching a slot's rows and the softmax of a sequence's scores.
 #pragma once
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <vector>
 
 namespace tandem_cpu::attn {
 
@@ -30,5 +32,27 @@ inline void softmax_rows(float* scores, int64_t hq, int64_t n, int64_t stride, f
     }
     inv_sum[head] = 1.f / sum;
   }
+}
+// fn(begin, end) over [0, bs) in one contiguous range per thread, the ranges cut where the summed
+// lengths (each query's cost) are even: an extend's queries grow along the prompt, and equal counts
+// gave the last thread three quarters of a causal prefill. Where a range starts never changes what a
+// query computes, only which thread computes it.
+template <typename Fn>
+void parallel_by_length(const int64_t* seq_lens, int64_t bs, Fn&& fn) {
+  const int64_t parts = std::min<int64_t>(at::get_num_threads(), bs);
+  if (parts <= 1) return fn(int64_t{0}, bs);
+  std::vector<int64_t> cut(parts + 1, bs);
+  cut[0] = 0;
+  int64_t total = 0;
+  for (int64_t b = 0; b < bs; ++b) total += seq_lens[b];
+  int64_t done = 0, part = 1;
+  for (int64_t b = 0; b < bs && part < parts; ++b) {
+    done += seq_lens[b];
+    while (part < parts && done * parts >= total * part) cut[part++] = b + 1;
+  }
+  at::parallel_for(0, parts, 1, [&](int64_t first, int64_t last) {
+    for (int64_t p = first; p < last; ++p)
+      if (cut[p] < cut[p + 1]) fn(cut[p], cut[p + 1]);
+  });
 }
 }  // namespace tandem_cpu::attn

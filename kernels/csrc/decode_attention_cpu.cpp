@@ -40,7 +40,7 @@ void decode_attention_portable(const q_t* q, int64_t q_stride, const kv_t* k, co
   // one task per request, all its KV heads: a slot's K (or V) rows for every head are contiguous,
   // so each token costs one streak of cache lines, prefetched a few tokens ahead
   constexpr int64_t kPrefetch = 4;
-  at::parallel_for(0, bs, 1, [&](int64_t begin, int64_t end) {
+  tandem_cpu::attn::parallel_by_length(seq_lens, bs, [&](int64_t begin, int64_t end) {
     std::vector<float> scores, acc(hq * d), kf(d), qf(hq * d), inv_sum(hq);
     for (int64_t b = begin; b < end; ++b) {
       const int64_t n = seq_lens[b];
