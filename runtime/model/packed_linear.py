@@ -1,6 +1,6 @@
 """Linear layers on weights packed once at load into the layout the CPU GEMM library computes
 from: bfloat16 in oneDNN's blocked layout on CPUs with AMX-BF16 or AVX512-BF16; float32 in
-oneDNN's blocked layout or MKL's packed-GEMM layout, whichever this CPU runs faster.
+MKL's packed-GEMM layout on Intel CPUs, oneDNN's blocked layout on others.
 
 torch's plain linear hands the library an [out, in] weight that it re-packs on every call:
 - bf16: oneDNN's AMX kernels re-block it; blocked once, a decode step's matmuls run ~1.5x faster
@@ -9,8 +9,9 @@ torch's plain linear hands the library an [out, in] weight that it re-packs on e
   Packed once (`cblas_sgemm_pack`), a batch-64 decode step's matmuls ran ~1.3x faster on an
   Intel Xeon. On an AMD EPYC, MKL (packed or not) ran 2.3-3.6x slower than oneDNN's fp32 kernels
   on the same blocked layout as bf16 (MKL takes slower paths on CPUs that are not Intel's), so
-  the layout is measured once per process and thread count (`fp32_layout`), not assumed from the
-  vendor. Same FMA count, other summation blocking: results match the plain linear to float
+  the layout follows the CPU's vendor (`fp32_layout`). A rule, not a timing: the two sum in other
+  orders, so the layout decides the last bits of every answer and must not change from start to
+  start. Same FMA count, other summation blocking: results match the plain linear to float
   rounding, not bit for bit.
 
 Invariant: a packed weight is opaque to everything but `linear`; nothing else (loader, tensor
@@ -20,7 +21,6 @@ compiles and keeps.
 """
 from __future__ import annotations
 
-import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -36,10 +36,6 @@ from tandem.runtime.envs import envs
 # 3% of a pack made for the exact row count at 8, 32, 64 and 128 rows, and as fast as the plain
 # sgemm at 2048; planned for 1 row it lost most of the gain at 8 and 64.
 _MKL_PLAN_ROWS = 512
-# MKL keeps fp32 unless oneDNN is clearly faster: the two sum in other orders, so the layout
-# decides the last bits of the logits, and a margin keeps a CPU where both run alike (Intel's)
-# from taking one or the other from start to start on timing noise
-ONEDNN_MIN_SPEEDUP = 1.2
 # oneDNN compiles a kernel for every input row count it meets and keeps it in two caches (torch's
 # ideep LRU and its own, 1024 entries each), ~1 MB of the process a kernel. Decode batches recur,
 # but prefill chunks bring a new row count almost every step: a one-minute soak grew a server by
@@ -137,24 +133,22 @@ def pack(weight: torch.Tensor, fp32_as: str | None = None) -> Weight:
 
 
 def fp32_layout() -> tuple[str, str]:
-    """Where fp32 weights are packed on this CPU, "mkl" or "onednn", and why (for the log).
-    Measured once per process and intra-op thread count (both libraries plan their threading by
-    it), on a batch-64 matmul of a small model's MLP shape."""
-    return _measure_fp32_layout(torch.get_num_threads())
+    """Where fp32 weights are packed on this CPU, "mkl" (Intel's) or "onednn" (any other), and why
+    (for the log)."""
+    vendor = cpu_vendor()
+    if vendor == "GenuineIntel":
+        return "mkl", "an Intel CPU: MKL's packed sgemm"
+    return "onednn", f"{vendor or 'an unknown vendor'}: MKL takes slow paths off Intel CPUs"
 
 
-@functools.lru_cache(maxsize=None)
-def _measure_fp32_layout(threads: int) -> tuple[str, str]:
-    g = torch.Generator().manual_seed(0)
-    w, x = torch.randn(2048, 1024, generator=g) * 0.02, torch.randn(64, 1024, generator=g)
-    seconds = {name: _best_time(x, pack(w, name)) for name in ("mkl", "onednn")}
-    speedup = seconds["mkl"] / seconds["onednn"]
-    name = "onednn" if speedup >= ONEDNN_MIN_SPEEDUP else "mkl"
-    return name, f"a batch-64 fp32 matmul: oneDNN {speedup:.2f}x MKL's speed"
-
-
-def _best_time(x: torch.Tensor, weight: Weight) -> float:
-    return best_seconds(lambda: [linear(x, weight) for _ in range(4)], repeats=5)
+def cpu_vendor() -> str:
+    """/proc/cpuinfo's vendor_id ("GenuineIntel", "AuthenticAMD"), or "" where there is none."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            line = next((line for line in f if line.startswith("vendor_id")), "")
+    except OSError:
+        return ""
+    return line.split(":", 1)[-1].strip()
 
 
 def best_seconds(run: Callable[[], object], repeats: int) -> float:
