@@ -18,12 +18,7 @@
 #include <cstdint>
 #include <vector>
 
-#if defined(__AMX_BF16__) && defined(__AMX_TILE__) && defined(__AVX512BF16__)
-#include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-#define TANDEM_AMX 1
-#endif
+#include "amx_common.h"
 
 namespace {
 
@@ -31,15 +26,7 @@ constexpr int64_t kTileRows = 16;  // rows of an A or C tile, and feature column
 constexpr int64_t kStepK = 32;     // bfloat16 inputs one TDPBF16PS reduces
 constexpr int64_t kChunkRows = 256;  // rows of x a pass over the weight holds in L2 (a multiple of 32)
 
-bool amx_usable() {
-#ifdef TANDEM_AMX
-  // Linux hands out AMX's tile state per process on request (ARCH_REQ_XCOMP_PERM, XTILEDATA)
-  static const bool ok = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
-  return ok;
-#else
-  return false;
-#endif
-}
+using tandem_cpu::amx::usable;
 
 at::Tensor amx_pack(const at::Tensor& weight) {
   TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kBFloat16, "weight: [out, in] bfloat16");
@@ -51,24 +38,16 @@ at::Tensor amx_pack(const at::Tensor& weight) {
 }
 
 #ifdef TANDEM_AMX
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
 // tmm0-3: C (a 2 x 2 block of 16 x 16 float32), tmm4-5: A (rows of x), tmm6-7: B (weight tiles)
 void configure(int64_t rows0, int64_t rows1) {
-  TileConfig cfg;
+  tandem_cpu::amx::TileConfig cfg;
   const int64_t rows[4] = {rows0, rows0, rows1, rows1};
-  for (int t = 0; t < 4; ++t) cfg.rows[t] = uint8_t(rows[t]), cfg.colsb[t] = 64;
-  cfg.rows[4] = uint8_t(rows0), cfg.rows[5] = uint8_t(rows1), cfg.colsb[4] = cfg.colsb[5] = 64;
-  cfg.rows[6] = cfg.rows[7] = kStepK / 2, cfg.colsb[6] = cfg.colsb[7] = 64;
-  for (int t = 0; t < 8; ++t)
-    if (cfg.rows[t] == 0) cfg.colsb[t] = 0;  // an unused tile is configured empty
-  // GCC does not see that ldtilecfg reads the struct and drops the stores above: make them stay
-  asm volatile("" : : "r"(&cfg) : "memory");
-  _tile_loadconfig(&cfg);
+  for (int t = 0; t < 4; ++t) cfg.set(t, rows[t], 64);
+  cfg.set(4, rows0, 64);
+  cfg.set(5, rows1, 64);
+  cfg.set(6, kStepK / 2, 64);
+  cfg.set(7, kStepK / 2, 64);
+  cfg.load();
 }
 
 // c: a stored 16 x 16 float32 tile; rows of out get c (+ bias), rounded once to bfloat16 or kept
@@ -165,7 +144,7 @@ void run(const at::BFloat16* xp, const at::BFloat16* pp, const float* bp, out_t*
 // out_fp32: the float32 sums (+ bias) as they are, unrounded (the LM head's fp32 logits)
 at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
                       bool out_fp32) {
-  TORCH_CHECK(amx_usable(), "amx_linear: this CPU or kernel does not give AMX to the process");
+  TORCH_CHECK(usable(), "amx_linear: this CPU or kernel does not give AMX to the process");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && packed.scalar_type() == at::kBFloat16, "x, packed: bfloat16");
   TORCH_CHECK(packed.dim() == 4 && packed.size(2) == kStepK / 2 && packed.size(3) == 2 * kTileRows && packed.is_contiguous(),
               "packed: amx_pack's [out/16, in/32, 16, 32]");
@@ -193,7 +172,7 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, const c10::
   return out.view(out_shape);
 }
 
-bool amx_available() { return amx_usable(); }
+bool amx_available() { return usable(); }
 
 }  // namespace
 

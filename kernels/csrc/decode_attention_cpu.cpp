@@ -2,9 +2,10 @@
 // from the KV pool through its req_to_token row. No gather into a padded batch: every K/V row
 // is read from memory once, in place, and each K/V head row serves its whole GQA group.
 //
-// Two paths, tested against the same float64 reference: an AVX-512 one for head dims of 64 and
-// 128 (the common ones; decode_attention_avx512.h), and a portable one (below) for everything
-// else and CPUs without AVX-512. The pool holds q's dtype or fp8 (e5m2 or e4m3,
+// Three paths, tested against the same float64 reference: bf16 on AMX for head dims of 64 and 128
+// (attention_amx.h: an extend's tokens of one request computed together, in decode's arithmetic),
+// an AVX-512 one for the other dtypes at those head dims (decode_attention_avx512.h), and a
+// portable one (below) for everything else and CPUs without AVX-512. The pool holds q's dtype or fp8 (e5m2 or e4m3,
 // --kv-cache-dtype), widened to float32 as it is read.
 // Given the step's new K/V and their slots, the op first stores them (as KVPool.set_kv would),
 // which saves a decode step two index_put calls per layer.
@@ -12,6 +13,7 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
+#include "attention_amx.h"
 #include "cpu_dtype.h"
 #include "decode_attention_avx512.h"
 #include "decode_attention_common.h"
@@ -127,6 +129,16 @@ void run(const at::Tensor& q, at::Tensor& k_buffer, at::Tensor& v_buffer, const 
                               req_to_token.data_ptr<int64_t>(), req_to_token.stride(0), rows.data_ptr<int64_t>(),
                               lens.data_ptr<int64_t>(), out.data_ptr<q_t>(), bs, hq, hkv);
   const float s = static_cast<float>(scale);
+#ifdef TANDEM_AMX
+  if constexpr (std::is_same_v<q_t, at::BFloat16> && std::is_same_v<kv_t, at::BFloat16>) {
+    if ((d == 64 || d == 128) && tandem_cpu::amx::usable()) {
+      const tandem_cpu::amx_attn::Args a{q.data_ptr<q_t>(), q.stride(0), k_buffer.data_ptr<kv_t>(), v_buffer.data_ptr<kv_t>(),
+                                         req_to_token.data_ptr<int64_t>(), req_to_token.stride(0), rows.data_ptr<int64_t>(),
+                                         lens.data_ptr<int64_t>(), out.data_ptr<q_t>(), bs, hq, hkv, s};
+      return d == 64 ? tandem_cpu::amx_attn::attention<64>(a) : tandem_cpu::amx_attn::attention<128>(a);
+    }
+  }
+#endif
 #if defined(__AVX512F__)
   if (d == 64) return std::apply([&](auto... a) { tandem_cpu::attn::decode_attention_avx512<q_t, kv_t, 64>(a..., s); }, args);
   if (d == 128) return std::apply([&](auto... a) { tandem_cpu::attn::decode_attention_avx512<q_t, kv_t, 128>(a..., s); }, args);

@@ -141,8 +141,9 @@ class CpuAttnBackend(TorchAttnBackend):
 
     Invariant: a query at position p computes the same bits in a decode step, in a prefill whole
     or chunked, in an extend over a cached prefix and in a speculative verify, whatever else is in
-    the batch: extend runs each new token through the decode op as a query of its own over the
-    first p + 1 slots of its row, so every query reduces over its keys in decode's one order."""
+    the batch: extend hands each new token to the op as a query of its own over the first p + 1
+    slots of its row, and the op computes every query in one arithmetic (bf16 on AMX: tiles of
+    one request's tokens share its packed keys, kernels/csrc/attention_amx.h)."""
 
     def __init__(self, kv_pool: KVPool, req_to_token_pool: ReqToTokenPool) -> None:
         super().__init__(kv_pool, req_to_token_pool)
