@@ -21,6 +21,8 @@
 // (in cache, per thread); extend packs a request's keys once and shares them among its tokens.
 #pragma once
 #include "amx_common.h"
+#include "decode_attention_avx512.h"
+#include "decode_attention_common.h"
 
 #ifdef TANDEM_AMX
 #include <ATen/ATen.h>
@@ -115,14 +117,24 @@ struct Packed {
   static int64_t v_words(int64_t n) { return round_up(n, kChunk) / kChunk * (kD / 16) * 256; }
   static int64_t words(int64_t n) { return k_words(n) + v_words(n); }
 
-  // blocks [first, last) of 32 keys: their two K blocks and one V chunk
-  static void pack(const at::BFloat16* k, const at::BFloat16* v, const int64_t* slots, int64_t n, int64_t slot_elems,
-                   int64_t head_offset, uint32_t* out, int64_t first, int64_t last) {
-    uint32_t* v_out = out + k_words(n);
+  // chunks [first, last) of 32 keys, every KV head (head h at out + h * words(n)): their two K
+  // blocks and one V chunk. One sweep over the slots, each slot's rows for every head together,
+  // the slots kAhead chunks on prefetched (a request's slots are scattered in the pool).
+  static void pack(const at::BFloat16* k, const at::BFloat16* v, const int64_t* slots, int64_t n, int64_t hkv,
+                   uint32_t* out, int64_t first, int64_t last, bool prefetch = true) {
+    constexpr int64_t kAhead = 2;
+    const int64_t slot_elems = hkv * kD, head_words = words(n), v_offset = k_words(n);
     for (int64_t c = first; c < last; ++c) {
-      for (int64_t k0 = c * kChunk; k0 < std::min(n, (c + 1) * kChunk); k0 += kBlock)
-        pack_k_block<kD>(k, slots, k0, n, slot_elems, head_offset, out + k0 / kBlock * (kD / 32) * 256);
-      pack_v_chunk<kD>(v, slots, c * kChunk, n, slot_elems, head_offset, v_out + c * (kD / 16) * 256);
+      for (int64_t t = (c + kAhead) * kChunk; prefetch && t < std::min(n, (c + kAhead + 1) * kChunk); ++t) {
+        attn::prefetch_slot<2>(k, slots[t], slot_elems);
+        attn::prefetch_slot<2>(v, slots[t], slot_elems);
+      }
+      for (int64_t h = 0; h < hkv; ++h) {
+        uint32_t* head_out = out + h * head_words;
+        for (int64_t k0 = c * kChunk; k0 < std::min(n, (c + 1) * kChunk); k0 += kBlock)
+          pack_k_block<kD>(k, slots, k0, n, slot_elems, h * kD, head_out + k0 / kBlock * (kD / 32) * 256);
+        pack_v_chunk<kD>(v, slots, c * kChunk, n, slot_elems, h * kD, head_out + v_offset + c * (kD / 16) * 256);
+      }
     }
   }
 };
@@ -199,9 +211,9 @@ struct Scratch {
 
 // `rows` query rows (rows x kD bfloat16, contiguous) against one KV head's keys packed over
 // [0, n_packed); row r attends over its first n[r] keys (n_max the largest); out[r] = out_rows[r]
-template <int kD>
+template <int kD, typename Tick>
 void attend(const at::BFloat16* q, int64_t rows, const int64_t* n, int64_t n_max, const uint32_t* packed,
-            int64_t n_packed, float scale, at::BFloat16* const* out_rows, Scratch& s) {
+            int64_t n_packed, float scale, at::BFloat16* const* out_rows, Scratch& s, Tick&& tick) {
   if (s.configured != rows) configure(rows), s.configured = rows;
   const int64_t n_pad = round_up(n_max, kChunk);
   s.scores.resize(rows * n_pad);
@@ -218,6 +230,7 @@ void attend(const at::BFloat16* q, int64_t rows, const int64_t* n, int64_t n_max
       _tile_dpbf16ps(4, 5, 6);
     }
     _tile_stored(4, s.scores.data() + b * kBlock, n_pad * 4);
+    tick();
   }
   for (int64_t r = 0; r < rows; ++r)
     s.inv_sum[r] = softmax_row(s.scores.data() + r * n_pad, n[r], n_pad, scale, s.weights.data() + r * n_pad);
@@ -237,6 +250,7 @@ void attend(const at::BFloat16* q, int64_t rows, const int64_t* n, int64_t n_max
       _tile_dpbf16ps(2, 5, 6);
       _tile_loadd(7, v + 768, 64);
       _tile_dpbf16ps(3, 5, 7);
+      tick();
     }
     float* o = s.sums.data() + dg * 64;
     _tile_stored(0, o, kD * 4);
@@ -303,9 +317,9 @@ inline std::vector<Run> find_runs(const Args& a) {
 
 // Queries [t0, t0 + tokens) of a run, heads [g0, g0 + heads) of KV head h's group, as one tile,
 // over that head's keys packed for [0, n_packed).
-template <int kD>
+template <int kD, typename Tick>
 void attend_tile(const Args& a, const Run& run, int64_t h, int64_t t0, int64_t tokens, int64_t g0, int64_t heads,
-                 const uint32_t* packed, int64_t n_packed, Scratch& s) {
+                 const uint32_t* packed, int64_t n_packed, Scratch& s, Tick&& tick) {
   const int64_t group = a.hq / a.hkv, rows = tokens * heads;
   s.q.resize(rows * kD);
   int64_t n[kRows];
@@ -317,12 +331,13 @@ void attend_tile(const Args& a, const Run& run, int64_t h, int64_t t0, int64_t t
       n[r] = a.seq_lens[b];
       out_rows[r] = a.out + (b * a.hq + head) * kD;
     }
-  attend<kD>(s.q.data(), rows, n, a.seq_lens[run.first + t0 + tokens - 1], packed, n_packed, a.scale, out_rows, s);
+  attend<kD>(s.q.data(), rows, n, a.seq_lens[run.first + t0 + tokens - 1], packed, n_packed, a.scale, out_rows, s,
+             tick);
 }
 
 template <int kD>
 void decode_runs(const Args& a, const std::vector<Run>& runs) {
-  const int64_t group = a.hq / a.hkv, heads = std::min<int64_t>(group, kRows), slot_elems = a.hkv * kD;
+  const int64_t group = a.hq / a.hkv, heads = std::min<int64_t>(group, kRows);
   parallel_by_cost(int64_t(runs.size()), [&](int64_t i) { return a.seq_lens[runs[i].first]; },
                    [&](int64_t begin, int64_t end) {
     Scratch s;
@@ -331,13 +346,22 @@ void decode_runs(const Args& a, const std::vector<Run>& runs) {
       const Run& run = runs[i];
       const int64_t n = a.seq_lens[run.first];
       const int64_t* slots = a.req_to_token + a.rows[run.first] * a.row_stride;
-      packed.resize(Packed<kD>::words(n) + 16);
+      const int64_t words = Packed<kD>::words(n);
+      if (int64_t(packed.size()) < a.hkv * words + 16) packed.resize(a.hkv * words + 16);
       uint32_t* aligned = reinterpret_cast<uint32_t*>((reinterpret_cast<uintptr_t>(packed.data()) + 63) & ~uintptr_t(63));
-      for (int64_t h = 0; h < a.hkv; ++h) {
-        Packed<kD>::pack(a.k, a.v, slots, n, slot_elems, h * kD, aligned, 0, round_up(n, kChunk) / kChunk);
-        for (int64_t g0 = 0; g0 < group; g0 += heads)
-          attend_tile<kD>(a, run, h, 0, 1, g0, std::min(heads, group - g0), aligned, n, s);
+      Packed<kD>::pack(a.k, a.v, slots, n, a.hkv, aligned, 0, round_up(n, kChunk) / kChunk, true);
+      // memory would idle while the heads compute from cache: the next query's keys and values
+      // come meanwhile, spread evenly over the tiles' steps (a burst stalled on the fill buffers)
+      const int64_t steps = a.hkv * ((group + heads - 1) / heads) * (round_up(n, kBlock) / kBlock + round_up(n, kChunk) / kChunk);
+      attn::SpreadPrefetch<at::BFloat16> next{a.k, a.v, nullptr, 0, steps, a.hkv * kD};
+      if (i + 1 < end) {
+        next.slots = a.req_to_token + a.rows[runs[i + 1].first] * a.row_stride;
+        next.count = a.seq_lens[runs[i + 1].first];
       }
+      for (int64_t h = 0; h < a.hkv; ++h)
+        for (int64_t g0 = 0; g0 < group; g0 += heads)
+          attend_tile<kD>(a, run, h, 0, 1, g0, std::min(heads, group - g0), aligned + h * words, n, s,
+                          [&] { next.tick(); });
     }
   });
 }
@@ -346,17 +370,14 @@ void decode_runs(const Args& a, const std::vector<Run>& runs) {
 template <int kD>
 void extend_run(const Args& a, const Run& run) {
   const int64_t group = a.hq / a.hkv, heads = std::min<int64_t>(group, kRows), tokens = kRows / heads;
-  const int64_t n = a.seq_lens[run.first + run.len - 1], slot_elems = a.hkv * kD, chunks = round_up(n, kChunk) / kChunk;
+  const int64_t n = a.seq_lens[run.first + run.len - 1], chunks = round_up(n, kChunk) / kChunk;
   const int64_t words = Packed<kD>::words(n);
   at::Tensor packed_t = at::empty({a.hkv * words + 16}, at::kInt);
   uint32_t* packed = reinterpret_cast<uint32_t*>(
       (reinterpret_cast<uintptr_t>(packed_t.data_ptr<int32_t>()) + 63) & ~uintptr_t(63));
   const int64_t* slots = a.req_to_token + a.rows[run.first] * a.row_stride;
-  at::parallel_for(0, a.hkv * chunks, 8, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const int64_t h = i / chunks, c = i % chunks;
-      Packed<kD>::pack(a.k, a.v, slots, n, slot_elems, h * kD, packed + h * words, c, c + 1);
-    }
+  at::parallel_for(0, chunks, 4, [&](int64_t begin, int64_t end) {
+    Packed<kD>::pack(a.k, a.v, slots, n, a.hkv, packed, begin, end);
   });
   // items: (token tile, KV head, head group), costed by the tile's last length
   const int64_t tiles = (run.len + tokens - 1) / tokens, head_tiles = (group + heads - 1) / heads;
@@ -369,7 +390,7 @@ void extend_run(const Args& a, const Run& run) {
     for (int64_t i = begin; i < end; ++i) {
       const int64_t t0 = i / per_tile * tokens, h = i % per_tile / head_tiles, g0 = i % head_tiles * heads;
       attend_tile<kD>(a, run, h, t0, std::min(tokens, run.len - t0), g0, std::min(heads, group - g0), packed + h * words,
-                      n, s);
+                      n, s, [] {});
     }
   });
 }
