@@ -57,12 +57,12 @@ def num_kv_splits(seq_lens: list[int], num_kv_heads: int, *, min_split_len: int 
 
 
 @triton.jit
-def _decode_split_kernel(Q, K_buf, V_buf, KvIndptr, KvIndices, NumSplits, MidO, MidLse, sm_scale,
+def _decode_split_kernel(Q, K_buf, V_buf, KvIndptr, KvIndices, KvLens, NumSplits, MidO, MidLse, sm_scale,
                          stride_qb, stride_qh, stride_kbs, stride_kbh, stride_vbs, stride_vbh,
                          stride_mob, stride_moh, stride_mos, stride_lb, stride_lh,
                          GROUP: tl.constexpr, HEAD_BLOCKS: tl.constexpr, HEAD_DIM: tl.constexpr,
                          BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-                         PRECISION: tl.constexpr):
+                         PRECISION: tl.constexpr, HAS_LENS: tl.constexpr):
     b = tl.program_id(0)
     kv_head = tl.program_id(1) // HEAD_BLOCKS
     split = tl.program_id(2)
@@ -70,7 +70,10 @@ def _decode_split_kernel(Q, K_buf, V_buf, KvIndptr, KvIndices, NumSplits, MidO, 
     if split >= n_splits:
         return
     kv_start = tl.load(KvIndptr + b).to(tl.int64)
-    kv_len = (tl.load(KvIndptr + b + 1) - kv_start).to(tl.int32)
+    if HAS_LENS:  # queries of one request share its slots, each over its own first kv_len
+        kv_len = tl.load(KvLens + b).to(tl.int32)
+    else:
+        kv_len = (tl.load(KvIndptr + b + 1) - kv_start).to(tl.int32)
     # splits start on BLOCK_N boundaries; trailing splits of a short request may be empty
     split_len = tl.cdiv(tl.cdiv(kv_len, n_splits), BLOCK_N) * BLOCK_N
     lo = split * split_len
@@ -133,7 +136,7 @@ def _decode_merge_kernel(MidO, MidLse, NumSplits, O, stride_mob, stride_moh, str
 
 
 def _check_args(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, kv_indptr: torch.Tensor,
-                kv_indices: torch.Tensor, num_splits: torch.Tensor) -> None:
+                kv_indices: torch.Tensor, num_splits: torch.Tensor, kv_lens: torch.Tensor | None) -> None:
     check_tensor("q", q, 3)
     for name, t in (("k_buffer", k_buffer), ("v_buffer", v_buffer)):
         check_tensor(name, t, 3, KV_DTYPES)
@@ -152,15 +155,21 @@ def _check_args(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
     check_dim("k_buffer", k_buffer, 2, head_dim)
     check_dim("kv_indptr", kv_indptr, 0, bs + 1)
     check_dim("num_splits", num_splits, 0, bs)
+    if kv_lens is not None:
+        check_tensor("kv_lens", kv_lens, 1, INDEX_DTYPES)
+        check_dim("kv_lens", kv_lens, 0, bs)
 
 
 def decode_attention_fwd(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
                          kv_indptr: torch.Tensor, kv_indices: torch.Tensor, num_splits: torch.Tensor,
-                         max_splits: int, scale: float, block_n: int | None = None) -> torch.Tensor:
+                         max_splits: int, scale: float, block_n: int | None = None,
+                         kv_lens: torch.Tensor | None = None) -> torch.Tensor:
     """q: [bs, Hq, D] (one token per request); k_buffer/v_buffer: [slots, Hkv, D];
     kv_indptr: [bs + 1]; kv_indices: slot of every key; num_splits: [bs], each in 1..max_splits.
-    Every request must have at least one key. Returns [bs, Hq, D] in q's dtype."""
-    _check_args(q, k_buffer, v_buffer, kv_indptr, kv_indices, num_splits)
+    kv_lens: [bs], when given query b attends over kv_indices[kv_indptr[b]:][:kv_lens[b]] (an
+    extend's tokens as queries of their own over one shared slot list). Every query must have at
+    least one key. Returns [bs, Hq, D] in q's dtype."""
+    _check_args(q, k_buffer, v_buffer, kv_indptr, kv_indices, num_splits, kv_lens)
     bs, num_heads, head_dim = q.shape
     out = torch.empty_like(q)
     if bs == 0:
@@ -173,11 +182,12 @@ def decode_attention_fwd(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torc
     mid_o = torch.empty((bs, num_heads, max_splits, head_dim), dtype=torch.float32, device=q.device)
     mid_lse = torch.empty((bs, num_heads, max_splits), dtype=torch.float32, device=q.device)
     _decode_split_kernel[(bs, k_buffer.shape[1] * head_blocks, max_splits)](
-        q, k_buffer, v_buffer, kv_indptr, kv_indices, num_splits, mid_o, mid_lse, scale,
+        q, k_buffer, v_buffer, kv_indptr, kv_indices, kv_indptr if kv_lens is None else kv_lens, num_splits, mid_o,
+        mid_lse, scale,
         q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
         GROUP=group, HEAD_BLOCKS=head_blocks, HEAD_DIM=head_dim, BLOCK_H=block_h, BLOCK_D=block_d,
-        BLOCK_N=block_n, PRECISION=dot_precision(q.dtype), num_warps=4, num_stages=2,
+        BLOCK_N=block_n, PRECISION=dot_precision(q.dtype), HAS_LENS=kv_lens is not None, num_warps=4, num_stages=2,
     )
     _decode_merge_kernel[(bs, num_heads)](
         mid_o, mid_lse, num_splits, out, mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),

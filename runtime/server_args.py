@@ -69,6 +69,9 @@ class ServerArgs:
     # least urgent value); ignored without priority scheduling
     default_priority_value: int | None = None
     disable_radix_cache: bool = False
+    # SGLang's. tandem is deterministic without it on the cpu backend; on the triton backend it
+    # makes extend cache- and chunk-invariant too (each new token a decode query: slower prefill)
+    enable_deterministic_inference: bool = False
     disable_overlap_schedule: bool = False
     request_timeout: float | None = None
     max_request_bytes: int = 64 * 1024 * 1024

@@ -28,9 +28,7 @@ IGNORED: dict[str, tuple[bool, str]] = {
     "--enable-p2p-check": (False, "tensor parallelism uses torch.distributed"),
     "--decode-log-interval": (True, "tandem logs decode batches at its own interval"),
     "--log-requests": (False, "tandem does not log request bodies"),
-    "--enable-deterministic-inference": (False, "tandem is deterministic by default on CPU: batch-invariant linears, "
-                                         "one attention reduction order for prefill, extend and decode, fp32 logits"),
-    "--enable-fp32-lm-head": (False, "tandem's LM head always computes fp32 logits from an fp32 weight"),
+    "--enable-fp32-lm-head": (False, "tandem's LM head always computes fp32 logits (fp32 sums over the hidden state)"),
     "--priority-preemption": (False, "tandem's old flag: preemption is now the default with priority scheduling"),
 }
 # flag -> (takes a value, why tandem refuses it): serving without it would answer differently

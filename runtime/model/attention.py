@@ -182,7 +182,10 @@ def _query_rows(batch: ForwardBatch) -> _QueryRows:
                       (prefix_lens[token_req] + index_in_req + 1).to(device))
 
 
-def create_attention_backend(name: str, kv_pool: KVPool, req_to_token_pool: ReqToTokenPool) -> AttentionBackend:
+def create_attention_backend(name: str, kv_pool: KVPool, req_to_token_pool: ReqToTokenPool, *,
+                             deterministic_extend: bool = False) -> AttentionBackend:
+    """`deterministic_extend` (--enable-deterministic-inference) changes the triton backend only:
+    the cpu backend computes extend in decode's arithmetic always."""
     if name == "torch":
         return TorchAttnBackend(kv_pool, req_to_token_pool)
     if name == "cpu":
@@ -190,5 +193,5 @@ def create_attention_backend(name: str, kv_pool: KVPool, req_to_token_pool: ReqT
     if name == "triton":
         from tandem.runtime.model.attention_triton import TritonAttnBackend  # lazy: imports triton
 
-        return TritonAttnBackend(kv_pool, req_to_token_pool)
+        return TritonAttnBackend(kv_pool, req_to_token_pool, deterministic_extend=deterministic_extend)
     raise ValueError(f"unknown attention backend {name!r}; choose 'torch', 'cpu' or 'triton'")

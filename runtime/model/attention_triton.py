@@ -26,6 +26,7 @@ class TritonAttnMeta:
     max_extend_len: int
     num_splits: torch.Tensor | None  # decode: [bs] int64, 1..max_splits
     max_splits: int
+    kv_lens: torch.Tensor | None = None  # an extend run as decode queries: [tokens] keys each
 
 
 def _to_device(parts: list[list[int]], device: torch.device) -> list[torch.Tensor]:
@@ -52,10 +53,18 @@ def gather_kv_indices(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor
 
 
 class TritonAttnBackend:
-    """Decode: split-KV flash decoding. Extend: prefix from the pool + causal self-attention."""
+    """Decode: split-KV flash decoding. Extend: prefix from the pool + causal self-attention, or,
+    with `deterministic_extend` (--enable-deterministic-inference), each new token as a decode
+    query of its own over its request's first prefix + i + 1 keys.
+
+    Invariant: decode splits a request's keys by its own length, so a request gets the same bits in
+    any batch. With deterministic_extend a token at length p is also computed as a decode step at
+    p computes it, whether it came whole, in chunks or over a cached prefix (the flash extend
+    reduces over the prefix and the new tokens in another order)."""
 
     def __init__(self, kv_pool: KVPool, req_to_token_pool: ReqToTokenPool, *, min_split_len: int = 256,
-                 max_kv_splits: int = 16) -> None:
+                 max_kv_splits: int = 16, deterministic_extend: bool = False) -> None:
+        self.deterministic_extend = deterministic_extend
         self.kv_pool = kv_pool
         self.req_to_token = req_to_token_pool.req_to_token
         self.min_split_len = min_split_len
@@ -68,6 +77,9 @@ class TritonAttnBackend:
         decode = batch.mode == ForwardMode.DECODE
         if decode and batch.num_tokens != batch.batch_size:
             raise ValueError(f"decode batch has {batch.num_tokens} tokens for {batch.batch_size} requests")
+        if not decode and self.deterministic_extend:
+            batch.attn_metadata = self._extend_as_decode(batch)
+            return
         kv_lens = batch.seq_lens_cpu if decode else batch.prefix_lens_cpu
         kv_offsets = _offsets(kv_lens)
         if decode:
@@ -86,6 +98,23 @@ class TritonAttnBackend:
         batch.attn_metadata = TritonAttnMeta(decode, kv_indptr, kv_indices, qo_indptr, max_extend, num_splits,
                                              max_splits)
 
+    def _extend_as_decode(self, batch: ForwardBatch) -> TritonAttnMeta:
+        """Every new token a decode query over its request's slot list, its length its own."""
+        seq_lens = [p + e for p, e in zip(batch.prefix_lens_cpu, batch.extend_lens_cpu)]
+        kv_offsets = _offsets(seq_lens)
+        token_starts, token_lens = [], []
+        for start, prefix, extend in zip(kv_offsets, batch.prefix_lens_cpu, batch.extend_lens_cpu):
+            token_starts += [start] * extend
+            token_lens += range(prefix + 1, prefix + extend + 1)
+        splits = num_kv_splits(token_lens, self.num_kv_heads, min_split_len=self.min_split_len,
+                               max_splits=self.max_kv_splits, target_programs=None)
+        device = self.req_to_token.device
+        kv_indptr, lens, token_indptr, kv_lens, num_splits = _to_device(
+            [kv_offsets, seq_lens, token_starts + [kv_offsets[-1]], token_lens, splits], device)
+        kv_indices = gather_kv_indices(self.req_to_token, batch.req_pool_indices.to(device), lens, kv_indptr,
+                                       kv_offsets[-1])
+        return TritonAttnMeta(True, token_indptr, kv_indices, None, 1, num_splits, max(splits), kv_lens)
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
                 batch: ForwardBatch, scale: float) -> torch.Tensor:
         meta = batch.attn_metadata
@@ -99,6 +128,6 @@ class TritonAttnBackend:
             self.kv_pool.set_kv(layer_id, batch.out_cache_loc, k, v)
         if meta.decode:
             return decode_attention_fwd(q, k_buffer, v_buffer, meta.kv_indptr, meta.kv_indices, meta.num_splits,
-                                        meta.max_splits, scale)
+                                        meta.max_splits, scale, kv_lens=meta.kv_lens)
         return extend_attention_fwd(q, k, v, k_buffer, v_buffer, meta.qo_indptr, meta.kv_indptr,
                                     meta.kv_indices, meta.max_extend_len, scale)

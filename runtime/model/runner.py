@@ -55,14 +55,17 @@ class ModelRunner:
         self.kv_pool = KVPool(self.max_total_tokens, self.config.num_layers, self.config.num_kv_heads // tp.size,
                               self.config.head_dim, self.kv_dtype, self.device)
         backend = args.resolved_attention_backend()
-        self.attn_backend = create_attention_backend(backend, self.kv_pool, self.req_to_token_pool)
+        self.attn_backend = create_attention_backend(backend, self.kv_pool, self.req_to_token_pool,
+                                                     deterministic_extend=args.enable_deterministic_inference)
         self.model.use_ops(create_ops(backend))
         self.draft_attn_backend = None
         if self.draft_model is not None:  # its own KV, in the slots the target's rows name
             dc = self.draft_model.cfg
             self.draft_kv_pool = KVPool(self.max_total_tokens, dc.num_layers, dc.num_kv_heads, dc.head_dim,
                                         self.kv_dtype, self.device)
-            self.draft_attn_backend = create_attention_backend(backend, self.draft_kv_pool, self.req_to_token_pool)
+            self.draft_attn_backend = create_attention_backend(
+                backend, self.draft_kv_pool, self.req_to_token_pool,
+                deterministic_extend=args.enable_deterministic_inference)
             self.draft_model.use_ops(create_ops(backend))
         logger.info("model %s loaded: %s, %d KV slots (%s), context %d", self.model_path, self.config.arch,
                     self.max_total_tokens, str(self.kv_dtype).removeprefix("torch."), self.context_len)

@@ -132,3 +132,34 @@ def test_decode_gives_a_request_the_same_bits_in_any_batch() -> None:
         return attn.forward(q[:count], k[:count], v[:count], 0, batch, 0.25)[0]
 
     assert torch.equal(decode(1), decode(len(lens)))
+
+
+def test_deterministic_extend_gives_a_token_decodes_bits_whole_chunked_or_beside_others() -> None:
+    """--enable-deterministic-inference: each new token is a decode query over its request's first
+    prefix + i + 1 keys, so it gets the bits a decode step at that length gets, whether its prompt
+    came whole, in chunks over a cached prefix, or beside another request."""
+    g, pool, n = torch.Generator().manual_seed(1), 512, 40
+    kv, r2t = KVPool(pool, 1, 2, 16, torch.float32, DEVICE), ReqToTokenPool(4, MAX_CTX, DEVICE)
+    k_all, v_all = (torch.randn(pool, 2, 16, generator=g).to(DEVICE) for _ in range(2))
+    kv.set_kv(0, torch.arange(pool, device=DEVICE), k_all, v_all)
+    slots = (torch.randperm(pool - 1, generator=g)[:2 * n] + 1).to(DEVICE)
+    r2t.req_to_token[0, :n], r2t.req_to_token[1, :n] = slots[:n], slots[n:]
+    q = torch.randn(2 * n, 4, 16, generator=g).to(DEVICE)
+    attn = TritonAttnBackend(kv, r2t, min_split_len=8, max_kv_splits=4, deterministic_extend=True)
+
+    def run(mode: ForwardMode, rows: list[int], prefix: list[int], extend: list[int]) -> torch.Tensor:
+        loc = torch.cat([r2t.req_to_token[r, p:p + e] for r, p, e in zip(rows, prefix, extend)])
+        qs = torch.cat([q[r * n + p: r * n + p + e] for r, p, e in zip(rows, prefix, extend)])
+        batch = ForwardBatch.build(mode, [0] * len(loc), rows, prefix, extend, loc, device=DEVICE)
+        attn.init_forward(batch)
+        return attn.forward(qs, k_all[loc], v_all[loc], 0, batch, 0.25)
+
+    whole = run(ForwardMode.EXTEND, [0], [0], [n])
+    chunked = torch.cat([run(ForwardMode.EXTEND, [0], [0], [13]), run(ForwardMode.EXTEND, [0], [13], [n - 13])])
+    decoded = torch.cat([run(ForwardMode.DECODE, [0], [t], [1]) for t in range(n)])
+    beside = run(ForwardMode.EXTEND, [1, 0], [5, 0], [20, n])[20:]
+    assert torch.equal(chunked, whole) and torch.equal(decoded, whole) and torch.equal(beside, whole)
+    ref = torch.stack([torch.softmax(torch.einsum("hd,khd->hk", q[t], k_all[slots[:t + 1]].repeat_interleave(2, 1))
+                                     * 0.25, -1).unsqueeze(-1).mul(v_all[slots[:t + 1]].repeat_interleave(2, 1)
+                                                                   .transpose(0, 1)).sum(1) for t in range(n)])
+    torch.testing.assert_close(whole, ref, rtol=1e-5, atol=1e-5)
