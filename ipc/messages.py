@@ -20,7 +20,7 @@ from typing import Any, Union
 import msgspec
 import numpy as np
 
-from tandem.runtime.sampling.params import SamplingParams
+from tandem.ipc.sampling_params import SamplingParams
 
 __all__ = [
     "FinishReason",
@@ -188,6 +188,28 @@ class DetokenizeParams(msgspec.Struct, kw_only=True, frozen=True, gc=False, arra
     prompt_tail: tuple[int, ...] = ()  # the prompt's last tokens: context for decoding the first output
 
 
+class SpecCounts(msgspec.Struct, array_like=True, kw_only=True):
+    """Speculative decoding, one request so far: verify passes, drafts proposed (as SGLang counts
+    them: verify passes x drafts per verify), drafts accepted, and how many verifies accepted 0, 1,
+    2, ... drafts (SGLang's spec_accept_histogram)."""
+
+    verify_ct: int
+    proposed: int
+    accepted: int
+    accept_histogram: list[int]
+
+
+class ReqCounters(msgspec.Struct, array_like=True, kw_only=True):
+    """One request's counts so far, SGLang's meta_info numbers. They travel as one struct per
+    row, scheduler to front end, so a new counter is one field here and its one writer."""
+
+    completion_tokens: int
+    cached_tokens: int
+    retractions: int = 0  # times retracted
+    reasoning_tokens: int = 0  # require_reasoning: output tokens through the think end
+    spec: SpecCounts | None = None  # on a server that speculates
+
+
 class _BatchOutputBase(_Msg, kw_only=True):
     """Per-step output columns shared by the token-id and string outputs: only what changed."""
 
@@ -195,25 +217,13 @@ class _BatchOutputBase(_Msg, kw_only=True):
     finished_reasons: list[FinishReason | None]
     # tokens new since the previous output of the same request
     new_token_ids: list[I32Array]
-    completion_tokens: list[int]
-    cached_tokens: list[int]
+    counters: list[ReqCounters]
     # Empty when no request of the step asked for them; otherwise aligned with rids, None for
     # a request with nothing new. Output logprobs are aligned with new_token_ids; input
     # logprobs come once, whole; hidden states are rows new since the last output.
     output_logprobs: list[LogprobArrays | None] = []
     input_logprobs: list[LogprobArrays | None] = []
     hidden_states: list[F32Array2D | None] = []
-    # speculative decoding, per request so far: (verify passes, drafts proposed, drafts accepted),
-    # proposed as SGLang counts them (verify passes x drafts per verify), and how many verifies
-    # accepted 0, 1, 2, ... drafts (SGLang's spec_accept_histogram); empty on a server that does
-    # not speculate
-    spec_counts: list[tuple[int, int, int]] = []
-    spec_accept_histograms: list[list[int]] = []
-    # per request so far, SGLang's meta_info counts: times retracted (empty when no request of the
-    # step ever was) and output tokens through the think end (empty when no request of the step
-    # has require_reasoning)
-    retraction_counts: list[int] = []
-    reasoning_tokens: list[int] = []
 
 
 class BatchTokenIDOutput(_BatchOutputBase, kw_only=True):

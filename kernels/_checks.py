@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from tandem.runtime.envs import triton_interpreting
+from tandem.kernels.interpreter import triton_interpreting
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 FP8_DTYPES = (torch.float8_e5m2, torch.float8_e4m3fn)  # KV pools of --kv-cache-dtype

@@ -6,10 +6,10 @@ import triton
 import triton.language as tl
 
 from tandem.kernels._checks import check_same_device, check_tensor, next_pow2
-from tandem.runtime.model.ops import TorchOps
+from tandem.kernels import reference
 
 
-silu_and_mul_ref = TorchOps.silu_and_mul  # the torch path that serves
+silu_and_mul_ref = reference.silu_and_mul  # the torch path that serves
 
 
 @triton.jit

@@ -11,14 +11,14 @@ import triton
 import triton.language as tl
 
 from tandem.kernels._checks import check_dim, check_same_device, check_same_dtype, check_tensor, next_pow2
-from tandem.runtime.model.ops import TorchOps
+from tandem.kernels import reference
 
 MAX_HIDDEN = 65536
 
 
 # the references are the torch path that serves: a kernel tested against them matches it
-rmsnorm_ref = TorchOps.rmsnorm
-fused_add_rmsnorm_ref = TorchOps().add_rmsnorm
+rmsnorm_ref = reference.rmsnorm
+fused_add_rmsnorm_ref = reference.add_rmsnorm
 
 
 @triton.jit

@@ -10,10 +10,10 @@ import triton
 import triton.language as tl
 
 from tandem.kernels._checks import INDEX_DTYPES, check_dim, check_same_device, check_same_dtype, check_tensor, next_pow2
-from tandem.runtime.model.ops import TorchOps
+from tandem.kernels import reference
 
 
-rotary_ref = TorchOps.rotary  # out of place, the torch path that serves: returns rotated (q, k)
+rotary_ref = reference.rotary  # out of place, the torch path that serves: returns rotated (q, k)
 
 
 @triton.jit

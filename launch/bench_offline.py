@@ -168,7 +168,7 @@ def idle_in_window(before: dict[str, Any], after: dict[str, Any]) -> float | Non
 
 
 def run_bare(args: argparse.Namespace, wl: Workload) -> SystemResult:
-    from tandem.runtime.model.bare_loop import BareLoop
+    from tandem.launch.bare_loop import BareLoop
     from tandem.runtime.model.runner import ModelRunner
     from tandem.runtime.server_args import ServerArgs
 
@@ -212,7 +212,7 @@ def run_ctranslate2(args: argparse.Namespace, wl: Workload, compute_type: str) -
 
 def gemm_bound(args: argparse.Namespace, wl: Workload) -> SystemResult:
     """The machine's limit for this workload: the model's matmuls alone (runtime/model/gemm_bound)."""
-    from tandem.runtime.model import gemm_bound as gb
+    from tandem.launch import gemm_bound as gb
     from tandem.runtime.model.loader import load_config
     from tandem.runtime.model_files import resolve_model_path
 
@@ -376,7 +376,7 @@ def resolve_dtype(args: argparse.Namespace) -> None:
     """--dtype auto: the dtype the runner would pick on this CPU, so every system runs the same one."""
     if args.dtype != "auto":
         return
-    from tandem.runtime.model.gemm_bound import pick_cpu_dtype
+    from tandem.runtime.model.runner import pick_cpu_dtype
     from tandem.runtime.model.loader import load_config
     from tandem.runtime.model_files import resolve_model_path
 

@@ -6,8 +6,8 @@ import json
 import random
 
 from tandem.launch.bench_offline import machine_info
-from tandem.runtime.model import gemm_bound
-from tandem.runtime.model.bare_loop import BareLoop
+from tandem.launch import gemm_bound
+from tandem.launch.bare_loop import BareLoop
 from tandem.runtime.model.runner import ModelRunner
 from tandem.runtime.server_args import KV_CACHE_DTYPES, ServerArgs
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tandem.launch.bench_offline import FIRST_ORDINARY_ID, machine_info, model_vocab
-from tandem.runtime.request_groups import stream_error
+from tandem.runtime.frontend.request_groups import stream_error
 
 KV_SLACK_TOKENS = 1024
 

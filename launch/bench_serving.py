@@ -35,7 +35,7 @@ from tandem.launch.bench_metrics import (
     plot_results,
     record_chunk,
 )
-from tandem.runtime.request_groups import stream_error
+from tandem.runtime.frontend.request_groups import stream_error
 
 # same knobs SGLang's harness uses: long streams must not time out, big chunks must fit
 HTTP_TIMEOUT_S = 6 * 3600

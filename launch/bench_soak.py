@@ -32,7 +32,7 @@ import orjson
 
 from tandem.launch.managed_server import (alive, ipc_dirs, leak_check, rss_bytes, run_checked,
                                           start_server, stop_server)
-from tandem.runtime.request_groups import stream_error
+from tandem.runtime.frontend.request_groups import stream_error
 
 REQUEST_TIMEOUT_S = 120.0  # a request still unanswered after this long counts as hung
 RSS_SAMPLE_S = 2.0

@@ -20,7 +20,7 @@ _BENCHES = {
 
 
 def _generate(argv: list[str]) -> int:
-    from tandem.runtime.model.bare_loop import BareLoop, LoopSampling
+    from tandem.launch.bare_loop import BareLoop, LoopSampling
     from tandem.runtime.model.runner import ModelRunner
     from tandem.runtime.server_args import ServerArgs
     from tandem.runtime.tokenizer import load_tokenizer

@@ -10,7 +10,7 @@ import zmq
 from tandem.ipc.messages import BatchStrOutput, BatchTokenIDOutput, ChildError, ReadyMsg
 from tandem.ipc.sockets import IPCAddresses, bind_pull, connect_push, recv, send
 from tandem.runtime.incremental_detok import DecodeState, decode_batch
-from tandem.runtime.launcher import ParentWatch
+from tandem.runtime.process import ParentWatch
 from tandem.runtime.server_args import ServerArgs
 from tandem.runtime.tokenizer import load_tokenizer
 

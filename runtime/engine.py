@@ -23,10 +23,10 @@ from typing import Any
 from tandem.runtime import sglang_flags
 from tandem.runtime.launcher import resolve_random_seed
 from tandem.runtime.model_files import check_model_paths
-from tandem.runtime.server.info import model_info, server_info
-from tandem.runtime.server.validation import HANDLED_KEYS, IGNORED_KEYS, MEDIA_KEYS
+from tandem.runtime.frontend.info import model_info, server_info
+from tandem.runtime.frontend.validation import HANDLED_KEYS, IGNORED_KEYS, MEDIA_KEYS
 from tandem.runtime.server_args import ServerArgs
-from tandem.runtime.tokenizer_manager import TokenizerManager
+from tandem.runtime.frontend.tokenizer_manager import TokenizerManager
 from tandem.runtime.value_checks import ValidationError, type_name
 
 logger = logging.getLogger(__name__)

@@ -57,8 +57,3 @@ class Envs:
 
 
 envs = Envs
-
-
-def triton_interpreting() -> bool:
-    """Triton's own switch (not a TANDEM_ one): kernels run in its interpreter, on CPU tensors."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")

@@ -13,8 +13,8 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from tandem.runtime.envs import triton_interpreting
-from tandem.runtime.server.reasoning import PARSERS
+from tandem.kernels.interpreter import triton_interpreting
+from tandem.runtime.reasoning import PARSERS
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "default.toml"
 

@@ -2,7 +2,7 @@
 the tokenizer manager hands the HTTP layer, without a server."""
 from __future__ import annotations
 
-from tandem.runtime.request_groups import CallStream, RequestError
+from tandem.runtime.frontend.request_groups import CallStream, RequestError
 from tandem.runtime.value_checks import ValidationError
 
 

@@ -9,7 +9,6 @@ packing (runtime/model/packed_linear.py), and never copied.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -20,23 +19,20 @@ from tandem.runtime.model.forward_batch import ForwardBatch
 from tandem.runtime.model.ops import CpuOps
 from tandem.runtime.model.packed_linear import padded_rows, weight_and_like
 
-if TYPE_CHECKING:
-    from tandem.runtime.model.llama import CausalLM, DecoderLayer
-
 # a layer's entries, in the order of decode_layers_cpu.cpp's Param enum
 LAYER_PARAMS = ("in_norm", "qkv", "qkv_like", "qkv_bias", "q_norm", "k_norm", "o", "o_like", "o_bias",
                 "post_norm", "gate_up", "gate_up_like", "gate_up_bias", "down", "down_like", "down_bias")
 
 
 class CpuDecodeStep:
-    def __init__(self, model: CausalLM, attn: CpuAttnBackend) -> None:
+    def __init__(self, model: nn.Module, attn: CpuAttnBackend) -> None:
         self.attn = attn
         self._model = model
         self._params = [t for layer in model.layers for t in _layer_params(layer)]
         self._num_heads, self._scale = model.layers[0].self_attn.num_heads, model.layers[0].self_attn.scale
 
     @staticmethod
-    def build(model: CausalLM, attn: AttentionBackend) -> CpuDecodeStep | None:
+    def build(model: nn.Module, attn: AttentionBackend) -> CpuDecodeStep | None:
         """A step for `model` under `attn`, or None where the modules must run (see the module doc)."""
         if (type(attn) is not CpuAttnBackend or attn.ops is None or not isinstance(model.norm.ops, CpuOps)
                 or model.tp.size != 1 or not envs.CPU_DECODE_STEP.get()):
@@ -52,7 +48,7 @@ class CpuDecodeStep:
             m.norm.weight, m.norm.eps, self._scale, self._num_heads, padded_rows(embedded.shape[0]))
 
 
-def _layer_params(layer: DecoderLayer) -> list[torch.Tensor | None]:
+def _layer_params(layer: nn.Module) -> list[torch.Tensor | None]:
     """Every RMSNorm of a model has the config's one eps; o_proj and down_proj have no bias inside
     the linear (theirs is added after the all-reduce), so their third entry is the outer bias."""
     attn, mlp = layer.self_attn, layer.mlp

@@ -3,38 +3,21 @@ kernels with the triton backend."""
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
+
+from tandem.kernels import reference
 
 
 class TorchOps:
+    """The torch forms (kernels/reference.py): the reference every other path is checked against."""
     name = "torch"
-
-    @staticmethod
-    def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        x32 = x.float()
-        return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * weight
+    rmsnorm = staticmethod(reference.rmsnorm)
+    rotary = staticmethod(reference.rotary)
+    silu_and_mul = staticmethod(reference.silu_and_mul)
 
     def add_rmsnorm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
         residual = x + residual
         return self.rmsnorm(residual, weight, eps), residual
-
-    @staticmethod
-    def rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
-               cos_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        cos, sin = cos_sin[positions].chunk(2, dim=-1)
-        cos, sin = cos[:, None, :], sin[:, None, :]
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
-
-    @staticmethod
-    def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-        gate, up = gate_up.chunk(2, dim=-1)
-        return F.silu(gate) * up
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.float().chunk(2, dim=-1)
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
 
 
 class TritonOps:

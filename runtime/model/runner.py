@@ -6,11 +6,12 @@ import logging
 import torch
 import torch.distributed as dist
 
+from tandem.kernels.cpu_ops import cpu_flags
 from tandem.runtime.cache.pools import KVPool, ReqToTokenPool, TokenAllocator
 from tandem.runtime.host_malloc import keep_freed_heap
 from tandem.runtime.model.attention import create_attention_backend
+from tandem.runtime.model.config import ModelConfig
 from tandem.runtime.model.forward_batch import ForwardBatch
-from tandem.runtime.model.gemm_bound import pick_cpu_dtype
 from tandem.runtime.model.loader import load_config, load_model
 from tandem.runtime.model_files import resolve_model_path
 from tandem.runtime.model.ops import create_ops
@@ -169,3 +170,18 @@ def _free_host_bytes() -> int:
     except OSError:
         pass
     return 8 << 30
+
+
+def pick_cpu_dtype(cfg: ModelConfig) -> tuple[torch.dtype, str]:
+    """--dtype auto on CPU: bfloat16 where the CPU has AMX-BF16 (its bf16 matmuls run ~3x fp32's),
+    float32 everywhere else. A rule on the CPU's flags, never a timing: the dtype decides every
+    bit of every answer, so it must be the same from start to start. (A timed choice with a
+    threshold flipped between starts wherever the two dtypes ran near it, as on small models.)
+    `cfg` is taken for the log. Returns the dtype and the reason."""
+    flags = cpu_flags()
+    shape = f"hidden {cfg.hidden_size}"
+    if "amx_bf16" in flags:
+        return torch.bfloat16, f"AMX-BF16 on this CPU ({shape})"
+    if "avx512_bf16" in flags:
+        return torch.float32, f"AVX512-BF16 without AMX: bf16 is not clearly faster ({shape})"
+    return torch.float32, f"no AMX-BF16 on this CPU ({shape})"

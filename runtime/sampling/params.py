@@ -9,86 +9,30 @@ from __future__ import annotations
 import re
 from typing import Any
 
-import msgspec
 import orjson
 import regex
 
+from tandem.ipc.sampling_params import GRAMMAR_KINDS, GREEDY_TEMPERATURE, SamplingParams
 from tandem.runtime.value_checks import (ValidationError, finite_float32, fits_int64, is_int, is_number, key_name, short,
                                          type_name)
 
 # Limits shared with the HTTP layer; SGLang uses the same ranges.
 MAX_STOP_STRINGS = 32
 MAX_N = 64
-GREEDY_TEMPERATURE = 1e-6
 
 
-class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    """Validated sampling parameters. Plain (untagged) struct: it rides inside tagged messages."""
+def params_from_request(d: Any, vocab_size: int, *, field: str = "sampling_params",
+                        guided_decoding: bool = True) -> SamplingParams:
+    """Validate a JSON `sampling_params` object (None means all defaults).
 
-    max_new_tokens: int = 128
-    min_new_tokens: int = 0
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    min_p: float = 0.0
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    stop: list[str] = msgspec.field(default_factory=list)
-    stop_regex: list[str] = msgspec.field(default_factory=list)  # Python `re` patterns, searched in the output's tail
-    stop_token_ids: list[int] = msgspec.field(default_factory=list)
-    ignore_eos: bool = False
-    skip_special_tokens: bool = True
-    spaces_between_special_tokens: bool = True
-    no_stop_trim: bool = False
-    logit_bias: dict[int, float] | None = None
-    n: int = 1
-    sampling_seed: int | None = None
-    stream_interval: int | None = None
-    # strict thinking: after this many output tokens still inside the reasoning, the think-end
-    # token(s) are forced (needs --enable-strict-thinking)
-    max_thinking_tokens: int | None = None
-    # guided decoding: at most one is set (`choice` arrives as a regex alternation)
-    json_schema: str | None = None
-    regex: str | None = None
-    ebnf: str | None = None
-    structural_tag: str | None = None
-
-    @property
-    def is_greedy(self) -> bool:
-        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
-
-    @property
-    def constraint(self) -> tuple[str, str] | None:
-        """(kind, text) of the request's grammar, or None when it is unconstrained."""
-        for kind in GRAMMAR_KINDS:
-            text = getattr(self, kind)
-            if text is not None:
-                return kind, text
-        return None
-
-    @property
-    def has_penalties(self) -> bool:
-        return (
-            self.frequency_penalty != 0.0
-            or self.presence_penalty != 0.0
-            or self.repetition_penalty != 1.0
-        )
-
-    @classmethod
-    def from_request(
-        cls, d: Any, vocab_size: int, *, field: str = "sampling_params", guided_decoding: bool = True
-    ) -> "SamplingParams":
-        """Validate a JSON `sampling_params` object (None means all defaults).
-
-        `field` prefixes error messages, e.g. "sampling_params[2]" for one item of a batch.
-        `guided_decoding` False (`--grammar-backend none`) makes every constraint a 400.
-        """
-        if d is None:
-            return cls()
-        if not isinstance(d, dict):
-            raise ValidationError(field, f"must be an object, got {type_name(d)}")
-        return _Checker(d, field, vocab_size, guided_decoding).build()
+    `field` prefixes error messages, e.g. "sampling_params[2]" for one item of a batch.
+    `guided_decoding` False (`--grammar-backend none`) makes every constraint a 400.
+    """
+    if d is None:
+        return SamplingParams()
+    if not isinstance(d, dict):
+        raise ValidationError(field, f"must be an object, got {type_name(d)}")
+    return _Checker(d, field, vocab_size, guided_decoding).build()
 
 
 _INT_FIELDS = ("max_new_tokens", "min_new_tokens", "top_k", "n", "stream_interval", "max_thinking_tokens")
@@ -109,7 +53,6 @@ _BOOL_FIELDS = (
     "spaces_between_special_tokens",
     "no_stop_trim",
 )
-GRAMMAR_KINDS = ("json_schema", "regex", "ebnf", "structural_tag")
 ANY_JSON = "$$ANY$$"  # SGLang's json_schema for "any JSON value" (xgrammar's built-in JSON grammar)
 GUIDED_FIELDS = (*GRAMMAR_KINDS, "choice")  # SGLang's names; choice becomes a regex
 _ALIASES = {"seed": "sampling_seed"}

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from tandem.ipc.messages import BatchTokenIDOutput, DetokenizeParams
+from tandem.ipc.messages import BatchTokenIDOutput, DetokenizeParams, ReqCounters, SpecCounts
 from tandem.runtime.envs import envs
 from tandem.runtime.sampling.logprob_format import concat_parts
 from tandem.runtime.scheduler.request import Req
@@ -44,20 +44,12 @@ class OutputStreamer:
         self._pending.clear()
         if not reqs:
             return None
-        out = BatchTokenIDOutput(rids=[], finished_reasons=[], new_token_ids=[], completion_tokens=[],
-                                 cached_tokens=[], detokenize_params=[])
+        out = BatchTokenIDOutput(rids=[], finished_reasons=[], new_token_ids=[], counters=[], detokenize_params=[])
         any_lp = any(r.return_logprob for r in reqs)
         any_hidden = any(r.return_hidden_states for r in reqs)
-        any_retracted = any(r.retract_count for r in reqs)
-        any_reasoning = any(r.require_reasoning for r in reqs)
         for r in reqs:
             self._append(out, r)
-            if self.drafts_per_verify:
-                self._append_spec(out, r)
-            if any_retracted:
-                out.retraction_counts.append(r.retract_count)
-            if any_reasoning:
-                out.reasoning_tokens.append(r.reasoning_tokens)
+            out.counters.append(self._counters(r))
             if any_lp:
                 self._append_logprobs(out, r)
             if any_hidden:
@@ -69,17 +61,18 @@ class OutputStreamer:
         out.rids.append(r.rid)
         out.finished_reasons.append(r.finished_reason)
         out.new_token_ids.append(np.asarray(r.output_ids[r.sent_token_len:], dtype=np.int32))
-        out.completion_tokens.append(len(r.output_ids))
-        out.cached_tokens.append(r.cached_tokens)
         # per-request constants travel once: a 48 MB stop list must not ride every step
         out.detokenize_params.append(None if r.sent_any else _detokenize_params(r))
         r.sent_any = True
         r.sent_token_len = len(r.output_ids)
 
-    def _append_spec(self, out: BatchTokenIDOutput, r: Req) -> None:
-        proposed = r.spec_verify_ct * self.drafts_per_verify
-        out.spec_counts.append((r.spec_verify_ct, proposed, r.spec_accepted_drafts))
-        out.spec_accept_histograms.append(list(r.spec_accept_histogram))
+    def _counters(self, r: Req) -> ReqCounters:
+        spec = None
+        if self.drafts_per_verify:  # every request of a speculating server, verified yet or not
+            spec = SpecCounts(verify_ct=r.spec_verify_ct, proposed=r.spec_verify_ct * self.drafts_per_verify,
+                              accepted=r.spec_accepted_drafts, accept_histogram=list(r.spec_accept_histogram))
+        return ReqCounters(completion_tokens=len(r.output_ids), cached_tokens=r.cached_tokens,
+                           retractions=r.retract_count, reasoning_tokens=r.reasoning_tokens, spec=spec)
 
     @staticmethod
     def _append_logprobs(out: BatchTokenIDOutput, r: Req) -> None:

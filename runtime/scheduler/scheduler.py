@@ -21,7 +21,7 @@ from tandem.ipc.sockets import IPCAddresses, bind_pull, connect_push, recv_all_n
 from tandem.runtime.envs import envs
 from tandem.runtime.grammar.backend import GrammarBackend
 from tandem.runtime.host_malloc import keep_freed_heap
-from tandem.runtime.launcher import ParentWatch, node_tp_ranks
+from tandem.runtime.process import ParentWatch, node_tp_ranks
 from tandem.runtime.model.forward_batch import ForwardMode
 from tandem.runtime.model.runner import ModelRunner
 from tandem.runtime.model.tensor_parallel import SINGLE, init_tensor_parallel
@@ -39,7 +39,7 @@ from tandem.runtime.scheduler.result_processor import FinishChecker, apply_new_t
 from tandem.runtime.scheduler.stats import StepStats
 from tandem.runtime.scheduler.tp_sync import ControlSync, lockstep_settings
 from tandem.runtime.scheduler.watchdog import Watchdog
-from tandem.runtime.server.reasoning import THINK_END
+from tandem.runtime.reasoning import THINK_END
 from tandem.runtime.server_args import ServerArgs
 from tandem.runtime.speculative.drafter import Drafter, NgramDrafter
 from tandem.runtime.speculative.standalone import StandaloneDrafter

@@ -15,7 +15,6 @@ from typing import Any, Awaitable, Callable
 import orjson
 
 OPEN_PATHS = frozenset({"/health", "/health_generate", "/metrics"})  # probes and scrapers, matched exactly
-SECRET_ARGS = frozenset({"api_key", "admin_api_key"})
 
 Scope = dict[str, Any]
 ASGIApp = Callable[[Scope, Callable, Callable], Awaitable[None]]

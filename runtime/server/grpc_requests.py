@@ -14,8 +14,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from tandem.runtime.server.prompts import refuse_overlong
-from tandem.runtime.server.validation import RequestLimits
+from tandem.runtime.frontend.prompts import refuse_overlong
+from tandem.runtime.frontend.limits import RequestLimits
 from tandem.runtime.value_checks import ValidationError
 
 # native SamplingParams name -> proto field, where the names differ

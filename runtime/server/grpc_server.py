@@ -21,10 +21,10 @@ import grpc
 from google.protobuf import message_factory
 from google.protobuf.message import DecodeError
 
-from tandem.runtime.request_groups import RequestError
+from tandem.runtime.frontend.request_groups import RequestError
 from tandem.runtime.server.auth import parse_bearer, token_is_admin, token_may_call
 from tandem.runtime.server.grpc_requests import GrpcRequest
-from tandem.runtime.tokenizer_manager import TokenizerManager
+from tandem.runtime.frontend.tokenizer_manager import TokenizerManager
 from tandem.runtime.value_checks import ValidationError
 
 logger = logging.getLogger("tandem.grpc")

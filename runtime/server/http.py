@@ -12,14 +12,14 @@ from fastapi import FastAPI, Request
 from prometheus_client import CONTENT_TYPE_LATEST
 from fastapi.responses import PlainTextResponse, Response, StreamingResponse
 
-from tandem.runtime.server.validation import ValidationError, check_dp_rank
+from tandem.runtime.frontend.validation import ValidationError, check_dp_rank
 from tandem.runtime.server_args import ServerArgs
-from tandem.runtime.request_groups import CallStream, ClientDisconnected, RequestError
+from tandem.runtime.frontend.request_groups import CallStream, ClientDisconnected, RequestError
 from tandem.runtime.server import openai, openai_format, responses_api
-from tandem.runtime.server.reasoning import with_stream_reasoning
-from tandem.runtime.server.info import VERSION, current_loads, health_generate, model_info, served_model_name, server_info
+from tandem.runtime.reasoning import with_stream_reasoning
+from tandem.runtime.frontend.info import VERSION, current_loads, health_generate, model_info, served_model_name, server_info
 from tandem.runtime.server.auth import ApiKeyMiddleware, is_admin
-from tandem.runtime.tokenizer_manager import ChildStartError, TokenizerManager
+from tandem.runtime.frontend.tokenizer_manager import ChildStartError, TokenizerManager
 
 METRICS_SCHEDULER_WAIT_S = 2.0  # a scrape waits this long for the scheduler's gauges
 DP_RANK_HEADER = "X-Data-Parallel-Rank"  # SGLang's: pins a request to a DP rank, over the body's

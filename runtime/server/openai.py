@@ -17,7 +17,7 @@ from typing import Any, Callable
 import orjson
 
 from tandem.runtime.server.openai_response_format import response_format_constraint
-from tandem.runtime.server.reasoning import ReasoningParser
+from tandem.runtime.reasoning import ReasoningParser
 from tandem.runtime.value_checks import ValidationError, is_int
 
 # OpenAI name -> native sampling_params name (None: the same name)

@@ -6,9 +6,9 @@ import secrets
 import time
 from typing import Any, AsyncIterator
 
-from tandem.runtime.request_groups import CallStream, RequestError
+from tandem.runtime.frontend.request_groups import CallStream, RequestError
 from tandem.runtime.server.openai import OpenAIRequest
-from tandem.runtime.server.reasoning import StreamSplitter
+from tandem.runtime.reasoning import StreamSplitter
 from tandem.runtime.value_checks import ValidationError
 
 _FINISH = {"stop": "stop", "length": "length", "abort": "abort"}

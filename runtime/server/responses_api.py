@@ -12,10 +12,10 @@ import secrets
 import time
 from typing import Any, AsyncIterator, Callable
 
-from tandem.runtime.request_groups import CallStream
+from tandem.runtime.frontend.request_groups import CallStream
 from tandem.runtime.server.openai import OpenAIRequest, chat_request
 from tandem.runtime.server.openai_format import error_event
-from tandem.runtime.server.reasoning import StreamSplitter
+from tandem.runtime.reasoning import StreamSplitter
 from tandem.runtime.value_checks import ValidationError, json_text
 
 # /v1/responses: what SGLang's ResponsesRequest takes beside input and instructions, as the chat

@@ -34,8 +34,9 @@ def _batch_columns() -> dict[str, Any]:
             m.FinishReason(type="abort", message="too long", status_code=400),
         ],
         new_token_ids=[_i32(5, 6), _i32()],
-        completion_tokens=[2, 0],
-        cached_tokens=[1, 0],
+        counters=[m.ReqCounters(completion_tokens=2, cached_tokens=1, retractions=1, reasoning_tokens=2,
+                                spec=m.SpecCounts(verify_ct=3, proposed=9, accepted=4, accept_histogram=[1, 0, 2])),
+                  m.ReqCounters(completion_tokens=0, cached_tokens=0)],
         output_logprobs=[
             m.LogprobArrays(token_logprobs=np.array([-0.5, -0.25], dtype="<f4"), token_ids=_i32(5, 6),
                             top_vals=top_val, top_idx=top_idx, ids_logprobs=top_val[:, :1].copy()),
@@ -48,10 +49,6 @@ def _batch_columns() -> dict[str, Any]:
             None,
         ],
         hidden_states=[np.arange(4, dtype="<f4").reshape(2, 2), None],
-        spec_counts=[(3, 9, 4), (0, 0, 0)],
-        spec_accept_histograms=[[1, 0, 2], []],
-        retraction_counts=[1, 0],
-        reasoning_tokens=[2, 0],
     )
 
 

@@ -92,7 +92,7 @@ def test_input_start_follows_sglangs_scheduler() -> None:
 def test_empty_optional_columns_are_not_on_the_wire() -> None:
     out = m.BatchTokenIDOutput(
         rids=["a"], finished_reasons=[None], new_token_ids=[np.array([1], dtype="<i4")],
-        completion_tokens=[1], cached_tokens=[0], detokenize_params=[None],
+        counters=[m.ReqCounters(completion_tokens=1, cached_tokens=0)], detokenize_params=[None],
     )
     buf = encode(out)
     assert b"logprobs" not in buf and b"hidden" not in buf
@@ -129,7 +129,7 @@ def test_finish_reason_json(reason: m.FinishReason, expected: dict) -> None:
 
 def test_finish_reason_matched_keeps_int_vs_str() -> None:
     cols = dict(
-        rids=["a", "b"], new_token_ids=[np.zeros(0, "<i4")] * 2, completion_tokens=[0, 0], cached_tokens=[0, 0],
+        rids=["a", "b"], new_token_ids=[np.zeros(0, "<i4")] * 2, counters=[m.ReqCounters(completion_tokens=0, cached_tokens=0)] * 2,
         detokenize_params=[None, None],
     )
     reasons = [m.FinishReason(type="stop", matched=7), m.FinishReason(type="stop", matched="7")]

@@ -11,7 +11,7 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from tandem.ipc.messages import AbortReq, BatchTokenIDOutput, DetokenizeParams, FlushCacheReply
+from tandem.ipc.messages import AbortReq, BatchTokenIDOutput, DetokenizeParams, FlushCacheReply, ReqCounters
 from tandem.ipc.sockets import (
     IPCAddresses,
     async_recv,
@@ -83,7 +83,7 @@ def test_push_pull_round_trip(addrs: IPCAddresses, ctx: zmq.Context) -> None:
     push = connect_push(ctx, addrs.scheduler_to_detokenizer)
     ids = np.array([4, 5, 6], dtype="<i4")
     out = BatchTokenIDOutput(
-        rids=["r"], finished_reasons=[None], new_token_ids=[ids], completion_tokens=[3], cached_tokens=[0],
+        rids=["r"], finished_reasons=[None], new_token_ids=[ids], counters=[ReqCounters(completion_tokens=3, cached_tokens=0)],
         detokenize_params=[DetokenizeParams()],
     )
     send(push, out)

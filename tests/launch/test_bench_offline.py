@@ -131,7 +131,7 @@ def test_ctranslate2_peer_and_gemm_bound(tiny_model_dir, tmp_path: Path, monkeyp
 def test_ctranslate2_conversion_gives_tandems_greedy_tokens(tiny_model_dir, tmp_path: Path, monkeypatch) -> None:
     """The converted model is the same model: fp32 greedy ids equal tandem's bare loop."""
     from tandem.launch import bench_ctranslate2
-    from tandem.runtime.model.bare_loop import BareLoop
+    from tandem.launch.bare_loop import BareLoop
     from tandem.runtime.model.runner import ModelRunner
     from tandem.runtime.server_args import ServerArgs
 

@@ -6,7 +6,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from tandem.ipc.messages import BatchTokenIDOutput, DetokenizeParams, FinishReason
+from tandem.ipc.messages import BatchTokenIDOutput, DetokenizeParams, FinishReason, ReqCounters
 from tandem.runtime.detokenizer import Detokenizer
 from tandem.runtime.tokenizer import load_tokenizer
 
@@ -22,7 +22,7 @@ def step(rids: list[str], ids: list[list[int]], reasons: list[FinishReason | Non
          params: list[DetokenizeParams | None]) -> BatchTokenIDOutput:
     return BatchTokenIDOutput(rids=rids, finished_reasons=reasons,
                               new_token_ids=[np.array(x, dtype=np.int32) for x in ids],
-                              completion_tokens=[len(x) for x in ids], cached_tokens=[0] * len(rids),
+                              counters=[ReqCounters(completion_tokens=len(x), cached_tokens=0) for x in ids],
                               detokenize_params=params)
 
 

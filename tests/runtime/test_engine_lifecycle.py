@@ -133,7 +133,7 @@ def test_an_engine_never_shut_down_stops_at_exit(tmp_path, tiny_model_dir):
 def test_shutdown_wakes_a_call_still_being_validated(tiny_model_dir, monkeypatch):
     """A call not yet at the scheduler (a long prompt being tokenized in the validation pool) is
     cancelled by shutdown, and its caller gets the shutdown error instead of waiting forever."""
-    import tandem.runtime.tokenizer_manager as tm_module
+    import tandem.runtime.frontend.tokenizer_manager as tm_module
 
     engine = _engine(tiny_model_dir)
     validate = tm_module.normalize_generate_request

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tandem.runtime.cache.pools import DECODE_SLOT_RUN
-from tandem.runtime.model.bare_loop import BareLoop
+from tandem.launch.bare_loop import BareLoop
 from tandem.runtime.model.runner import ModelRunner
 from tandem.runtime.server_args import ServerArgs
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tandem.runtime.model.bare_loop import BareLoop
+from tandem.launch.bare_loop import BareLoop
 from tandem.runtime.model.packed_linear import fp32_head, head_logits, packs_weights
 from tandem.runtime.model.runner import ModelRunner
 from tandem.runtime.server_args import ServerArgs

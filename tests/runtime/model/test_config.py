@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from tandem.runtime.model.bare_loop import BareLoop
+from tandem.launch.bare_loop import BareLoop
 from tandem.runtime.model.config import ModelConfig
 from tandem.runtime.model.runner import ModelRunner
 from tandem.runtime.server_args import ServerArgs

@@ -12,7 +12,7 @@ import torch
 from tandem.kernels.cpu_ops import load_cpu_ops
 from tandem.runtime.cache.pools import KVPool, ReqToTokenPool, TokenAllocator
 from tandem.runtime.model.attention import CpuAttnBackend, TorchAttnBackend
-from tandem.runtime.model.bare_loop import BareLoop
+from tandem.launch.bare_loop import BareLoop
 from tandem.runtime.model.config import ModelConfig
 from tandem.runtime.model.cpu_decode_step import CpuDecodeStep
 from tandem.runtime.model.forward_batch import ForwardBatch, ForwardMode

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tandem.runtime.cache.pools import KVPool
-from tandem.runtime.model.bare_loop import BareLoop
+from tandem.launch.bare_loop import BareLoop
 from tandem.runtime.model.runner import ModelRunner
 from tandem.runtime.server_args import ServerArgs
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from tandem.runtime.model.bare_loop import BareLoop, LoopSampling
+from tandem.launch.bare_loop import BareLoop, LoopSampling
 from tandem.runtime.model.runner import ModelRunner
 from tandem.runtime.server_args import ServerArgs
 

@@ -13,8 +13,9 @@ import pytest
 import torch
 
 from tandem.runtime.envs import envs
-from tandem.runtime.model import gemm_bound, packed_linear
-from tandem.runtime.model.bare_loop import BareLoop
+from tandem.launch import gemm_bound
+from tandem.runtime.model import packed_linear
+from tandem.launch.bare_loop import BareLoop
 from tandem.runtime.model.config import ModelConfig
 from tandem.runtime.model.packed_linear import PackedLinear, packs_weights
 from tandem.runtime.model.runner import ModelRunner

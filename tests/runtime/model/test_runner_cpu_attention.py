@@ -7,7 +7,7 @@ import pytest
 
 from tandem.kernels import cpu_ops
 from tandem.runtime.model import attention
-from tandem.runtime.model.bare_loop import BareLoop
+from tandem.launch.bare_loop import BareLoop
 from tandem.runtime.model.layers import RMSNorm
 from tandem.runtime.model.ops import CpuOps, TorchOps
 from tandem.runtime.model.runner import ModelRunner

@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-from tandem.runtime.model.bare_loop import BareLoop
+from tandem.launch.bare_loop import BareLoop
 from tandem.runtime.model.config import ModelConfig
 from tandem.runtime.model.runner import ModelRunner
 from tandem.runtime.model.tensor_parallel import TensorParallel, check_divisible, shard_weights
@@ -22,7 +22,7 @@ PROMPTS = [list(range(300, 340)), list(range(500, 507)), [42]]
 
 RANK_SCRIPT = textwrap.dedent("""
     import sys, torch
-    from tandem.runtime.model.bare_loop import BareLoop
+    from tandem.launch.bare_loop import BareLoop
     from tandem.runtime.model.runner import ModelRunner
     from tandem.runtime.model.tensor_parallel import init_tensor_parallel
     from tandem.runtime.server_args import ServerArgs

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tandem.runtime.model.bare_loop import BareLoop
+from tandem.launch.bare_loop import BareLoop
 
 PROMPTS = [[(i * 37 + t * 11) % 40000 + 100 for t in range(5 + 9 * i)] for i in range(6)]
 

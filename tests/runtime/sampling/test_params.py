@@ -9,14 +9,14 @@ import pickle
 import msgspec
 import pytest
 
-from tandem.runtime.sampling.params import FILL_CONTEXT, SamplingParams
+from tandem.runtime.sampling.params import FILL_CONTEXT, SamplingParams, params_from_request
 from tandem.runtime.value_checks import ValidationError
 
 VOCAB = 1000
 
 
 def parse(d: object) -> SamplingParams:
-    return SamplingParams.from_request(d, VOCAB)
+    return params_from_request(d, VOCAB)
 
 
 def test_defaults_match_sglang() -> None:
@@ -143,8 +143,8 @@ def test_choice_is_an_alternation_of_escaped_literals() -> None:
 
 def test_constraints_are_a_400_when_the_backend_is_off() -> None:
     with pytest.raises(ValidationError, match="sampling_params.choice needs guided decoding"):
-        SamplingParams.from_request({"choice": ["a"]}, VOCAB, guided_decoding=False)
-    assert SamplingParams.from_request({"regex": None}, VOCAB, guided_decoding=False) == SamplingParams()
+        params_from_request({"choice": ["a"]}, VOCAB, guided_decoding=False)
+    assert params_from_request({"regex": None}, VOCAB, guided_decoding=False) == SamplingParams()
 
 
 @pytest.mark.parametrize("top_k, taken", [(0, -1), (-2, -1), (5, 5), (VOCAB, -1)])
@@ -180,7 +180,7 @@ def test_error_is_picklable_and_structured() -> None:
 
 def test_field_prefix_for_batch_items() -> None:
     with pytest.raises(ValidationError, match=r"^sampling_params\[3\]\.top_p "):
-        SamplingParams.from_request({"top_p": 2}, VOCAB, field="sampling_params[3]")
+        params_from_request({"top_p": 2}, VOCAB, field="sampling_params[3]")
 
 
 BAD = [

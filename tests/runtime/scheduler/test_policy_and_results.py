@@ -6,7 +6,7 @@ import time
 import numpy as np
 import torch
 
-from tandem.ipc.messages import LogprobArrays, LogprobParams, TokenizedGenerateReq
+from tandem.ipc.messages import LogprobArrays, LogprobParams, SpecCounts, TokenizedGenerateReq
 from tandem.runtime.cache.pools import TokenAllocator
 from tandem.runtime.cache.radix import RadixCache
 from tandem.runtime.sampling.params import SamplingParams
@@ -295,12 +295,13 @@ def test_a_speculating_server_sends_spec_counts_for_every_request_even_before_a_
     """Every output of a speculating server carries its request's counts, zeros too (the tokenizer
     manager shows them only on a finished answer with a verify, as SGLang); a plain server sends none."""
     checker = FinishChecker([2], lambda ids: "")
-    for speculative, want in ((True, [(0, 0, 0)]), (False, [])):
+    zeros = SpecCounts(verify_ct=0, proposed=0, accepted=0, accept_histogram=[])
+    for speculative, want in ((True, zeros), (False, None)):
         streamer = OutputStreamer(default_stream_interval=1, drafts_per_verify=3 if speculative else 0)
         r = _req(1, max_new_tokens=1)
         assert apply_new_tokens(r, [9], None, None, checker)
         streamer.add(r)
-        assert streamer.build().spec_counts == want
+        assert [c.spec for c in streamer.build().counters] == [want]
 
 
 def test_verify_counts_and_the_acceptance_histogram_travel_with_the_output():
@@ -312,25 +313,24 @@ def test_verify_counts_and_the_acceptance_histogram_travel_with_the_output():
     streamer.add(r)
     r.finished_reason = FinishChecker([2], lambda ids: "").finished_len(r, [2])[1]
     out = streamer.build()
-    assert out.spec_counts == [(4, 12, 3)]
-    assert out.spec_accept_histograms == [[2, 1, 1]]
+    assert [c.spec for c in out.counters] == [SpecCounts(verify_ct=4, proposed=12, accepted=3,
+                                                        accept_histogram=[2, 1, 1])]
 
 
-def test_retraction_counts_travel_when_a_request_of_the_step_was_retracted():
-    """SGLang's meta_info.num_retractions: the column is sent when any request of the step was
-    retracted, aligned with rids."""
+def test_retraction_counts_travel_with_every_output():
+    """SGLang's meta_info.num_retractions: each row's counters carry its request's count."""
     checker = FinishChecker([2], lambda ids: "")
     streamer = OutputStreamer(default_stream_interval=1)
     a, b = _req(1, stream=True, max_new_tokens=5), _req(2, stream=True, max_new_tokens=5)
     for r in (a, b):
         apply_new_tokens(r, [9], None, None, checker)
         streamer.add(r)
-    assert streamer.build().retraction_counts == []
+    assert [c.retractions for c in streamer.build().counters] == [0, 0]
     b.retract_count = 2
     for r in (a, b):
         apply_new_tokens(r, [9], None, None, checker)
         streamer.add(r)
-    assert streamer.build().retraction_counts == [0, 2]
+    assert [c.retractions for c in streamer.build().counters] == [0, 2]
 
 
 def test_reasoning_tokens_count_through_the_think_end_for_require_reasoning():
@@ -347,7 +347,7 @@ def test_reasoning_tokens_count_through_the_think_end_for_require_reasoning():
     assert (r.reasoning_tokens, r.reasoning_over, plain.reasoning_tokens) == (4, True, 0)
     streamer.add(r)
     streamer.add(plain)
-    assert streamer.build().reasoning_tokens == [4, 0]
+    assert [c.reasoning_tokens for c in streamer.build().counters] == [4, 0]
     never_closed = _req(3, max_new_tokens=50)
     never_closed.require_reasoning = True
     apply_new_tokens(never_closed, [5, 6, 46], None, None, checker)

@@ -12,7 +12,7 @@ from smg_grpc_proto import sglang_scheduler_pb2 as spb
 
 from tandem.runtime.server.grpc_requests import native_service_request, scheduler_service_request
 from tandem.runtime.server.proto import sglang_pb2 as pb
-from tandem.runtime.server.validation import RequestLimits
+from tandem.runtime.frontend.limits import RequestLimits
 from tandem.runtime.value_checks import ValidationError
 
 LIMITS = RequestLimits(vocab_size=100, context_len=128, max_total_tokens=64)  # max_request_len 64: the KV pool's

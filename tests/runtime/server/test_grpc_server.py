@@ -14,13 +14,13 @@ from smg_grpc_proto.generated import common_pb2
 
 from smg_grpc_proto import sglang_scheduler_pb2 as smg_pb
 
-from tandem.runtime.request_groups import RequestError
+from tandem.runtime.frontend.request_groups import RequestError
 from tandem.runtime.server import grpc_native, grpc_scheduler
 from tandem.runtime.server.grpc_native import NativeService
 from tandem.runtime.server.grpc_scheduler import SchedulerService
 from tandem.runtime.server.grpc_server import GrpcAuth, _streaming, _unary, service_handler
 from tandem.runtime.server.proto import sglang_pb2 as pb
-from tandem.runtime.tokenizer_manager import TokenizerManager
+from tandem.runtime.frontend.tokenizer_manager import TokenizerManager
 
 
 class Aborted(Exception):

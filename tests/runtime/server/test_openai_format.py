@@ -5,10 +5,10 @@ import asyncio
 
 from call_fakes import result, stream_of
 
-from tandem.runtime.request_groups import RequestError
+from tandem.runtime.frontend.request_groups import RequestError
 from tandem.runtime.server import openai as oa
 from tandem.runtime.server import openai_format as oar
-from tandem.runtime.server.reasoning import with_stream_reasoning
+from tandem.runtime.reasoning import with_stream_reasoning
 from tandem.runtime.value_checks import ValidationError
 
 

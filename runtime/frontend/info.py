@@ -6,11 +6,12 @@ import asyncio
 import time
 from typing import Any
 
-from tandem.runtime.request_groups import WEIGHT_VERSION
-from tandem.runtime.server.auth import SECRET_ARGS
-from tandem.runtime.server.loads import loads_report, scheduler_load
+from tandem.runtime.frontend.loads import loads_report, scheduler_load
+from tandem.runtime.frontend.request_groups import WEIGHT_VERSION
 from tandem.runtime.server_args import ServerArgs
-from tandem.runtime.tokenizer_manager import DEFAULT_MODEL_NAME, TokenizerManager
+from tandem.runtime.frontend.tokenizer_manager import DEFAULT_MODEL_NAME, TokenizerManager
+
+SECRET_ARGS = frozenset({"api_key", "admin_api_key"})  # never shown by /server_info
 
 VERSION = "0.1.0"
 HEALTH_POLL_S = 0.25

@@ -26,17 +26,17 @@ import zmq.asyncio
 from tandem.ipc.messages import (AbortReq, BatchStrOutput, ChildError, FinishReason, FlushCacheReply, FlushCacheReq,
                                  GetServerInfoReply, GetServerInfoReq, ReadyMsg, TokenizedGenerateReq)
 from tandem.ipc.sockets import IPCAddresses, async_recv, bind_pull, connect_push, send
-from tandem.runtime.control_replies import ControlReplies
+from tandem.runtime.frontend.control_replies import ControlReplies
 from tandem.runtime.envs import envs
 from tandem.runtime.launcher import READY_TIMEOUT_S, dead_child, spawn_children, stop_children
 from tandem.runtime.model_files import chat_sampling_defaults, resolve_model_path
-from tandem.runtime.request_groups import (Call, CallStream, ChoiceState, ClientDisconnected, RequestError,
+from tandem.runtime.frontend.request_groups import (Call, CallStream, ChoiceState, ClientDisconnected, RequestError,
                                             RequestGroup)
 from tandem.runtime.sampling.logprob_format import LogprobFormatOptions, LogprobFormatter
 from tandem.runtime.sampling.params import SamplingParams
-from tandem.runtime.server.validation import (GenerateItem, RequestLimits, check_rids_free,
+from tandem.runtime.frontend.validation import (GenerateItem, RequestLimits, check_rids_free,
                                               normalize_generate_request)
-from tandem.runtime.server.metrics import ServerMetrics
+from tandem.runtime.frontend.metrics import ServerMetrics
 from tandem.runtime.server_args import ServerArgs
 from tandem.runtime.tokenizer import load_tokenizer, max_chars_per_token, read_chat_template, template_content_format
 from tandem.runtime.value_checks import INT64_MAX, INT64_MIN
@@ -371,15 +371,7 @@ class TokenizerManager:
                 c.last_output = now
             c.text += msg.texts[i]
             c.output_ids.extend(new_ids)
-            c.completion_tokens = msg.completion_tokens[i]
-            c.cached_tokens = msg.cached_tokens[i]
-            if msg.spec_counts:
-                c.spec_counts = tuple(msg.spec_counts[i])  # type: ignore[assignment]
-                c.spec_accept_histogram = list(msg.spec_accept_histograms[i])
-            if msg.retraction_counts:
-                c.num_retractions = msg.retraction_counts[i]
-            if msg.reasoning_tokens:
-                c.reasoning_tokens = msg.reasoning_tokens[i]
+            c.counters = msg.counters[i]
             if c.formatter is not None:
                 if msg.input_logprobs and (lp := msg.input_logprobs[i]) is not None:
                     c.formatter.extend_input(lp)
@@ -396,8 +388,8 @@ class TokenizerManager:
             c.group.call.changed.set()
 
     def _count_finish(self, c: ChoiceState, finish_type: str, now: float) -> None:
-        self.metrics.on_finish(finish_type, now - c.group.created, c.prompt_tokens, c.completion_tokens,
-                               c.cached_tokens)
+        self.metrics.on_finish(finish_type, now - c.group.created, c.prompt_tokens, c.counters.completion_tokens,
+                               c.counters.cached_tokens)
 
     async def _control_loop(self, sock: zmq.asyncio.Socket) -> None:
         while True:

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from tandem.ipc.messages import LogprobParams
 from tandem.runtime.sampling.params import SamplingParams
-from tandem.runtime.server.validation import (
+from tandem.runtime.frontend.validation import (
     HANDLED_KEYS,
     IGNORED_KEYS,
     MEDIA_KEYS,

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tandem.runtime.model import gemm_bound as gb
+from tandem.launch import gemm_bound as gb
 from tandem.runtime.model.config import ModelConfig
 
 CFG = ModelConfig(arch="LlamaForCausalLM", vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2,
@@ -23,22 +23,6 @@ def test_measure_times_positive_and_bigger_batches_cost_more() -> None:
     small, big = gb.measure(CFG, torch.float32, 1), gb.measure(CFG, torch.float32, 512)
     assert 0 < small.decode_step_s and 0 < small.prefill_s_per_token
     assert big.decode_tok_s > small.decode_tok_s  # batching amortizes the weight reads
-
-
-@pytest.mark.parametrize("flags, want", [
-    (set(), torch.float32),
-    ({"avx512_bf16"}, torch.float32),
-    ({"amx_bf16", "avx512_bf16"}, torch.bfloat16),
-])
-def test_auto_dtype_is_a_rule_on_the_cpu_flags_never_a_timing(monkeypatch, flags, want) -> None:
-    """The same CPU gets the same dtype on every start, however its matmuls time (a timed choice
-    flipped between starts near its threshold, and every answer with it)."""
-    monkeypatch.setattr(gb, "cpu_flags", lambda: flags)
-    monkeypatch.setattr(gb, "_time_pass", lambda *a, **k: pytest.fail("--dtype auto timed a matmul"))
-    picks = {gb.pick_cpu_dtype(CFG) for _ in range(3)}
-    assert len(picks) == 1
-    dtype, why = picks.pop()
-    assert dtype == want and why
 
 
 @pytest.mark.parametrize("layout", ["mkl", "onednn", "bf16"])

@@ -19,14 +19,14 @@ from __future__ import annotations
 import uuid
 from collections import Counter
 from collections.abc import Callable, Collection
-from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 
 from tandem.ipc.messages import LogprobParams
-from tandem.runtime.sampling.params import SamplingParams
-from tandem.runtime.server.prompts import check_batch_items, explicit_max_new, fit_context, prompt_ids, prompts
+from tandem.runtime.sampling.params import SamplingParams, params_from_request
+from tandem.runtime.frontend.limits import RequestLimits
+from tandem.runtime.frontend.prompts import check_batch_items, explicit_max_new, fit_context, prompt_ids, prompts
 from tandem.runtime.value_checks import ValidationError, fits_int64, is_int, key_name, short, type_name
 
 __all__ = [
@@ -108,30 +108,6 @@ def check_rids_free(items: list[GenerateItem], running: Collection[str]) -> None
         if item.rid in running:
             field = "rid" if len(items) == 1 else f"rid[{i}]"
             raise ValidationError(field, f"{short(item.rid)} is already used by a running request")
-
-
-@dataclass(frozen=True)
-class RequestLimits:
-    """What one /generate call may ask for (the model's numbers and the server's limits)."""
-
-    vocab_size: int
-    context_len: int
-    max_total_tokens: int | None = None  # KV slots: a max_new_tokens that is not the client's stops there too
-    max_batch_items: int = 4096  # prompts x n per call
-    max_top_logprobs_num: int = 20
-    # longer text cannot fit the context whatever it tokenizes to: refused before tokenizing
-    max_text_chars: int | None = None
-    guided_decoding: bool = True  # False with --grammar-backend none: constraints are a 400
-    strict_thinking: bool = False  # --enable-strict-thinking: max_thinking_tokens is allowed
-    # --reasoning-parser: the server knows where reasoning ends, so require_reasoning can hold a
-    # grammar back until then (SGLang wraps the grammar only with a parser)
-    reasoning_parser: bool = False
-    allow_auto_truncate: bool = False  # --allow-auto-truncate: too long is cut instead of a 400
-
-    @property
-    def max_request_len(self) -> int:
-        """Prompt + output tokens one request can hold: the context, or the KV pool when smaller."""
-        return min(self.context_len, self.max_total_tokens or self.context_len)
 
 
 def normalize_generate_request(
@@ -305,10 +281,10 @@ def _sampling_params(
         _check_len("sampling_params", sp, n)
         fields = [f"sampling_params[{i}]" for i in range(n)]
         return [
-            (f, SamplingParams.from_request(d, vocab_size, field=f, guided_decoding=guided))
+            (f, params_from_request(d, vocab_size, field=f, guided_decoding=guided))
             for f, d in zip(fields, sp)
         ]
-    shared = SamplingParams.from_request(sp, vocab_size, guided_decoding=guided)
+    shared = params_from_request(sp, vocab_size, guided_decoding=guided)
     # Shallow copies: a per-item scalar edit (e.g. clamping max_new_tokens) must not leak into
     # siblings; the lists inside are never mutated after validation.
     return [("sampling_params", msgspec.structs.replace(shared)) for _ in range(n)]

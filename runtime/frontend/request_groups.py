@@ -8,7 +8,7 @@ from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from tandem.ipc.messages import FinishReason
+from tandem.ipc.messages import FinishReason, ReqCounters, SpecCounts
 from tandem.runtime.sampling.logprob_format import LogprobFormatter
 from tandem.runtime.value_checks import ValidationError
 
@@ -45,13 +45,7 @@ class ChoiceState:
     prompt_token_ids: list[int] | None = None  # return_prompt_token_ids: the prompt's ids, as SGLang's
     text: str = ""
     output_ids: list[int] = field(default_factory=list)
-    completion_tokens: int = 0
-    cached_tokens: int = 0
-    # speculating servers: verify passes, drafts proposed, drafts accepted, verifies by drafts accepted
-    spec_counts: tuple[int, int, int] | None = None
-    spec_accept_histogram: list[int] = field(default_factory=list)
-    num_retractions: int = 0
-    reasoning_tokens: int = 0  # require_reasoning: output tokens through the think end
+    counters: ReqCounters = field(default_factory=lambda: ReqCounters(completion_tokens=0, cached_tokens=0))
     finish_reason: FinishReason | None = None
     finished_at: float | None = None  # perf_counter when finish_reason arrived
     last_output: float | None = None  # perf_counter of the latest output (metrics)
@@ -88,16 +82,16 @@ class ChoiceState:
             "id": self.group.logical_rid,
             "finish_reason": self.finish_reason.to_json() if self.finish_reason else None,
             "prompt_tokens": self.prompt_tokens,
-            "completion_tokens": self.completion_tokens,
-            "cached_tokens": self.cached_tokens,
-            "num_retractions": self.num_retractions,
-            "reasoning_tokens": self.reasoning_tokens,
+            "completion_tokens": self.counters.completion_tokens,
+            "cached_tokens": self.counters.cached_tokens,
+            "num_retractions": self.counters.retractions,
+            "reasoning_tokens": self.counters.reasoning_tokens,
             "weight_version": WEIGHT_VERSION,  # SGLang's; this server never updates its weights
         }
         if self.finished_at is not None:  # as SGLang's: a stream's earlier chunks have no latency yet
             meta["e2e_latency"] = round(self.finished_at - self.group.created, 6)
-        if self.spec_counts is not None and self.finished:
-            meta.update(spec_meta_info(*self.spec_counts, self.completion_tokens, self.spec_accept_histogram))
+        if self.counters.spec is not None and self.finished:
+            meta.update(spec_meta_info(self.counters.spec, self.counters.completion_tokens))
         if self.formatter is not None:
             meta.update(self.formatter.meta_info())
         if self.hidden_states is not None:
@@ -120,20 +114,20 @@ class ChoiceState:
         return RequestError(fr.status_code, fr.message or "request failed")
 
 
-def spec_meta_info(verify_ct: int, proposed: int, accepted: int, completion_tokens: int,
-                   histogram: list[int]) -> dict[str, Any]:
+def spec_meta_info(spec: SpecCounts, completion_tokens: int) -> dict[str, Any]:
     """SGLang's fill_spec_decoding_meta: on a finished answer with at least one verify, the rate over
     every draft a verify proposes (no bonus), the length over verifies (the bonus counted), the counts
     under v0.5's names (spec_accept_token_num, spec_draft_token_num) and today's
     (spec_num_correct_drafts, spec_num_proposed_drafts), and the histogram when there is one."""
-    if not verify_ct or not proposed:
+    if not spec.verify_ct or not spec.proposed:
         return {}
     meta: dict[str, Any] = {
-        "spec_accept_rate": accepted / proposed, "spec_accept_length": completion_tokens / verify_ct,
-        "spec_verify_ct": verify_ct, "spec_accept_token_num": accepted, "spec_draft_token_num": proposed,
-        "spec_num_correct_drafts": accepted, "spec_num_proposed_drafts": proposed}
-    if histogram:
-        meta["spec_accept_histogram"] = list(histogram)
+        "spec_accept_rate": spec.accepted / spec.proposed, "spec_accept_length": completion_tokens / spec.verify_ct,
+        "spec_verify_ct": spec.verify_ct, "spec_accept_token_num": spec.accepted,
+        "spec_draft_token_num": spec.proposed, "spec_num_correct_drafts": spec.accepted,
+        "spec_num_proposed_drafts": spec.proposed}
+    if spec.accept_histogram:
+        meta["spec_accept_histogram"] = list(spec.accept_histogram)
     return meta
 
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from tandem.runtime.server.metrics import ServerMetrics
+from tandem.runtime.frontend.metrics import ServerMetrics
 
 
 def _samples(m: ServerMetrics) -> dict[tuple[str, tuple], float]:

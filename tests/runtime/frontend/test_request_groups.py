@@ -5,8 +5,8 @@ import time
 
 import numpy as np
 
-from tandem.ipc.messages import FinishReason, LogprobArrays
-from tandem.runtime.request_groups import INCREMENTAL_META_KEYS, Call, ChoiceState, RequestError, RequestGroup
+from tandem.ipc.messages import FinishReason, LogprobArrays, ReqCounters, SpecCounts
+from tandem.runtime.frontend.request_groups import INCREMENTAL_META_KEYS, Call, ChoiceState, RequestError, RequestGroup
 from tandem.runtime.sampling.logprob_format import LogprobFormatOptions, LogprobFormatter
 from tandem.runtime.value_checks import ValidationError
 
@@ -47,7 +47,8 @@ def test_spec_fields_are_sglangs_and_only_on_a_finished_answer_with_a_verify():
     choice.finish_reason = FinishReason(type="length", length=8)
     assert not any(k.startswith("spec_") for k in choice.result()["meta_info"])  # plain server
     choice.finish_reason = None
-    choice.spec_counts, choice.spec_accept_histogram, choice.completion_tokens = (4, 12, 3), [2, 1, 1], 8
+    spec = SpecCounts(verify_ct=4, proposed=12, accepted=3, accept_histogram=[2, 1, 1])
+    choice.counters = ReqCounters(completion_tokens=8, cached_tokens=0, spec=spec)
     meta = choice.result()["meta_info"]
     assert not any(k.startswith("spec_") for k in meta)  # a stream's earlier chunk
     assert (meta["num_retractions"], meta["reasoning_tokens"]) == (0, 0)
@@ -57,7 +58,8 @@ def test_spec_fields_are_sglangs_and_only_on_a_finished_answer_with_a_verify():
         "spec_accept_rate": 0.25, "spec_accept_length": 2.0, "spec_verify_ct": 4, "spec_accept_token_num": 3,
         "spec_draft_token_num": 12, "spec_num_correct_drafts": 3, "spec_num_proposed_drafts": 12,
         "spec_accept_histogram": [2, 1, 1]}
-    choice.spec_counts = (0, 0, 0)  # finished in its prefill: no verify, no spec fields
+    # finished in its prefill: no verify, no spec fields
+    choice.counters.spec = SpecCounts(verify_ct=0, proposed=0, accepted=0, accept_histogram=[])
     assert not any(k.startswith("spec_") for k in choice.result()["meta_info"])
 
 
@@ -82,7 +84,7 @@ def _receive(choice: ChoiceState, text: str, ids: list[int], finished: bool = Fa
     choice.output_ids.extend(ids)
     choice.formatter.extend_output(_positions(ids))
     choice.hidden_states.extend([[float(i)] for i in ids])
-    choice.completion_tokens = len(choice.output_ids)
+    choice.counters = ReqCounters(completion_tokens=len(choice.output_ids), cached_tokens=0)
     if finished:
         choice.finish_reason, choice.finished_at = FinishReason(type="length"), time.perf_counter()
 

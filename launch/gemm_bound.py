@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tandem.kernels.cpu_ops import cpu_flags, load_cpu_ops
+from tandem.kernels.cpu_ops import load_cpu_ops
 from tandem.runtime.model.config import ModelConfig
 from tandem.runtime.model.packed_linear import (Weight, best_seconds, fp32_head, head_logits, linear, pack,
                                                 packs_weights, padded_rows, weight_and_like)
@@ -81,18 +81,3 @@ def measure(cfg: ModelConfig, dtype: torch.dtype, decode_batch: int, repeats: in
     decode_s = _time_pass(decode_x, layers, lm_head, repeats)
     prefill_s = _time_pass(prefill_x, layers, None, max(1, repeats - 1))
     return GemmBound(decode_batch, decode_s, prefill_s / PREFILL_CHUNK)
-
-
-def pick_cpu_dtype(cfg: ModelConfig) -> tuple[torch.dtype, str]:
-    """--dtype auto on CPU: bfloat16 where the CPU has AMX-BF16 (its bf16 matmuls run ~3x fp32's),
-    float32 everywhere else. A rule on the CPU's flags, never a timing: the dtype decides every
-    bit of every answer, so it must be the same from start to start. (A timed choice with a
-    threshold flipped between starts wherever the two dtypes ran near it, as on small models.)
-    `cfg` is taken for the log. Returns the dtype and the reason."""
-    flags = cpu_flags()
-    shape = f"hidden {cfg.hidden_size}"
-    if "amx_bf16" in flags:
-        return torch.bfloat16, f"AMX-BF16 on this CPU ({shape})"
-    if "avx512_bf16" in flags:
-        return torch.float32, f"AVX512-BF16 without AMX: bf16 is not clearly faster ({shape})"
-    return torch.float32, f"no AMX-BF16 on this CPU ({shape})"

@@ -7,8 +7,8 @@ from dataclasses import dataclass
 
 import pytest
 
-from tandem.runtime.control_replies import ControlReplies
-from tandem.runtime.request_groups import RequestError
+from tandem.runtime.frontend.control_replies import ControlReplies
+from tandem.runtime.frontend.request_groups import RequestError
 
 
 @dataclass

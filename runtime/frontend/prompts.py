@@ -5,13 +5,11 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from tandem.runtime.frontend.limits import RequestLimits
 from tandem.runtime.sampling.params import SamplingParams
 from tandem.runtime.value_checks import ValidationError, is_int, short, type_name
-
-if TYPE_CHECKING:
-    from tandem.runtime.server.validation import RequestLimits
 
 logger = logging.getLogger(__name__)
 Prompt = tuple[str, Any]  # (field name for messages, raw text str or raw id list)

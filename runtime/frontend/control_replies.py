@@ -10,7 +10,7 @@ import asyncio
 from collections.abc import Callable
 from typing import Any
 
-from tandem.runtime.request_groups import RequestError
+from tandem.runtime.frontend.request_groups import RequestError
 
 
 class ControlReplies:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from tandem.runtime.server.reasoning import ReasoningParser, StreamSplitter, with_stream_reasoning
+from tandem.runtime.reasoning import ReasoningParser, StreamSplitter, with_stream_reasoning
 from tandem.runtime.value_checks import ValidationError
 
 R1 = ReasoningParser.for_request("deepseek-r1", {"enable_thinking": False})  # the template opens <think>

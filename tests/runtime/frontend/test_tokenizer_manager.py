@@ -13,7 +13,7 @@ SCRIPT = """
 import asyncio, json, sys
 from tandem.runtime.server.http import create_app
 from tandem.runtime.server_args import ServerArgs
-from tandem.runtime.tokenizer_manager import TokenizerManager
+from tandem.runtime.frontend.tokenizer_manager import TokenizerManager
 
 async def main():
     tm = TokenizerManager(ServerArgs(model_path=sys.argv[1], max_total_tokens=2000, max_running_requests=4))
@@ -42,7 +42,7 @@ def test_a_fresh_tokenizer_manager_process_has_no_torch(tiny_model_dir, tmp_path
 
 def test_chat_sampling_defaults_follow_the_flag(tmp_path):
     from tandem.runtime.server_args import ServerArgs
-    from tandem.runtime.tokenizer_manager import _chat_sampling_defaults
+    from tandem.runtime.frontend.tokenizer_manager import _chat_sampling_defaults
 
     (tmp_path / "config.json").write_text("{}")
     (tmp_path / "generation_config.json").write_text(json.dumps({"top_k": 1, "temperature": 0.7}))
@@ -54,7 +54,7 @@ def test_a_chat_template_file_sets_the_content_format(tiny_model_dir, tmp_path):
     """--chat-template is read as SGLang reads it, and the format of message content (a list of
     parts or one string) follows the template in use."""
     from tandem.runtime.server_args import ServerArgs
-    from tandem.runtime.tokenizer_manager import TokenizerManager
+    from tandem.runtime.frontend.tokenizer_manager import TokenizerManager
 
     looping = tmp_path / "parts.jinja"
     looping.write_text("{% for m in messages %}{% for p in m.content %}{{ p.text }}{% endfor %}!\\n{% endfor %}\n")
@@ -71,7 +71,7 @@ def test_a_chat_template_file_sets_the_content_format(tiny_model_dir, tmp_path):
 UNSTARTED_STREAM = """
 import asyncio, json, sys
 from tandem.runtime.server_args import ServerArgs
-from tandem.runtime.tokenizer_manager import TokenizerManager
+from tandem.runtime.frontend.tokenizer_manager import TokenizerManager
 
 async def main():
     tm = TokenizerManager(ServerArgs(model_path=sys.argv[1], max_total_tokens=2000, max_running_requests=4))
@@ -105,9 +105,9 @@ def test_control_requests_fail_at_once_when_a_child_has_died(tiny_model_dir):
     refused at once (an Engine outlives its children; before, each waited the 10 s timeout)."""
     import asyncio
 
-    from tandem.runtime.request_groups import RequestError
+    from tandem.runtime.frontend.request_groups import RequestError
     from tandem.runtime.server_args import ServerArgs
-    from tandem.runtime.tokenizer_manager import TokenizerManager
+    from tandem.runtime.frontend.tokenizer_manager import TokenizerManager
 
     async def main() -> list[str]:
         tm = TokenizerManager(ServerArgs(model_path=tiny_model_dir("llama"), max_total_tokens=2000))  # no children

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from tandem.runtime.server.loads import loads_report, scheduler_load
+from tandem.runtime.frontend.loads import loads_report, scheduler_load
 from tandem.runtime.value_checks import ValidationError
 
 INFO = {"max_total_num_tokens": 1000, "kv_slots_used": 250, "num_running_reqs": 3, "num_queue_reqs": 5,

@@ -1,0 +1,49 @@
+"""What a child process (scheduler, detokenizer) runs on its side of the launcher: the watch on
+its parent, and which tensor-parallel ranks its node runs.
+
+Children never outlive the main process: on Linux the kernel sends them SIGUSR1 when it dies
+(PR_SET_PDEATHSIG; a signal nothing else sends them, so the handler knows what happened without
+racing the kernel's reparenting), and their loops also check for a new parent every iteration,
+busy or idle. Whoever outlives the main process removes the IPC directory.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import sys
+
+from tandem.ipc.sockets import IPCAddresses
+from tandem.runtime.server_args import ServerArgs
+
+_PR_SET_PDEATHSIG = 1
+
+
+class ParentWatch:
+    """In a child: notices the main process's death and then cleans up after it."""
+
+    def __init__(self, parent_pid: int, addrs: IPCAddresses) -> None:
+        self.parent_pid = parent_pid
+        self.addrs = addrs
+        signal.signal(signal.SIGUSR1, self._on_parent_death)
+        if sys.platform == "linux":
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(_PR_SET_PDEATHSIG, signal.SIGUSR1)
+        if self.parent_gone():  # it died before prctl took effect
+            self.exit_orphaned()
+
+    def parent_gone(self) -> bool:
+        return os.getppid() != self.parent_pid
+
+    def exit_orphaned(self) -> None:
+        self.addrs.cleanup()
+        os._exit(1)  # the forward thread may be mid-step: do not wait for it
+
+    def _on_parent_death(self, signum: int, frame: object) -> None:
+        self.exit_orphaned()
+
+
+def node_tp_ranks(args: ServerArgs) -> range:
+    """The tensor-parallel ranks this node runs: tp_size / nnodes consecutive ones."""
+    per_node = args.tp_size // args.nnodes
+    return range(args.node_rank * per_node, (args.node_rank + 1) * per_node)
