@@ -14,7 +14,7 @@ import grpc
 import orjson
 
 from tandem.runtime.server.grpc_requests import native_service_request
-from tandem.runtime.server.grpc_server import GrpcAuth, GrpcError, native_results
+from tandem.runtime.server.grpc_common import GrpcAuth, GrpcError, native_results
 from tandem.runtime.frontend.info import current_loads, health_generate, model_info, served_model_name, server_info
 from tandem.runtime.server.proto import sglang_pb2 as pb
 from tandem.runtime.frontend.tokenizer_manager import TokenizerManager

@@ -29,7 +29,7 @@ from smg_grpc_proto.generated import common_pb2
 
 from tandem.runtime.model.config import MODEL_TYPES
 from tandem.runtime.server.grpc_requests import scheduler_service_request
-from tandem.runtime.server.grpc_server import GrpcAuth, native_results
+from tandem.runtime.server.grpc_common import GrpcAuth, native_results
 from tandem.runtime.frontend.info import VERSION, current_loads, health_generate, model_info, served_model_name, server_info
 from tandem.runtime.frontend.tokenizer_manager import TokenizerManager
 from tandem.runtime.value_checks import ValidationError
