@@ -1,6 +1,7 @@
 """Tensor parallelism at the model level: gloo ranks (child processes) give TP=1's greedy tokens
 and logits, on tiny models split in two and on SmolLM2 split in three (its 9 query / 3 KV heads
-allow no other split); the weight split and its refusals, without processes."""
+allow no other split); a prompt at TP 2 gets the same bits alone or batched; the weight split and
+its refusals, without processes."""
 from __future__ import annotations
 
 import socket
@@ -12,8 +13,10 @@ import time
 import pytest
 import torch
 
+from tandem.kernels.cpu_ops import load_cpu_ops
 from tandem.launch.bare_loop import BareLoop
 from tandem.runtime.model.config import ModelConfig
+from tandem.runtime.model import packed_linear
 from tandem.runtime.model.runner import ModelRunner
 from tandem.runtime.model.tensor_parallel import TensorParallel, check_divisible, shard_weights
 from tandem.runtime.server_args import ServerArgs
@@ -156,3 +159,56 @@ def test_dist_timeout_bounds_the_wait_for_a_rank_that_never_joins():
     # the run's own timeout (100 s, against torch's 30 minutes) is what shows the wait was bounded
     proc = subprocess.run([sys.executable, "-c", script, free_addr()], capture_output=True, text=True, timeout=100)
     assert proc.returncode == 3 and "refused after" in proc.stdout, (proc.stdout, proc.stderr[-2000:])
+
+
+INVARIANCE_SCRIPT = textwrap.dedent("""
+    import sys, torch
+    from tandem.launch.bare_loop import BareLoop
+    from tandem.runtime.model.runner import ModelRunner
+    from tandem.runtime.model.tensor_parallel import init_tensor_parallel
+    from tandem.runtime.server_args import ServerArgs
+    path, addr, rank, size, out = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
+    tp, _ = init_tensor_parallel(rank, size, addr, torch.device("cpu"))
+    args = ServerArgs(model_path=path, max_total_tokens=600, max_running_requests=4, dtype=sys.argv[6], tp_size=size)
+    loop = BareLoop(ModelRunner(args, tp))
+    together = loop.generate({prompts}, 10, keep_logits=True)
+    alone = [loop.generate([p], 10, keep_logits=True) for p in {prompts}]
+    if rank == 0:
+        torch.save({{"together": (together.output_ids, together.step_logits),
+                    "alone": [(a.output_ids, a.step_logits) for a in alone]}}, out)
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+""")
+
+
+def _amx() -> bool:
+    ops = load_cpu_ops()
+    return ops is not None and ops.amx_available()
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("dtype", [
+    pytest.param("float32", marks=pytest.mark.skipif(
+        packed_linear.fp32_layout()[0] != "mkl",
+        reason="fp32 linears are batch-invariant on MKL's packed GEMM (Intel CPUs); oneDNN's are not")),
+    pytest.param("bfloat16", marks=pytest.mark.skipif(
+        not _amx(), reason="bf16 linears are batch-invariant on the AMX kernel; this CPU gives no AMX")),
+])
+def test_tp2_gives_a_prompt_the_same_bits_alone_or_batched(tiny_model_dir, tmp_path, dtype):
+    """At a fixed --tp-size the invariances hold: each rank's matmuls and attention are row-wise
+    fixed reductions and the all-reduce sums the same two partials for a row in any batch."""
+    addr, out = free_addr(), str(tmp_path / "inv.pt")
+    script = INVARIANCE_SCRIPT.format(prompts=PROMPTS)
+    procs = [subprocess.Popen([sys.executable, "-c", script, tiny_model_dir("llama"), addr, str(rank), "2", out, dtype],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for rank in range(2)]
+    try:
+        logs = [p.communicate(timeout=240)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert all(p.returncode == 0 for p in procs), "\n".join(logs)[-3000:]
+    got = torch.load(out)
+    ids, logits = got["together"]
+    for i, (alone_ids, alone_logits) in enumerate(got["alone"]):
+        assert alone_ids[0] == ids[i]
+        assert all(torch.equal(a[0], b[i]) for a, b in zip(alone_logits, logits))
