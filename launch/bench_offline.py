@@ -14,7 +14,7 @@ same prompts, in one process run, with the same dtype:
    launch/bench_transformers.py),
 5. CTranslate2 float32 and int8 (`--peers ...,ctranslate2`, launch/bench_ctranslate2.py),
 6. the GEMM-only bound: the model's matmuls alone for the same token counts on this CPU
-   (runtime/model/gemm_bound.py), so each system's distance from the machine's limit shows.
+   (launch/gemm_bound.py), so each system's distance from the machine's limit shows.
 
 (3), (4) and (5) compute tokens past a shorter sequence's end (static batching pads them); only each
 sequence's own output length counts as useful, so their tok/s is what a user gets, and the
@@ -211,7 +211,7 @@ def run_ctranslate2(args: argparse.Namespace, wl: Workload, compute_type: str) -
 
 
 def gemm_bound(args: argparse.Namespace, wl: Workload) -> SystemResult:
-    """The machine's limit for this workload: the model's matmuls alone (runtime/model/gemm_bound)."""
+    """The machine's limit for this workload: the model's matmuls alone (launch/gemm_bound.py)."""
     from tandem.launch import gemm_bound as gb
     from tandem.runtime.model.loader import load_config
     from tandem.runtime.model_files import resolve_model_path
