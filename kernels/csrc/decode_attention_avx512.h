@@ -172,43 +172,6 @@ void compute_scores(const float* q_lanes, const kv_t* k, const int64_t* slots, i
   }
 }
 
-#if defined(__AVX512BF16__)
-// compute_scores for a bfloat16 query over a bfloat16 pool on CPUs with AVX512-BF16: each lane
-// takes two elements' products (exact in float32) with one VDPBF16PS, straight from the pool's
-// rows: no widening, half the multiply-adds. Lane i holds elements 2i and 2i + 1, the same for
-// the query and the keys, so queries need no reordering. A score's bits depend only on the query
-// and the key, never on the block or the batch they came in.
-template <int kD, typename OnBlock>
-void compute_scores_dot(const at::BFloat16* q, const at::BFloat16* k, const int64_t* slots, int64_t n, int64_t stride,
-                        int64_t hkv, int64_t group, int64_t slot_elems, float scale, float* scores, OnBlock&& on_block) {
-  constexpr int kVec = kD / 32;
-  const at::BFloat16* rows[16];
-  for (int64_t h = 0; h < hkv; ++h) {
-    for (int64_t t0 = 0; t0 < n; t0 += 16) {
-      on_block(h, t0);
-      const int64_t tn = std::min<int64_t>(16, n - t0);
-      for (int j = 0; j < tn; ++j) rows[j] = k + slots[t0 + j] * slot_elems + h * kD;
-      for (int64_t head = h * group; head < (h + 1) * group; ++head) {
-        __m512bh qv[kVec];
-        for (int u = 0; u < kVec; ++u) qv[u] = (__m512bh)_mm512_loadu_si512(q + head * kD + u * 32);
-        __m512 acc[16];
-#pragma GCC unroll 16
-        for (int j = 0; j < 16; ++j) {
-          __m512 s = _mm512_setzero_ps();
-          if (j < tn) {
-#pragma GCC unroll 8
-            for (int u = 0; u < kVec; ++u)
-              s = _mm512_dpbf16_ps(s, qv[u], (__m512bh)_mm512_loadu_si512(rows[j] + u * 32));
-          }
-          acc[kSlot[j]] = s;
-        }
-        _mm512_storeu_ps(scores + head * stride + t0, _mm512_mul_ps(sum_lanes16(acc), _mm512_set1_ps(scale)));
-      }
-    }
-  }
-}
-#endif
-
 // Weights times V rows for kH query heads of one KV head, their sums in registers, scaled by
 // `inv_sum` and stored in Row's lane order. `weights` holds each head's row (stride `stride`);
 // `on_token` runs before each token (the caller's prefetching).
@@ -283,14 +246,8 @@ void decode_attention_avx512(const q_t* q, int64_t q_stride, const kv_t* k, cons
         v_prefetch.tick();
         next_prefetch.tick(16);
       };
-#if defined(__AVX512BF16__)
-      if constexpr (std::is_same_v<kv_t, at::BFloat16> && std::is_same_v<q_t, at::BFloat16>)
-        compute_scores_dot<kD>(q + b * q_stride, k, slots, n, stride, hkv, group, slot_elems, scale, scores.data(),
-                               on_block);
-      else
-#endif
-        compute_scores<kv_t, kD>(q_lanes.data(), k, slots, n, stride, hkv, group, slot_elems, scale * R::kUnit,
-                                 scores.data(), on_block);
+      compute_scores<kv_t, kD>(q_lanes.data(), k, slots, n, stride, hkv, group, slot_elems, scale * R::kUnit,
+                               scores.data(), on_block);
       softmax_rows(scores.data(), hq, n, stride, inv_sum.data());
       for (float& inv : inv_sum) inv *= R::kUnit;
       // weighted V, up to kHeads query heads of one KV head per pass with their sums in registers
