@@ -12,6 +12,7 @@ from fastapi import FastAPI, Request
 from prometheus_client import CONTENT_TYPE_LATEST
 from fastapi.responses import PlainTextResponse, Response, StreamingResponse
 
+from tandem.runtime.frontend.tokenize import detokenize, tokenize
 from tandem.runtime.frontend.validation import ValidationError, check_dp_rank
 from tandem.runtime.server_args import ServerArgs
 from tandem.runtime.frontend.request_groups import CallStream, ClientDisconnected, RequestError
@@ -151,6 +152,17 @@ def create_app(args: ServerArgs, on_child_death: Callable[[str], None] | None = 
         req = responses_api.responses_request(await read_json(request, args), served_name(), tm.render_chat,
                                               args.reasoning_parser, tm.chat_sampling_defaults, tm.chat_content_format)
         return await openai_call(request, req)
+
+    async def tokenize_route(request: Request) -> Response:
+        return _json(await tokenize(app.state.tm, await read_json(request, args)))
+
+    async def detokenize_route(request: Request) -> Response:
+        return _json(await detokenize(app.state.tm, await read_json(request, args)))
+
+    for path in ("/tokenize", "/v1/tokenize"):  # SGLang answers both
+        app.add_api_route(path, tokenize_route, methods=["POST"])
+    for path in ("/detokenize", "/v1/detokenize"):
+        app.add_api_route(path, detokenize_route, methods=["POST"])
 
     @app.get("/health")
     async def health() -> Response:
