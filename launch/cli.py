@@ -5,18 +5,45 @@ import argparse
 import importlib
 import sys
 
+# name -> (module, what it measures)
 _BENCHES = {
-    "one-batch": "tandem.launch.bench_one_batch",
-    "serving": "tandem.launch.bench_serving",
-    "offline": "tandem.launch.bench_offline",
-    "prefix": "tandem.launch.bench_prefix",
-    "logprobs": "tandem.launch.bench_logprobs",
-    "kernels": "tandem.launch.bench_kernels",
-    "soak": "tandem.launch.bench_soak",
-    "fuzz": "tandem.launch.bench_fuzz",
-    "grammar-load": "tandem.launch.bench_grammar_load",
-    "tp": "tandem.launch.bench_tp",
+    "one-batch": ("tandem.launch.bench_one_batch", "prefill and decode latency of one static batch, no server"),
+    "serving": ("tandem.launch.bench_serving", "online serving against a /generate endpoint"),
+    "offline": ("tandem.launch.bench_offline", "offline throughput against the bare model loop and transformers"),
+    "prefix": ("tandem.launch.bench_prefix", "what the radix cache buys on a shared-prefix workload"),
+    "logprobs": ("tandem.launch.bench_logprobs", "the cost of prompt top logprobs, nested vs flat vs base64"),
+    "kernels": ("tandem.launch.bench_kernels", "each Triton kernel against its torch reference"),
+    "soak": ("tandem.launch.bench_soak", "minutes of hostile traffic, and an account of every request"),
+    "fuzz": ("tandem.launch.bench_fuzz", "hypothesis-generated requests against every route"),
+    "grammar-load": ("tandem.launch.bench_grammar_load", "what huge grammar compiles cost everyone else"),
+    "tp": ("tandem.launch.bench_tp", "the same offline workload at each --tp-size"),
 }
+_COMMANDS = {
+    "serve": "launch the server (HTTP, OpenAI, gRPC); `tandem serve --help` lists its flags",
+    "generate": "run one prompt through the model, no server",
+    "bench": "the benchmarks; `tandem bench --help` lists them",
+}
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("tandem")
+    except PackageNotFoundError:
+        return "unknown (not installed)"
+
+
+def _usage() -> str:
+    lines = ["usage: tandem {serve,generate,bench} ... | tandem --version", "", "commands:"]
+    lines += [f"  {name:<10} {what}" for name, what in _COMMANDS.items()]
+    return "\n".join(lines)
+
+
+def _bench_usage() -> str:
+    lines = ["usage: tandem bench {" + ",".join(_BENCHES) + "} [--help | ...]", "", "benchmarks:"]
+    lines += [f"  {name:<13} {what}" for name, (_, what) in _BENCHES.items()]
+    return "\n".join(lines)
 
 
 def _generate(argv: list[str]) -> int:
@@ -52,11 +79,13 @@ def _generate(argv: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    usage = "usage: tandem {serve,generate,bench} ...\n  tandem bench {" + ",".join(_BENCHES) + "} ..."
     if not argv or argv[0] in ("-h", "--help"):
-        print(usage)
+        print(_usage())
         return 0 if argv else 2
     cmd, rest = argv[0], argv[1:]
+    if cmd in ("-V", "--version"):
+        print(f"tandem {_version()}")
+        return 0
     if cmd == "serve":
         from tandem.launch.server import main as serve_main
 
@@ -64,13 +93,15 @@ def main(argv: list[str] | None = None) -> int:
     if cmd == "generate":
         return _generate(rest)
     if cmd == "bench":
+        if rest and rest[0] in ("-h", "--help"):
+            print(_bench_usage())
+            return 0
         if not rest or rest[0] not in _BENCHES:
-            print(usage, file=sys.stderr)
+            print(_bench_usage(), file=sys.stderr)
             return 2
-        return int(importlib.import_module(_BENCHES[rest[0]]).main(rest[1:]) or 0)
-    print(usage, file=sys.stderr)
+        return int(importlib.import_module(_BENCHES[rest[0]][0]).main(rest[1:]) or 0)
+    print(f"tandem: unknown command {cmd!r}\n{_usage()}", file=sys.stderr)
     return 2
-
 
 if __name__ == "__main__":
     sys.exit(main())

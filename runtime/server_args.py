@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 import ctypes
 import dataclasses
 import functools
@@ -37,27 +38,35 @@ _CHOICES = {
 @dataclass(frozen=True)
 class ServerArgs:
     model_path: str | None = None  # None = the embedded SmolLM2-135M-Instruct
-    tokenizer_path: str | None = None
-    host: str = "127.0.0.1"
-    port: int = 30000
+    tokenizer_path: str | None = None  # a tokenizer folder or file; None = the model's
+    host: str = "127.0.0.1"  # the address the HTTP server binds
+    port: int = 30000  # the HTTP port
     tp_size: int = 1  # tensor-parallel ranks, one scheduler process each (all nodes together)
     nnodes: int = 1  # machines the tp ranks span: tp_size / nnodes ranks on each
     node_rank: int = 0  # this machine's index; node 0 runs the HTTP server, tokenizer and detokenizer too
     dist_init_addr: str | None = None  # HOST:PORT of torch.distributed's rendezvous (node 0); needed with nnodes > 1
-    dist_timeout: int | None = None  # seconds torch.distributed waits for the ranks (its join and collectives); None: torch's 30 min
-    dtype: str = "auto"  # auto = float32 on CPU, bfloat16 on GPU
+    # seconds torch.distributed waits for the ranks (its join and collectives); None: torch's 30 min
+    dist_timeout: int | None = None
+    dtype: str = "auto"  # auto = bfloat16 on GPU and on CPUs with AMX-BF16, float32 on other CPUs
     device: str = "auto"  # auto = cuda when available
     attention_backend: str = "auto"  # auto = triton on CUDA, cpu (torch + the paged decode op) on CPU
-    kv_cache_dtype: str = "auto"  # one of KV_CACHE_DTYPES
-    max_total_tokens: int | None = None
+    kv_cache_dtype: str = "auto"  # the KV pool's element: auto = the model dtype; fp8: one byte, no scales
+    max_total_tokens: int | None = None  # KV cache slots (tokens); None = --mem-fraction-static of the free memory
+    # the share of free memory the KV pool takes without --max-total-tokens; None = 0.1 of the host's on CPU, 0.85 of a
+    # GPU's
     mem_fraction_static: float | None = None
-    max_running_requests: int = 128
+    max_running_requests: int = 128  # requests decoding at once
+    # waiting requests at most; past it a new one gets a 503 (under priority scheduling it may displace a less urgent
+    # one); None = no cap
     max_queued_requests: int | None = None
-    max_prefill_tokens: int = 8192
+    max_prefill_tokens: int = 8192  # prompt tokens one prefill step takes at most
+    # new tokens of one prefill step, all its prompts together (a longer prompt continues in the next step); -1 = no
+    # chunking
     chunked_prefill_size: int = 2048
-    context_length: int | None = None
+    context_length: int | None = None  # the longest prompt + output; None = the model's
     allow_auto_truncate: bool = False  # SGLang's: a prompt past the context keeps its head, an output too long is cut
-    schedule_policy: str = "fcfs"
+    schedule_policy: str = "fcfs"  # which waiting request goes first: fcfs (arrival) or lpm (longest cached prefix)
+    # SGLang's: a request's `priority` orders the queue; urgent arrivals preempt
     enable_priority_scheduling: bool = False
     disable_priority_preemption: bool = False  # SGLang's: with priority scheduling, urgent arrivals preempt unless set
     schedule_low_priority_values_first: bool = False  # SGLang's: smaller priority values run first
@@ -68,16 +77,16 @@ class ServerArgs:
     # SGLang's: under priority scheduling, the priority of a request that names none (None: the
     # least urgent value); ignored without priority scheduling
     default_priority_value: int | None = None
-    disable_radix_cache: bool = False
+    disable_radix_cache: bool = False  # no prefix caching: every prompt is prefilled whole
     # SGLang's. tandem is deterministic without it on the cpu backend; on the triton backend it
     # makes extend cache- and chunk-invariant too (each new token a decode query: slower prefill)
     enable_deterministic_inference: bool = False
-    disable_overlap_schedule: bool = False
-    request_timeout: float | None = None
-    max_request_bytes: int = 64 * 1024 * 1024
+    disable_overlap_schedule: bool = False  # plan the next batch only after the device finishes this one
+    request_timeout: float | None = None  # seconds a request may wait for admission before a 503; None = no limit
+    max_request_bytes: int = 64 * 1024 * 1024  # an HTTP body or gRPC message larger than this is refused
     max_batch_items: int = 4096  # prompts x n in one /generate call
-    max_top_logprobs_num: int = 20
-    health_generate_timeout: float = 20.0
+    max_top_logprobs_num: int = 20  # top_logprobs_num (and token_ids_logprob's length) at most
+    health_generate_timeout: float = 20.0  # seconds /health_generate waits for its 1-token probe
     watchdog_timeout: float = 300.0  # <= 0: off
     graceful_shutdown_timeout: float = 30.0  # SIGTERM: running requests get this long to finish
     http_read_timeout: float = 30.0  # a request head, and a request body, must arrive within this
@@ -95,22 +104,24 @@ class ServerArgs:
     speculative_num_steps: int | None = None  # STANDALONE: draft steps = num_draft_tokens - 1 (a chain)
     speculative_draft_model_path: str | None = None  # STANDALONE: same tokenizer, its own KV pool
     speculative_disable_batch_size: int | None = None  # more running requests than this: decode plainly
-    speculative_ngram_min_match_window_size: int = 1
-    speculative_ngram_max_match_window_size: int = 12
+    speculative_ngram_min_match_window_size: int = 1  # NGRAM: the shortest suffix looked up in the context
+    speculative_ngram_max_match_window_size: int = 12  # NGRAM: the longest suffix looked up in the context
     grpc_port: int | None = None  # serve SGLang's gRPC service and the gateway's scheduler service here
     chat_template: str | None = None  # a Jinja file overriding the tokenizer's chat template (OpenAI chat)
     reasoning_parser: str | None = None  # deepseek-r1 | qwen3: chat answers carry reasoning_content
-    sampling_defaults: str = "model"  # model: OpenAI chat takes generation_config.json's sampling for fields it omits; openai: the API's
+    # model: OpenAI chat takes generation_config.json's sampling for fields it omits; openai: the API's
+    sampling_defaults: str = "model"
     enable_strict_thinking: bool = False  # allow max_thinking_tokens (a forced end of the reasoning)
+    # a stream sends every k-th token (the first at once); a request's own stream_interval wins
     stream_interval: int = 1
     # SGLang's: each streamed /generate (and Engine) chunk carries only the text, output_ids and output
     # logprobs new since the previous one; off, chunks are cumulative. OpenAI streams are deltas either way.
     incremental_streaming_output: bool = False
     # SGLang's: OpenAI streams end with a usage chunk even when stream_options does not ask for one
     stream_response_default_include_usage: bool = False
-    log_level: str = "info"
+    log_level: str = "info"  # the server's log level
     random_seed: int | None = None  # None: drawn once per launch (launcher.resolve_random_seed), as SGLang's
-    served_model_name: str | None = None
+    served_model_name: str | None = None  # the name /v1/models and /model_info report; None = the model path
 
     def __post_init__(self) -> None:
         self._check_field_types()
@@ -264,12 +275,14 @@ class ServerArgs:
         from tandem.runtime import sglang_flags
 
         parser.add_argument("--config", type=str, default=None, help="TOML preset (flags given here override it)")
+        helps = field_help()
         for f in fields(ServerArgs):
             flags = [_flag(f.name), *_FLAG_ALIASES.get(f.name, ())]
             if f.type in ("bool", bool):
-                parser.add_argument(*flags, action="store_true", default=None, dest=f.name)
+                parser.add_argument(*flags, action="store_true", default=None, dest=f.name, help=helps[f.name])
             else:
-                parser.add_argument(*flags, type=_cli_type(f.type), default=None, dest=f.name)
+                parser.add_argument(*flags, type=_cli_type(f.type), default=None, dest=f.name, help=helps[f.name],
+                                    metavar=f.name.upper())
         sglang_flags.add_args(parser)
 
     @staticmethod
@@ -335,6 +348,38 @@ def cuda_available() -> bool:
         return False
     count = ctypes.c_int(0)
     return libcuda.cuInit(0) == 0 and libcuda.cuDeviceGetCount(ctypes.byref(count)) == 0 and count.value > 0
+
+
+def field_help() -> dict[str, str]:
+    """Each field's --help line: the comment written at the field (beside it, or on the lines just
+    above it), then its default and its choices, so the one ServerArgs definition documents the CLI."""
+    comments = _field_comments()
+    out = {}
+    for f in fields(ServerArgs):
+        default = "off" if f.default is False else f.default
+        tail = f"default: {default}"
+        if f.name in _CHOICES:
+            tail += "; one of " + ", ".join(str(c) for c in _CHOICES[f.name])
+        text = comments.get(f.name, "")
+        out[f.name] = (f"{text} ({tail})" if text else tail).replace("%", "%%")
+    return out
+
+
+def _field_comments() -> dict[str, str]:
+    import inspect
+
+    comments: dict[str, str] = {}
+    above: list[str] = []
+    for line in inspect.getsource(ServerArgs).splitlines()[1:]:
+        stripped = line.strip()
+        if stripped.startswith("#"):
+            above.append(stripped.lstrip("# ").strip())
+            continue
+        match = re.match(r"\s{4}(\w+):[^#]*(?:#\s*(.*))?$", line)
+        if match and not stripped.startswith(("def ", "@")):
+            comments[match.group(1)] = " ".join([*above, match.group(2) or ""]).strip()
+        above = []
+    return comments
 
 
 def _flag(name: str) -> str:
