@@ -37,10 +37,12 @@ def usage(results: list[dict], n: int) -> dict[str, Any]:
             "prompt_tokens_details": {"cached_tokens": sum(m.get("cached_tokens", 0) for m in metas[::max(n, 1)])}}
 
 
-def _counts(prompt: int, metas: list[dict]) -> dict[str, int]:
+def _counts(prompt: int, metas: list[dict]) -> dict[str, Any]:
+    """SGLang's top-level reasoning_tokens, and OpenAI's completion_tokens_details beside it."""
     completion = sum(m["completion_tokens"] for m in metas)
+    reasoning = sum(m.get("reasoning_tokens", 0) for m in metas)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "reasoning_tokens": sum(m.get("reasoning_tokens", 0) for m in metas)}
+            "reasoning_tokens": reasoning, "completion_tokens_details": {"reasoning_tokens": reasoning}}
 
 
 def _chat_logprobs(meta: dict, start: int = 0) -> dict[str, Any]:
@@ -86,12 +88,13 @@ def response(req: OpenAIRequest, results: list[dict], n: int) -> dict[str, Any]:
         meta = r["meta_info"]
         reason, matched = _finish(meta)
         if req.kind == "chat":
-            # SGLang's message always carries these keys (null here): clients read them unguarded
+            # SGLang's message always carries these keys (null here): clients read them unguarded;
+            # `reasoning` is vLLM's name for reasoning_content (its clients read that one)
             message: dict[str, Any] = {"role": "assistant", "content": r["text"], "reasoning_content": None,
-                                       "tool_calls": None}
+                                       "reasoning": None, "tool_calls": None}
             if req.reasoning is not None:
                 reasoning, content = req.reasoning.split(r["text"])
-                message.update(content=content, reasoning_content=reasoning or None)
+                message.update(content=content, reasoning_content=reasoning or None, reasoning=reasoning or None)
             choice = {"index": i, "message": message, "logprobs": _chat_logprobs(meta) if req.logprobs else None}
         else:
             echo = req.echo_texts[i // max(n, 1)] if req.echo_texts else ""
@@ -173,7 +176,7 @@ class _ChatStream:
             splitter = self.splitters.setdefault(i, StreamSplitter(self.req.reasoning))
             reasoning, delta_text = splitter.feed(item["text"], reason is not None, aborted=reason == "abort")
             if reasoning:  # the think end inside this step's text: one delta each, as SGLang's
-                deltas.append({"reasoning_content": reasoning})
+                deltas.append({"reasoning_content": reasoning, "reasoning": reasoning})  # SGLang's and vLLM's names
         if delta_text:
             deltas.append({"content": delta_text})
         for delta in deltas:  # the step's logprobs go with its first delta, as SGLang's

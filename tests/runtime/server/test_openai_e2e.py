@@ -235,7 +235,8 @@ def test_the_responses_api_answers_as_chat_on_instructions_then_input(client, sm
 
 def test_reasoning_content_is_split_off_whole_and_streamed(servers):
     """--reasoning-parser qwen3 on a tiny model whose answer a regex forces into
-    `<think>...</think>answer`: reasoning_content and content, the same when streamed."""
+    `<think>...</think>answer`: reasoning_content (and vLLM's `reasoning`) and content, the same
+    when streamed."""
     server = servers("tiny_reasoning")
     body = {"model": "m", "messages": CHAT, "temperature": 0, "max_tokens": 60,
             "regex": r"<think>[a-z]{4,12} [a-z]{4,12}</think>[A-Z][a-z]{3,10}",
@@ -243,6 +244,7 @@ def test_reasoning_content_is_split_off_whole_and_streamed(servers):
     whole = server.post("/v1/chat/completions", body).json()["choices"][0]["message"]
     assert whole["reasoning_content"] and " " in whole["reasoning_content"] and "<" not in whole["reasoning_content"]
     assert whole["content"][:1].isupper() and "<" not in whole["content"]
+    assert whole["reasoning"] == whole["reasoning_content"]  # vLLM's name beside SGLang's
     raw = server.post("/v1/chat/completions", {**body, "separate_reasoning": False}).json()["choices"][0]["message"]
     assert raw["content"] == f"<think>{whole['reasoning_content']}</think>{whole['content']}"
     assert raw.get("reasoning_content") is None
@@ -251,6 +253,7 @@ def test_reasoning_content_is_split_off_whole_and_streamed(servers):
               if line.startswith("data: ") and line != "data: [DONE]"]
     deltas = [e["choices"][0]["delta"] for e in events]
     assert "".join(d.get("reasoning_content", "") for d in deltas) == whole["reasoning_content"]
+    assert all(d.get("reasoning") == d.get("reasoning_content") for d in deltas)
     assert "".join(d.get("content") or "" for d in deltas) == whole["content"]
     bad = server.post("/v1/chat/completions", {**body, "separate_reasoning": "yes"})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "separate_reasoning"

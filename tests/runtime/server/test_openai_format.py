@@ -28,6 +28,7 @@ def test_response_shapes_and_usage_count_each_prompt_once():
     # two prompts, n = 2 for the first only in this toy; prompts counted at choices 0 and 2
     out = oar.response(req, results, 2)
     assert out["usage"] == {"prompt_tokens": 12, "completion_tokens": 6, "total_tokens": 18, "reasoning_tokens": 0,
+                            "completion_tokens_details": {"reasoning_tokens": 0},
                             "prompt_tokens_details": {"cached_tokens": 2}}
     first = out["choices"][0]
     assert first["text"] == "pab" and first["finish_reason"] == "stop" and first["matched_stop"] == "\n"
@@ -43,7 +44,7 @@ def test_response_shapes_and_usage_count_each_prompt_once():
     chat = oar.response(_chat({"messages": [{"role": "user", "content": "x"}], "logprobs": True}), results[:1], 1)
     # SGLang's message always has reasoning_content and tool_calls (null): clients read them unguarded
     assert chat["choices"][0]["message"] == {"role": "assistant", "content": "ab", "reasoning_content": None,
-                                             "tool_calls": None}
+                                             "reasoning": None, "tool_calls": None}
     assert chat["choices"][0]["logprobs"]["content"][0] == {"token": "a", "logprob": -0.5, "bytes": [97],
                                                             "top_logprobs": [{"token": "a", "logprob": -0.5,
                                                                               "bytes": [97]},
@@ -226,7 +227,7 @@ def test_a_step_that_crosses_the_think_end_streams_reasoning_then_content_as_two
         return [(c["choices"][0]["delta"], c["choices"][0]["finish_reason"])
                 async for c in oar.stream_chunks(req, stream, 1)]
 
-    assert asyncio.run(collect()) == [({"role": "assistant", "content": ""}, None), ({"reasoning_content": "ab"}, None),
+    assert asyncio.run(collect()) == [({"role": "assistant", "content": ""}, None), ({"reasoning_content": "ab", "reasoning": "ab"}, None),
                                       ({"content": "cd"}, None), ({"content": "e"}, None), ({}, "length")]
 
 
@@ -262,10 +263,10 @@ def test_stream_reasoning_false_sends_the_reasoning_in_one_chunk():
 
     assert chunks(result("a", 0, completion=1), result("ab", 0, completion=2), result("ab</think>c", 0, completion=2),
                   result("ab</think>cd", 0, completion=2, finish={"type": "length"})) == [
-        ({"role": "assistant", "content": ""}, None, None), ({"reasoning_content": "ab"}, None, 2),
+        ({"role": "assistant", "content": ""}, None, None), ({"reasoning_content": "ab", "reasoning": "ab"}, None, 2),
         ({"content": "c"}, None, None), ({"content": "d"}, None, None), ({}, "length", None)]
     assert chunks(result("a", 0, completion=1), result("ab", 0, completion=2, finish={"type": "length"})) == [
-        ({"role": "assistant", "content": ""}, None, None), ({"reasoning_content": "ab"}, None, 2),
+        ({"role": "assistant", "content": ""}, None, None), ({"reasoning_content": "ab", "reasoning": "ab"}, None, 2),
         ({}, "length", None)]
     assert chunks(result("a", 0, completion=1), result("ab", 0, completion=2, finish={"type": "abort"})) == [
         ({"role": "assistant", "content": ""}, None, None), ({}, "abort", 2)]
