@@ -62,6 +62,8 @@ def native_service_request(req: Any, limits: RequestLimits, *, text: bool) -> Gr
         body["return_text_in_logprobs"] = req.return_text_in_logprobs
     if req.HasField("lora_path") and req.lora_path:
         raise ValidationError("lora_path", "is not supported by this server")
+    if req.HasField("session_id") and req.session_id:
+        raise ValidationError("session_id", "sessions are not supported by this server")
     if req.HasField("disaggregated_params") and req.disaggregated_params.ByteSize():
         raise ValidationError("disaggregated_params", "prefill/decode disaggregation is not supported by this server")
     if req.HasField("routed_dp_rank") and req.routed_dp_rank != 0:  # as the gateway service's data_parallel_rank
@@ -93,7 +95,7 @@ def _native_sampling(sp: Any, renames: dict[str, str]) -> dict[str, Any]:
             raise ValidationError(f"{where}.{kind}", f"cannot be combined with the deprecated "
                                                      f"sampling_params.{legacy[0]}; give one constraint")
         value = getattr(sp.guided_decoding, kind)
-        out[kind] = list(value.choices) if kind == "choice" else value
+        out[kind] = list(value.values) if kind == "choice" else value
         renames.update({k: f"{where}.{k}" for k in _GUIDED})
         if kind == "choice":
             renames["regex"] = f"{where}.choice"  # a choice is validated as the regex it becomes

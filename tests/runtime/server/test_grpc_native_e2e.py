@@ -18,19 +18,20 @@ from tandem.runtime.server.proto import sglang_pb2 as pb
 pytestmark = pytest.mark.timeout(600)
 SERVICE = "/sglang.runtime.v1.SglangService/"
 
-# The seed's numbers (SamplingParams.seed = 16, guided_decoding = 17, a ChoiceConstraint), in a
-# package of its own so both descriptor sets live in one process: only numbers go on the wire.
+# SGLang's numbers and types (SamplingParams.seed = 16, guided_decoding = 17, ChoiceConstraint.values,
+# GenerateRequest's session_id 12 ... max_thinking_tokens 16 as uint32), written out here in a package
+# of its own, so an SGLang client's bytes are what reach the server: only numbers go on the wire.
 SEED_PROTO = """
 syntax = "proto3";
 package seedcheck.v1;
-message ChoiceConstraint { repeated string choices = 1; }
+message ChoiceConstraint { repeated string values = 1; }
 message GuidedDecoding { oneof constraint { string json_schema = 1; string regex = 2; string ebnf = 3;
                                             ChoiceConstraint choice = 4; string structural_tag = 5; } }
 message SamplingParams { optional float temperature = 1; optional int32 max_new_tokens = 8; optional int32 n = 13;
                          optional int64 seed = 16; optional GuidedDecoding guided_decoding = 17; }
 message GenerateRequest { repeated int32 input_ids = 1; optional SamplingParams sampling_params = 2;
-                          optional bool stream = 3; optional int32 priority = 13; optional bool require_reasoning = 14;
-                          optional int32 max_thinking_tokens = 15; }
+                          optional bool stream = 3; optional string session_id = 12; optional int32 priority = 14;
+                          optional bool require_reasoning = 15; optional uint32 max_thinking_tokens = 16; }
 message GenerateResponse { repeated int32 output_ids = 1; map<string, string> meta_info = 2; bool finished = 3; }
 """
 
@@ -98,7 +99,7 @@ def test_seed_fields_by_number(channel, seed_pb):
     other = run(sampling_params=seed_pb.SamplingParams(temperature=1.0, max_new_tokens=8, seed=43))
     assert list(other[0].output_ids) != list(first[0].output_ids)
     choices = ["a.b", "c|d", "(x)"]
-    guided = seed_pb.GuidedDecoding(choice=seed_pb.ChoiceConstraint(choices=choices))
+    guided = seed_pb.GuidedDecoding(choice=seed_pb.ChoiceConstraint(values=choices))
     outs = run(sampling_params=seed_pb.SamplingParams(temperature=1.0, max_new_tokens=16, n=3, seed=1,
                                                       guided_decoding=guided))
     assert sorted(int(o.meta_info["index"]) for o in outs) == [0, 1, 2]

@@ -35,7 +35,7 @@ def test_only_set_fields_are_forwarded():
     (pb.GuidedDecoding(json_schema='{"type": "object"}'), {"json_schema": '{"type": "object"}'}),
     (pb.GuidedDecoding(regex="a+"), {"regex": "a+"}),
     (pb.GuidedDecoding(ebnf='root ::= "x"'), {"ebnf": 'root ::= "x"'}),
-    (pb.GuidedDecoding(choice=pb.ChoiceConstraint(choices=["a.b", "c|d"])), {"choice": ["a.b", "c|d"]}),
+    (pb.GuidedDecoding(choice=pb.ChoiceConstraint(values=["a.b", "c|d"])), {"choice": ["a.b", "c|d"]}),
     (pb.GuidedDecoding(structural_tag="{}"), {"structural_tag": "{}"}),
 ])
 def test_each_guided_kind(guided, native):
@@ -167,9 +167,41 @@ def test_scheduler_request_refuses_what_the_server_lacks(req, field):
 @pytest.mark.parametrize("kw, field", [
     ({"disaggregated_params": pb.DisaggregatedParams(bootstrap_host="h", bootstrap_room=3)}, "disaggregated_params"),
     ({"routed_dp_rank": 3}, "routed_dp_rank"),
+    ({"session_id": "s1"}, "session_id"),
+    ({"lora_path": "adapter"}, "lora_path"),
 ])
 def test_native_request_refuses_what_the_gateway_service_refuses(kw, field):
     with pytest.raises(ValidationError) as err:
         native_service_request(pb.TextGenerateRequest(text="x", **kw), LIMITS, text=True)
     assert err.value.field == field
     assert native_service_request(pb.TextGenerateRequest(text="x", routed_dp_rank=0), LIMITS, text=True).native
+
+
+# SGLang's field numbers and types on main (proto/sglang/runtime/v1/sglang.proto; its Rust
+# request_utils.rs reads these fields): an SGLang client's bytes must mean the same here
+SGLANG_NUMBERS = {
+    "TextGenerateRequest": {"session_id": (13, "string"), "disaggregated_params": (14, "message"),
+                            "priority": (15, "int32"), "require_reasoning": (16, "bool"),
+                            "max_thinking_tokens": (17, "uint32")},
+    "GenerateRequest": {"session_id": (12, "string"), "disaggregated_params": (13, "message"),
+                        "priority": (14, "int32"), "require_reasoning": (15, "bool"),
+                        "max_thinking_tokens": (16, "uint32")},
+    "ChoiceConstraint": {"values": (1, "string")},
+}
+_TYPE_NAMES = {9: "string", 11: "message", 5: "int32", 8: "bool", 13: "uint32"}
+
+
+@pytest.mark.parametrize("message", sorted(SGLANG_NUMBERS))
+def test_the_proto_has_sglangs_field_numbers_and_types(message):
+    fields = getattr(pb, message).DESCRIPTOR.fields_by_name
+    got = {name: (fields[name].number, _TYPE_NAMES[fields[name].type]) for name in SGLANG_NUMBERS[message]}
+    assert got == SGLANG_NUMBERS[message]
+
+
+def test_an_sglang_clients_priority_bytes_arrive_as_priority():
+    """Hand-encoded as SGLang's client writes GenerateRequest: input_ids [7] (field 1, packed),
+    priority 3 (field 14, varint), max_thinking_tokens 5 (field 16, varint)."""
+    key_16 = (16 << 3) | 0  # 128: a two-byte varint
+    wire = bytes([(1 << 3) | 2, 1, 7, (14 << 3) | 0, 3, key_16 & 0x7F | 0x80, key_16 >> 7, 5])
+    body = native_service_request(pb.GenerateRequest.FromString(wire), LIMITS, text=False).native
+    assert body == {"input_ids": [7], "priority": 3, "sampling_params": {"max_thinking_tokens": 5}}
