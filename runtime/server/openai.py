@@ -16,6 +16,7 @@ from typing import Any, Callable
 
 import orjson
 
+from tandem.runtime.server.openai_vllm import apply_vllm_fields
 from tandem.runtime.server.openai_response_format import response_format_constraint
 from tandem.runtime.reasoning import ReasoningParser
 from tandem.runtime.value_checks import ValidationError, is_int
@@ -387,4 +388,5 @@ def _sampling(body: dict, req: OpenAIRequest, default_max_tokens: int | None) ->
     if body.get("response_format") is not None and (constraint := response_format_constraint(body["response_format"])):
         kind, sp[kind] = constraint
         req.renames[kind] = "response_format"
+    apply_vllm_fields(body, sp, req.renames)
     return sp
