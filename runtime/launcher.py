@@ -12,13 +12,14 @@ import time
 from multiprocessing.process import BaseProcess
 
 from tandem.ipc.sockets import IPCAddresses
-from tandem.runtime.process import ParentWatch, node_tp_ranks
+from tandem.runtime.process import ParentWatch, node_tp_ranks, set_title
 from tandem.runtime.server_args import ServerArgs
 
 READY_TIMEOUT_S = 600.0
 
 
 def _scheduler_main(args: ServerArgs, addrs: IPCAddresses, parent_pid: int, tp_rank: int) -> None:
+    set_title("scheduler" if args.tp_size == 1 else f"scheduler_tp{tp_rank}")
     watch = ParentWatch(parent_pid, addrs)
     # imported in the child only: the main process never imports torch or model code
     from tandem.runtime.scheduler.scheduler import run_scheduler_process
@@ -27,6 +28,7 @@ def _scheduler_main(args: ServerArgs, addrs: IPCAddresses, parent_pid: int, tp_r
 
 
 def _detokenizer_main(args: ServerArgs, addrs: IPCAddresses, parent_pid: int) -> None:
+    set_title("detokenizer")
     watch = ParentWatch(parent_pid, addrs)
     from tandem.runtime.detokenizer import run_detokenizer_process
 

@@ -1,5 +1,5 @@
-"""What a child process (scheduler, detokenizer) runs on its side of the launcher: the watch on
-its parent, and which tensor-parallel ranks its node runs.
+"""What a child process (scheduler, detokenizer) runs on its side of the launcher: its title, the
+watch on its parent, and which tensor-parallel ranks its node runs.
 
 Children never outlive the main process: on Linux the kernel sends them SIGUSR1 when it dies
 (PR_SET_PDEATHSIG; a signal nothing else sends them, so the handler knows what happened without
@@ -47,3 +47,11 @@ def node_tp_ranks(args: ServerArgs) -> range:
     """The tensor-parallel ranks this node runs: tp_size / nnodes consecutive ones."""
     per_node = args.tp_size // args.nnodes
     return range(args.node_rank * per_node, (args.node_rank + 1) * per_node)
+
+
+def set_title(role: str) -> None:
+    """`tandem::<role>` in ps, top and /proc/<pid>/cmdline (SGLang's sglang::scheduler form), so a
+    person can tell the processes apart."""
+    import setproctitle
+
+    setproctitle.setproctitle(f"tandem::{role}")

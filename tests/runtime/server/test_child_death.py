@@ -244,14 +244,16 @@ def test_a_signal_during_the_startup_stops_it_at_once(tmp_path, tiny_model_dir):
 
 
 def _spawned_children(parent: int) -> list[int]:
-    """The multiprocessing children of `parent` (not its resource tracker)."""
+    """The multiprocessing children of `parent` (not its resource tracker): spawned, or already
+    titled tandem::<role>."""
     found = []
     for entry in os.listdir("/proc"):
         try:
             with open(f"/proc/{entry}/stat") as f:
                 ppid = int(f.read().rsplit(")", 1)[1].split()[1])
             with open(f"/proc/{entry}/cmdline", "rb") as f:
-                spawned = b"spawn_main" in f.read()
+                cmdline = f.read()
+            spawned = b"spawn_main" in cmdline or cmdline.startswith(b"tandem::")
         except (OSError, ValueError, IndexError):
             continue
         if ppid == parent and spawned:
