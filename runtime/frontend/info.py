@@ -40,6 +40,7 @@ async def server_info(tm: TokenizerManager) -> dict[str, Any]:
                                 **({"avg_spec_accept_length": info["avg_spec_accept_length"]}
                                    if "avg_spec_accept_length" in info else {})}]
     info["version"] = VERSION
+    info["weight_version"] = WEIGHT_VERSION  # SGLang's: the version of the weights served (none updated yet)
     return info
 
 
