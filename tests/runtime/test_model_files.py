@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+from pathlib import Path
 
 import pytest
 
@@ -74,3 +75,27 @@ def test_each_checkpoint_path_is_checked_naming_its_own_flag(tiny_model_dir):
         model_files.check_model_paths(model, None, "/nonexistent")
     with pytest.raises(FileNotFoundError, match="^--model-path '/nonexistent' does not exist"):
         model_files.check_model_paths("/nonexistent", model)
+
+
+def test_a_hugging_face_id_resolves_from_the_local_cache_never_the_network(tmp_path, monkeypatch, tiny_model_dir):
+    """`--model-path org/name` takes the snapshot in the local cache (HF_HUB_CACHE here), keeps the
+    id as the served name, and an id not cached is refused with how to fetch it."""
+    import shutil
+
+    from tandem.runtime.server_args import ServerArgs
+
+    repo = tmp_path / "hub" / "models--acme--tiny"
+    snapshot = repo / "snapshots" / "0123abcd"
+    shutil.copytree(tiny_model_dir("llama"), snapshot)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("0123abcd")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # and were it to try the network, it could not
+    args = model_files.local_checkpoints(ServerArgs(model_path="acme/tiny", tokenizer_path="acme/tiny"))
+    assert Path(args.model_path) == snapshot and Path(args.tokenizer_path) == snapshot
+    assert args.served_model_name == "acme/tiny"
+    local = tiny_model_dir("llama")
+    assert model_files.local_checkpoints(ServerArgs(model_path=local)).model_path == local
+    with pytest.raises(FileNotFoundError, match="hf download acme/missing") as err:
+        model_files.local_checkpoints(ServerArgs(model_path="acme/missing"))
+    assert "--model-path" in str(err.value)
