@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from tandem.ipc.messages import FinishReason
 from tandem.runtime.grammar.backend import GrammarBackend
-from tandem.runtime.scheduler.request import Req
+from tandem.runtime.scheduler.request import Req, abort_prefixes
 
 
 @dataclass
@@ -92,7 +92,7 @@ class GrammarQueue:
         return ready, failed
 
     def take(self, group_prefixes: list[str], abort_all: bool) -> list[Req]:
-        prefixes = ("",) if abort_all else tuple(p for p in group_prefixes if p)
+        prefixes = abort_prefixes(group_prefixes, abort_all)
         if not prefixes:
             return []
         taken = [w.req for w in self._waiting if w.req.rid.startswith(prefixes)]

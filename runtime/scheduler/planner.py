@@ -20,7 +20,7 @@ from tandem.runtime.scheduler.forward_worker import SpecInfo
 from tandem.runtime.scheduler.kv_manager import KVManager
 from tandem.runtime.scheduler.policy import SchedulePolicy
 from tandem.runtime.scheduler.prefill_adder import ChunkedReq, PrefillAdder, decode_reserve
-from tandem.runtime.scheduler.request import Req
+from tandem.runtime.scheduler.request import Req, abort_prefixes
 
 logger = logging.getLogger("tandem.scheduler")
 
@@ -128,12 +128,9 @@ class Planner:
     def take(self, group_prefixes: list[str], abort_all: bool) -> list[Req]:
         """Remove and return every choice of the given groups (internal group prefixes), or
         everything; one pass over each queue however many requests match."""
-        if abort_all:
-            prefixes: tuple[str, ...] = ("",)
-        else:
-            prefixes = tuple(p for p in group_prefixes if p)
-            if not prefixes:
-                return []
+        prefixes = abort_prefixes(group_prefixes, abort_all)
+        if not prefixes:
+            return []
         taken = [r for r in self.waiting + self.running if r.rid.startswith(prefixes)]
         if taken:
             gone = set(map(id, taken))

@@ -159,3 +159,9 @@ class Req:
         hist = self.spec_accept_histogram
         hist.extend([0] * (accepted + 1 - len(hist)))
         hist[accepted] += 1
+
+
+def abort_prefixes(group_prefixes: list[str], abort_all: bool) -> tuple[str, ...]:
+    """The rid prefixes an AbortReq names: every request for abort_all, else each group's choices
+    (`{group}_{i}`); empty prefixes name nothing. A request is aborted when its rid starts with one."""
+    return ("",) if abort_all else tuple(p for p in group_prefixes if p)
