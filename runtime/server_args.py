@@ -33,6 +33,7 @@ _CHOICES = {
     "reasoning_parser": (None, *PARSERS),
     "sampling_defaults": ("model", "openai"),
     "log_level": ("debug", "info", "warning", "error", "critical"),
+    "log_requests_level": (0, 1, 2, 3),
 }
 
 @dataclass(frozen=True)
@@ -120,6 +121,9 @@ class ServerArgs:
     # SGLang's: OpenAI streams end with a usage chunk even when stream_options does not ask for one
     stream_response_default_include_usage: bool = False
     log_level: str = "info"  # the server's log level
+    log_requests: bool = False  # SGLang's: a log line per finished request, at --log-requests-level
+    # SGLang's: 0 and 1 what it was and how it ended, 2 also its output cut at 2048 chars, 3 its whole output
+    log_requests_level: int = 2
     random_seed: int | None = None  # None: drawn once per launch (launcher.resolve_random_seed), as SGLang's
     served_model_name: str | None = None  # the name /v1/models and /model_info report; None = the model path
 
@@ -131,7 +135,7 @@ class ServerArgs:
                 object.__setattr__(self, name, aliases.get(value, value))
         for name, allowed in _CHOICES.items():
             if getattr(self, name) not in allowed:
-                shown = ", ".join("none" if a is None else a for a in allowed)
+                shown = ", ".join("none" if a is None else str(a) for a in allowed)
                 raise ValueError(f"{_flag(name)}: {getattr(self, name)!r} is not one of {shown}")
         checks = {
             "chunked_prefill_size": self.chunked_prefill_size > 0 or self.chunked_prefill_size == -1,

@@ -27,7 +27,6 @@ IGNORED: dict[str, tuple[bool, str]] = {
     "--disable-custom-all-reduce": (False, "tensor parallelism uses torch.distributed's all-reduce"),
     "--enable-p2p-check": (False, "tensor parallelism uses torch.distributed"),
     "--decode-log-interval": (True, "tandem logs decode batches at its own interval"),
-    "--log-requests": (False, "tandem does not log request bodies"),
     "--enable-fp32-lm-head": (False, "tandem's LM head always computes fp32 logits (fp32 sums over the hidden state)"),
     "--priority-preemption": (False, "tandem's old flag: preemption is now the default with priority scheduling"),
 }

@@ -30,6 +30,7 @@ from tandem.runtime.frontend.control_replies import ControlReplies
 from tandem.runtime.envs import envs
 from tandem.runtime.launcher import READY_TIMEOUT_S, dead_child, spawn_children, stop_children
 from tandem.runtime.model_files import chat_sampling_defaults, resolve_model_path
+from tandem.runtime.frontend.request_log import finish_line
 from tandem.runtime.frontend.request_groups import (Call, CallStream, ChoiceState, ClientDisconnected, RequestError,
                                             RequestGroup)
 from tandem.runtime.sampling.logprob_format import LogprobFormatOptions, LogprobFormatter
@@ -384,6 +385,8 @@ class TokenizerManager:
                 del self.choices[rid]
                 if counted:
                     self._count_finish(c, c.finish_reason.type, now)
+                if self.args.log_requests:
+                    logger.info(finish_line(c, self.args.log_requests_level))
             c.version += 1
             c.group.call.changed.set()
 
