@@ -35,26 +35,32 @@ class NativeService:
         self.auth = auth
 
     async def TextGenerate(self, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-        async for result in self._generate(request, text=True):
-            yield pb.TextGenerateResponse(text=result["text"], meta_info=_meta(result),
-                                          finished=result["meta_info"]["finish_reason"] is not None)
+        async for result, finished in self._generate(request, text=True):
+            yield pb.TextGenerateResponse(text=result["text"], meta_info=_meta(result), finished=finished)
 
     async def Generate(self, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-        async for result in self._generate(request, text=False):
-            yield pb.GenerateResponse(output_ids=result["output_ids"], meta_info=_meta(result),
-                                      finished=result["meta_info"]["finish_reason"] is not None)
+        async for result, finished in self._generate(request, text=False):
+            yield pb.GenerateResponse(output_ids=result["output_ids"], meta_info=_meta(result), finished=finished)
 
-    async def _generate(self, request: Any, text: bool) -> AsyncIterator[dict]:
+    async def _generate(self, request: Any, text: bool) -> AsyncIterator[tuple[dict, bool]]:
+        """Each choice's results with SGLang's `finished` (#32588): true on one message only, the
+        last of the call, once every choice of n is done; a client that stops at the first
+        `finished` has every choice."""
         req = native_service_request(request, self.tm.limits, text=text)
         stream = req.native.get("stream", False)
+        n = (req.native.get("sampling_params") or {}).get("n") or 1
         last: dict[int, dict] = {}
+        done: set[int] = set()
         async for result in native_results(self.tm, req):
+            index = result.get("index", 0)
             if stream:
-                yield result
+                if result["meta_info"]["finish_reason"] is not None:
+                    done.add(index)
+                yield result, len(done) == n and result["meta_info"]["finish_reason"] is not None
             else:
-                last[result.get("index", 0)] = result
-        for index in sorted(last):
-            yield last[index]
+                last[index] = result
+        for k, index in enumerate(sorted(last)):
+            yield last[index], k == len(last) - 1
 
     async def HealthCheck(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         """Healthy when a one-token generation goes through every process in time."""

@@ -84,6 +84,21 @@ def test_greedy_generate_equals_http_and_text_generate(channel, grpc_server):
     assert all(list(a.output_ids) == list(b.output_ids)[:len(a.output_ids)] for a, b in zip(streamed, streamed[1:]))
 
 
+def test_n_choices_end_with_one_finished_message_as_sglangs(channel):
+    """SGLang's #32588: with n > 1 `finished` is set on one message only, the call's last, once
+    every choice is done (streamed), or on the last choice's message (not streamed): a client
+    that stops at the first `finished` has every choice."""
+    sp = pb.SamplingParams(temperature=0.8, max_new_tokens=12, n=2, seed=7, ignore_eos=True)
+    whole = generate(channel, input_ids=[5, 6, 7], sampling_params=sp)
+    assert len(whole) == 2 and [m.finished for m in whole] == [False, True]
+    streamed = generate(channel, input_ids=[5, 6, 7], sampling_params=sp, stream=True)
+    assert [m.finished for m in streamed].count(True) == 1 and streamed[-1].finished
+    finals = {}
+    for m in streamed:
+        finals[json.loads(m.meta_info.get("index", "0"))] = list(m.output_ids)
+    assert sorted(len(ids) for ids in finals.values()) == [12, 12]
+
+
 def test_seed_fields_by_number(channel, seed_pb):
     """A client that knows only the seed's numbers: seeds reproduce, choices (regex
     metacharacters included) constrain, n > 1 answers per index, priority is accepted."""
