@@ -1,4 +1,4 @@
-"""The torch forms of the elementwise ops: what the cpu and torch paths serve (runtime/model/ops.py
+"""The torch forms of the elementwise ops and the grammar mask: what the cpu and torch paths serve (runtime/model/ops.py
 TorchOps calls them) and what the Triton kernels are checked against. Torch only, no triton."""
 from __future__ import annotations
 
@@ -33,3 +33,13 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.float().chunk(2, dim=-1)
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+
+
+def apply_token_bitmask_ref(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> None:
+    """In place: rows `rows` of `logits` get -inf where their packed int32 bitmask row has a 0 bit."""
+    vocab = logits.shape[1]
+    shifts = torch.arange(32, device=bitmask.device, dtype=torch.int32)
+    allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).reshape(bitmask.shape[0], bitmask.shape[1] * 32)
+    allowed = allowed[:, :vocab].bool()
+    selected = logits[rows]
+    logits[rows] = selected.masked_fill(~allowed, float("-inf"))

@@ -13,15 +13,6 @@ import triton.language as tl
 from tandem.kernels._checks import INDEX_DTYPES, check_same_device, check_tensor
 
 
-def apply_token_bitmask_ref(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> None:
-    vocab = logits.shape[1]
-    shifts = torch.arange(32, device=bitmask.device, dtype=torch.int32)
-    allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).reshape(bitmask.shape[0], bitmask.shape[1] * 32)
-    allowed = allowed[:, :vocab].bool()
-    selected = logits[rows]
-    logits[rows] = selected.masked_fill(~allowed, float("-inf"))
-
-
 @triton.jit
 def _apply_token_bitmask_kernel(Logits, Bitmask, Rows, stride_l, stride_b, vocab,
                                 BLOCK: tl.constexpr):

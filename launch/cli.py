@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import sys
 
 # name -> (module, what it measures)
@@ -29,9 +30,24 @@ def _version() -> str:
     from importlib.metadata import PackageNotFoundError, version
 
     try:
-        return version("tandem")
+        return version("tandem-serve")
     except PackageNotFoundError:
         return "unknown (not installed)"
+
+
+# what a benchmark imports beyond the core install (the `bench` extra has them all)
+_BENCH_NEEDS = {"serving": ("aiohttp",), "soak": ("aiohttp",), "logprobs": ("aiohttp",), "offline": ("accelerate",)}
+
+
+def _missing(bench: str, argv: list[str]) -> list[str]:
+    """The packages `bench` needs that are not installed; checked before it starts, so a run does
+    not fail minutes in and lose what it measured."""
+    needs = _BENCH_NEEDS.get(bench, ())
+    if bench == "offline" and "--skip-transformers" in argv:
+        needs = ()
+    if "--plot" in argv:
+        needs = (*needs, "matplotlib")
+    return [name for name in needs if importlib.util.find_spec(name) is None]
 
 
 def _usage() -> str:
@@ -98,6 +114,10 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if not rest or rest[0] not in _BENCHES:
             print(_bench_usage(), file=sys.stderr)
+            return 2
+        if missing := _missing(rest[0], rest[1:]):
+            print(f"tandem bench {rest[0]} needs {', '.join(missing)}: pip install 'tandem-serve[bench]'",
+                  file=sys.stderr)
             return 2
         return int(importlib.import_module(_BENCHES[rest[0]][0]).main(rest[1:]) or 0)
     print(f"tandem: unknown command {cmd!r}\n{_usage()}", file=sys.stderr)

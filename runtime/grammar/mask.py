@@ -46,10 +46,12 @@ class GrammarMask:
         rows = torch.tensor(self.sample_indices if logit_rows is None else logit_rows, dtype=torch.int64,
                             device=logits.device)
         bitmask = self._bitmask
-        from tandem.kernels import token_bitmask  # lazy: imports triton
-
         if logits.is_cuda:
+            from tandem.kernels import token_bitmask  # lazy: imports triton, which CPU installs lack
+
             token_bitmask.apply_token_bitmask(masked, bitmask, rows)
         else:
-            token_bitmask.apply_token_bitmask_ref(masked, bitmask, rows)
+            from tandem.kernels.reference import apply_token_bitmask_ref
+
+            apply_token_bitmask_ref(masked, bitmask, rows)
         return masked

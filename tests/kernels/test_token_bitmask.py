@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tandem.kernels.token_bitmask import apply_token_bitmask, apply_token_bitmask_ref
+from tandem.kernels.reference import apply_token_bitmask_ref
+from tandem.kernels.token_bitmask import apply_token_bitmask
 
 
 def _random_case(n: int, b: int, vocab: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

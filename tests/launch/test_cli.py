@@ -31,7 +31,7 @@ def test_bench_help_describes_every_benchmark(capsys):
 def test_version_is_the_installed_distributions(capsys):
     from importlib.metadata import version
 
-    assert main(["--version"]) == 0 and capsys.readouterr().out == f"tandem {version('tandem')}\n"
+    assert main(["--version"]) == 0 and capsys.readouterr().out == f"tandem {version('tandem-serve')}\n"
 
 
 def test_every_serve_flag_has_help_with_its_default_and_choices():
@@ -70,3 +70,12 @@ def test_generate_prints_transformers_greedy_text(tiny_model_dir, capsys):
         want = want[:want.index(tok.eos_token_id)]
     assert main(["generate", "hello world", "--model-path", path, "--max-new-tokens", "6", "--dtype", "float32"]) == 0
     assert capsys.readouterr().out == tok.decode(want, skip_special_tokens=True) + "\n"
+
+
+def test_a_benchmark_missing_its_packages_says_so_before_it_starts(monkeypatch, capsys):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "aiohttp" else real(name, *a))
+    assert main(["bench", "serving", "--help"]) == 2
+    assert "tandem bench serving needs aiohttp: pip install 'tandem-serve[bench]'" in capsys.readouterr().err
