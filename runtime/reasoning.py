@@ -87,3 +87,20 @@ class StreamSplitter:
         self.sent_reasoning = max(self.sent_reasoning, len(reasoning))
         self.sent_content = max(self.sent_content, len(content))
         return r_delta, c_delta
+
+
+def separate_reasoning(body: Any) -> dict[str, str]:
+    """SGLang's /separate_reasoning: {"text", "reasoning_parser"} -> {"text": the answer,
+    "reasoning_text": the reasoning}, split as a whole answer with thinking on."""
+    if not isinstance(body, dict):
+        raise ValidationError("body", "must be a JSON object")
+    for key in body:
+        if key not in ("text", "reasoning_parser"):
+            raise ValidationError(str(key), "is not a field of /separate_reasoning (it takes text, reasoning_parser)")
+    if not isinstance(body.get("text"), str):
+        raise ValidationError("text", "is required: a string")
+    name = body.get("reasoning_parser")
+    if name not in PARSERS:
+        raise ValidationError("reasoning_parser", f"must be one of {', '.join(PARSERS)}, got {name!r}")
+    reasoning, content = ReasoningParser(name, starts_inside=True).split(body["text"])
+    return {"text": content, "reasoning_text": reasoning}

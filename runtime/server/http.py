@@ -17,7 +17,7 @@ from tandem.runtime.frontend.validation import ValidationError, check_dp_rank
 from tandem.runtime.server_args import ServerArgs
 from tandem.runtime.frontend.request_groups import CallStream, ClientDisconnected, RequestError
 from tandem.runtime.server import openai, openai_format, responses_api
-from tandem.runtime.reasoning import with_stream_reasoning
+from tandem.runtime.reasoning import separate_reasoning, with_stream_reasoning
 from tandem.runtime.frontend.info import VERSION, current_loads, health_generate, model_info, served_model_name, server_info
 from tandem.runtime.server.auth import ApiKeyMiddleware, is_admin
 from tandem.runtime.frontend.tokenizer_manager import ChildStartError, TokenizerManager
@@ -158,6 +158,10 @@ def create_app(args: ServerArgs, on_child_death: Callable[[str], None] | None = 
 
     async def detokenize_route(request: Request) -> Response:
         return _json(await detokenize(app.state.tm, await read_json(request, args)))
+
+    @app.post("/separate_reasoning")
+    async def separate_reasoning_route(request: Request) -> Response:
+        return _json(separate_reasoning(await read_json(request, args)))
 
     for path in ("/tokenize", "/v1/tokenize"):  # SGLang answers both
         app.add_api_route(path, tokenize_route, methods=["POST"])

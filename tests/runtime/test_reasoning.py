@@ -76,3 +76,26 @@ def test_stream_reasoning_must_be_a_boolean_with_or_without_a_parser():
         with pytest.raises(ValidationError) as err:
             with_stream_reasoning(parser, {"stream_reasoning": "no"})
         assert err.value.field == "stream_reasoning"
+
+
+@pytest.mark.parametrize("parser", ["deepseek-r1", "qwen3"])
+def test_separate_reasoning_splits_a_whole_answer_as_sglangs_route(parser):
+    from tandem.runtime.reasoning import separate_reasoning
+
+    assert separate_reasoning({"text": "<think>a plan</think>The answer", "reasoning_parser": parser}) == {
+        "text": "The answer", "reasoning_text": "a plan"}
+    assert separate_reasoning({"text": "a plan</think> done", "reasoning_parser": parser}) == {
+        "text": "done", "reasoning_text": "a plan"}  # the template opened <think>
+
+
+@pytest.mark.parametrize("body, field", [
+    ([], "body"), ({"reasoning_parser": "qwen3"}, "text"), ({"text": "x", "reasoning_parser": "r2"}, "reasoning_parser"),
+    ({"text": "x", "reasoning_parser": "qwen3", "return_blocks": True}, "return_blocks"),
+])
+def test_separate_reasoning_refuses_naming_the_field(body, field):
+    from tandem.runtime.reasoning import separate_reasoning
+    from tandem.runtime.value_checks import ValidationError
+
+    with pytest.raises(ValidationError) as err:
+        separate_reasoning(body)
+    assert err.value.field == field
