@@ -261,26 +261,6 @@ void attend(const at::BFloat16* q, int64_t rows, const int64_t* n, int64_t n_max
   for (int64_t r = 0; r < rows; ++r) finish_row<kD>(s.sums.data() + r * kD, s.inv_sum[r], out_rows[r]);
 }
 
-// Splits items [0, count) into one contiguous range per thread with about equal summed cost.
-template <typename Cost, typename Fn>
-void parallel_by_cost(int64_t count, Cost&& cost, Fn&& fn) {
-  const int64_t parts = std::min<int64_t>(at::get_num_threads(), count);
-  if (parts <= 1) return fn(int64_t{0}, count);
-  std::vector<int64_t> cut(parts + 1, count);
-  cut[0] = 0;
-  int64_t total = 0;
-  for (int64_t i = 0; i < count; ++i) total += cost(i);
-  int64_t done = 0, part = 1;
-  for (int64_t i = 0; i < count && part < parts; ++i) {
-    done += cost(i);
-    while (part < parts && done * parts >= total * part) cut[part++] = i + 1;
-  }
-  at::parallel_for(0, parts, 1, [&](int64_t first, int64_t last) {
-    for (int64_t p = first; p < last; ++p)
-      if (cut[p] < cut[p + 1]) fn(cut[p], cut[p + 1]);
-  });
-}
-
 struct Args {
   const at::BFloat16* q;
   int64_t q_stride;
@@ -338,10 +318,12 @@ void attend_tile(const Args& a, const Run& run, int64_t h, int64_t t0, int64_t t
 template <int kD>
 void decode_runs(const Args& a, const std::vector<Run>& runs) {
   const int64_t group = a.hq / a.hkv, heads = std::min<int64_t>(group, kRows);
-  parallel_by_cost(int64_t(runs.size()), [&](int64_t i) { return a.seq_lens[runs[i].first]; },
+  attn::parallel_by_cost(int64_t(runs.size()), [&](int64_t i) { return a.seq_lens[runs[i].first]; },
                    [&](int64_t begin, int64_t end) {
     Scratch s;
-    std::vector<uint32_t> packed;
+    // grows to the longest sequence a thread has packed and stays: a fresh buffer per call was
+    // allocated and zero-filled every layer of every step
+    thread_local std::vector<uint32_t> packed;
     for (int64_t i = begin; i < end; ++i) {
       const Run& run = runs[i];
       const int64_t n = a.seq_lens[run.first];
@@ -382,7 +364,7 @@ void extend_run(const Args& a, const Run& run) {
   // items: (token tile, KV head, head group), costed by the tile's last length
   const int64_t tiles = (run.len + tokens - 1) / tokens, head_tiles = (group + heads - 1) / heads;
   const int64_t per_tile = a.hkv * head_tiles;
-  parallel_by_cost(tiles * per_tile, [&](int64_t i) {
+  attn::parallel_by_cost(tiles * per_tile, [&](int64_t i) {
     const int64_t t0 = i / per_tile * tokens;
     return a.seq_lens[run.first + std::min(run.len, t0 + tokens) - 1];
   }, [&](int64_t begin, int64_t end) {

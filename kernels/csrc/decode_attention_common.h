@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <utility>
 #include <vector>
 
 namespace tandem_cpu::attn {
@@ -33,26 +34,32 @@ inline void softmax_rows(float* scores, int64_t hq, int64_t n, int64_t stride, f
     inv_sum[head] = 1.f / sum;
   }
 }
-// fn(begin, end) over [0, bs) in one contiguous range per thread, the ranges cut where the summed
-// lengths (each query's cost) are even: an extend's queries grow along the prompt, and equal counts
-// gave the last thread three quarters of a causal prefill. Where a range starts never changes what a
-// query computes, only which thread computes it.
-template <typename Fn>
-void parallel_by_length(const int64_t* seq_lens, int64_t bs, Fn&& fn) {
-  const int64_t parts = std::min<int64_t>(at::get_num_threads(), bs);
-  if (parts <= 1) return fn(int64_t{0}, bs);
-  std::vector<int64_t> cut(parts + 1, bs);
+// fn(begin, end) over items [0, count) in one contiguous range per thread, the ranges cut where
+// the summed cost(i) is even: an extend's queries grow along the prompt, and equal counts gave the
+// last thread three quarters of a causal prefill. Where a range starts never changes what an item
+// computes, only which thread computes it.
+template <typename Cost, typename Fn>
+void parallel_by_cost(int64_t count, Cost&& cost, Fn&& fn) {
+  const int64_t parts = std::min<int64_t>(at::get_num_threads(), count);
+  if (parts <= 1) return fn(int64_t{0}, count);
+  std::vector<int64_t> cut(parts + 1, count);
   cut[0] = 0;
   int64_t total = 0;
-  for (int64_t b = 0; b < bs; ++b) total += seq_lens[b];
+  for (int64_t i = 0; i < count; ++i) total += cost(i);
   int64_t done = 0, part = 1;
-  for (int64_t b = 0; b < bs && part < parts; ++b) {
-    done += seq_lens[b];
-    while (part < parts && done * parts >= total * part) cut[part++] = b + 1;
+  for (int64_t i = 0; i < count && part < parts; ++i) {
+    done += cost(i);
+    while (part < parts && done * parts >= total * part) cut[part++] = i + 1;
   }
   at::parallel_for(0, parts, 1, [&](int64_t first, int64_t last) {
     for (int64_t p = first; p < last; ++p)
       if (cut[p] < cut[p + 1]) fn(cut[p], cut[p + 1]);
   });
+}
+
+// queries [0, bs) split by their lengths (each query's cost)
+template <typename Fn>
+void parallel_by_length(const int64_t* seq_lens, int64_t bs, Fn&& fn) {
+  parallel_by_cost(bs, [&](int64_t b) { return seq_lens[b]; }, std::forward<Fn>(fn));
 }
 }  // namespace tandem_cpu::attn
