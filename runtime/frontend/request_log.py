@@ -4,7 +4,6 @@ whole output text and ids). SGLang's level 1 adds the sampling parameters, which
 not carry here: tandem logs levels 0 and 1 alike."""
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import orjson
@@ -17,7 +16,7 @@ def finish_line(c: Any, level: int) -> str:
     meta: dict[str, Any] = {
         "rid": c.group.logical_rid, "index": c.index, "finish_reason": c.finish_reason.to_json() if c.finish_reason else None,
         "prompt_tokens": c.prompt_tokens, "completion_tokens": c.counters.completion_tokens,
-        "cached_tokens": c.counters.cached_tokens, "e2e_latency": round(time.perf_counter() - c.group.created, 6)}
+        "cached_tokens": c.counters.cached_tokens, "e2e_latency": round(c.finished_at - c.group.created, 6)}
     if level == 2:
         meta["text"] = c.text[:PARTIAL_CHARS] + ("..." if len(c.text) > PARTIAL_CHARS else "")
     elif level >= 3:
