@@ -6,8 +6,6 @@ each value a string (JSON for anything that is not one), with `index` for n > 1.
 """
 from __future__ import annotations
 
-import asyncio
-import functools
 from typing import Any, AsyncIterator
 
 import grpc
@@ -17,6 +15,7 @@ from tandem.runtime.server.grpc_requests import native_service_request
 from tandem.runtime.server.grpc_common import GrpcAuth, GrpcError, native_results
 from tandem.runtime.frontend.info import current_loads, health_generate, model_info, served_model_name, server_info
 from tandem.runtime.server.proto import sglang_pb2 as pb
+from tandem.runtime.frontend.tokenize import detokenize, tokenize
 from tandem.runtime.frontend.tokenizer_manager import TokenizerManager
 
 
@@ -102,21 +101,10 @@ class NativeService:
 
     async def Tokenize(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         add_special = request.add_special_tokens if request.HasField("add_special_tokens") else True
-        # off the event loop: a long text takes seconds, which would stall every stream
-        ids = await asyncio.get_running_loop().run_in_executor(
-            None, functools.partial(self.tm.tokenizer.encode, request.text, add_special_tokens=add_special))
-        return pb.TokenizeResponse(tokens=ids, count=len(ids), max_model_len=self.tm.model_info["context_len"],
+        out = await tokenize(self.tm, {"prompt": request.text, "add_special_tokens": add_special})
+        return pb.TokenizeResponse(tokens=out["tokens"], count=out["count"], max_model_len=out["max_model_len"],
                                    input_text=request.text)
 
     async def Detokenize(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        text = await asyncio.get_running_loop().run_in_executor(None, self._detokenize, list(request.tokens))
-        return pb.DetokenizeResponse(text=text)
-
-    def _detokenize(self, tokens: list[int]) -> str:
-        """Off the event loop (a long list takes seconds); special tokens skipped, as SGLang's
-        Detokenize decodes."""
-        vocab = self.tm.model_info["vocab_size"]
-        for i, t in enumerate(tokens):
-            if not 0 <= t < vocab:
-                raise GrpcError(grpc.StatusCode.INVALID_ARGUMENT, f"tokens[{i}]: {t} is not in [0, {vocab})")
-        return self.tm.tokenizer.decode(tokens, skip_special_tokens=True)
+        """Special tokens skipped, as SGLang's Detokenize decodes."""
+        return pb.DetokenizeResponse(text=(await detokenize(self.tm, {"tokens": list(request.tokens)}))["text"])
