@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
-from tandem.runtime.value_checks import ValidationError
+from tandem.runtime.value_checks import ValidationError, check_fields
 
 THINK_START, THINK_END = "<think>", "</think>"
 PARSERS = ("deepseek-r1", "qwen3")
@@ -92,11 +92,7 @@ class StreamSplitter:
 def separate_reasoning(body: Any) -> dict[str, str]:
     """SGLang's /separate_reasoning: {"text", "reasoning_parser"} -> {"text": the answer,
     "reasoning_text": the reasoning}, split as a whole answer with thinking on."""
-    if not isinstance(body, dict):
-        raise ValidationError("body", "must be a JSON object")
-    for key in body:
-        if key not in ("text", "reasoning_parser"):
-            raise ValidationError(str(key), "is not a field of /separate_reasoning (it takes text, reasoning_parser)")
+    check_fields(body, ("text", "reasoning_parser"), "/separate_reasoning")
     if not isinstance(body.get("text"), str):
         raise ValidationError("text", "is required: a string")
     name = body.get("reasoning_parser")

@@ -96,3 +96,13 @@ def finite_float32(v: Any) -> float | None:
 
 def fits_int64(v: int) -> bool:
     return INT64_MIN <= v <= INT64_MAX
+
+
+def check_fields(body: Any, fields: tuple[str, ...], route: str) -> dict:
+    """`body` as a JSON object holding none but `fields`: a 400 names the first other key."""
+    if not isinstance(body, dict):
+        raise ValidationError("body", "must be a JSON object")
+    for key in body:
+        if key not in fields:
+            raise ValidationError(str(key), f"is not a field of {route} (it takes {', '.join(fields)})")
+    return body

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from tandem.runtime.value_checks import ValidationError, is_int, type_name
+from tandem.runtime.value_checks import ValidationError, check_fields, is_int, type_name
 
 TOKENIZE_FIELDS = ("model", "prompt", "add_special_tokens")
 DETOKENIZE_FIELDS = ("model", "tokens", "skip_special_tokens")
@@ -53,11 +53,7 @@ async def detokenize(tm: Any, body: Any) -> dict[str, Any]:
 
 
 def _check_fields(body: Any, fields: tuple[str, ...]) -> None:
-    if not isinstance(body, dict):
-        raise ValidationError("body", "must be a JSON object")
-    for key in body:
-        if key not in fields:
-            raise ValidationError(str(key), f"is not a field of this route (it takes {', '.join(fields)})")
+    check_fields(body, fields, "this route")
     if body.get("model") is not None and not isinstance(body["model"], str):
         raise ValidationError("model", f"must be a string, got {type_name(body['model'])}")
 
