@@ -121,11 +121,11 @@ struct Packed {
   // blocks and one V chunk. One sweep over the slots, each slot's rows for every head together,
   // the slots kAhead chunks on prefetched (a request's slots are scattered in the pool).
   static void pack(const at::BFloat16* k, const at::BFloat16* v, const int64_t* slots, int64_t n, int64_t hkv,
-                   uint32_t* out, int64_t first, int64_t last, bool prefetch = true) {
+                   uint32_t* out, int64_t first, int64_t last) {
     constexpr int64_t kAhead = 2;
     const int64_t slot_elems = hkv * kD, head_words = words(n), v_offset = k_words(n);
     for (int64_t c = first; c < last; ++c) {
-      for (int64_t t = (c + kAhead) * kChunk; prefetch && t < std::min(n, (c + kAhead + 1) * kChunk); ++t) {
+      for (int64_t t = (c + kAhead) * kChunk; t < std::min(n, (c + kAhead + 1) * kChunk); ++t) {
         attn::prefetch_slot<2>(k, slots[t], slot_elems);
         attn::prefetch_slot<2>(v, slots[t], slot_elems);
       }
@@ -331,7 +331,7 @@ void decode_runs(const Args& a, const std::vector<Run>& runs) {
       const int64_t words = Packed<kD>::words(n);
       if (int64_t(packed.size()) < a.hkv * words + 16) packed.resize(a.hkv * words + 16);
       uint32_t* aligned = reinterpret_cast<uint32_t*>((reinterpret_cast<uintptr_t>(packed.data()) + 63) & ~uintptr_t(63));
-      Packed<kD>::pack(a.k, a.v, slots, n, a.hkv, aligned, 0, round_up(n, kChunk) / kChunk, true);
+      Packed<kD>::pack(a.k, a.v, slots, n, a.hkv, aligned, 0, round_up(n, kChunk) / kChunk);
       // memory would idle while the heads compute from cache: the next query's keys and values
       // come meanwhile, spread evenly over the tiles' steps (a burst stalled on the fill buffers)
       const int64_t steps = a.hkv * ((group + heads - 1) / heads) * (round_up(n, kBlock) / kBlock + round_up(n, kChunk) / kChunk);
