@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
+from tandem.runtime.text_stream import TextCursor, partial_tag_len
 from tandem.runtime.value_checks import ValidationError, check_fields
 
 THINK_START, THINK_END = "<think>", "</think>"
@@ -47,7 +48,7 @@ class ReasoningParser:
         if end >= 0:
             return body[:end].rstrip(), body[end + len(THINK_END):].lstrip()
         if not final:  # whitespace may turn out to precede the end tag: hold it back too
-            body = body[:len(body) - _partial_tag(body, THINK_END)].rstrip()
+            body = body[:len(body) - partial_tag_len(body, (THINK_END,))].rstrip()
         return body, ""
 
 
@@ -60,21 +61,13 @@ def with_stream_reasoning(parser: ReasoningParser | None, body: dict) -> Reasoni
     return parser if parser is None or value is None else replace(parser, stream_reasoning=value)
 
 
-def _partial_tag(text: str, tag: str) -> int:
-    """Length of the longest proper prefix of `tag` that `text` ends with."""
-    for n in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:n]):
-            return n
-    return 0
-
-
 class StreamSplitter:
     """Deltas of reasoning and content from cumulative answers."""
 
     def __init__(self, parser: ReasoningParser) -> None:
         self.parser = parser
-        self.sent_reasoning = 0
-        self.sent_content = 0
+        self.reasoning = TextCursor()
+        self.content = TextCursor()
 
     def feed(self, text: str, final: bool, aborted: bool = False) -> tuple[str, str]:
         """`final`: the request finished with this text; `aborted`: and it was an abort."""
@@ -82,11 +75,7 @@ class StreamSplitter:
         whole = THINK_END in text or (final and not aborted)
         if not self.parser.stream_reasoning and not whole:
             reasoning = ""  # held back until it is whole: then one delta
-        r_delta = reasoning[self.sent_reasoning:]
-        c_delta = content[self.sent_content:]
-        self.sent_reasoning = max(self.sent_reasoning, len(reasoning))
-        self.sent_content = max(self.sent_content, len(content))
-        return r_delta, c_delta
+        return self.reasoning.delta(reasoning), self.content.delta(content)
 
 
 def separate_reasoning(body: Any) -> dict[str, str]:
