@@ -93,6 +93,11 @@ class ScheduleBatch:
     def num_tokens(self) -> int:
         return sum(s.extend_len for s in self.spans)
 
+    def cache_hits(self, continued: Req | None) -> int:
+        """Prompt tokens this step's new requests found in the prefix cache, as SGLang's PrefillAdder
+        logs #cached-token: a continued chunk's prefix is its own earlier chunks, not a hit."""
+        return sum(s.prefix_len for s in self.spans if s.req is not continued)
+
     def mark_processed(self) -> None:
         """The step's results are applied: its tokens are no longer in flight."""
         for s in self.spans:

@@ -4,7 +4,8 @@ Prefill first (chunked prefill through PrefillAdder); a decode step over the run
 otherwise. Retraction happens here, when the next decode step does not fit in KV memory (or
 every N decode steps under TANDEM_TEST_RETRACT): the victim's KV goes back to the tree and it
 is requeued, to re-prefill its prompt + output later (mostly from the cache). The planner never
-finishes a request itself: what it gives up on comes back in `Plan.aborted`.
+finishes a request itself: what it gives up on comes back in `Plan.aborted`, and what it
+retracts in `Plan.retracted`, for SchedulerCore to apply.
 """
 from __future__ import annotations
 
@@ -50,7 +51,8 @@ class PlannerConfig:
 @dataclass
 class Plan:
     batch: ScheduleBatch | None
-    aborted: list[tuple[Req, FinishReason]] = field(default_factory=list)  # for the scheduler to finish
+    aborted: list[tuple[Req, FinishReason]] = field(default_factory=list)  # for the core to finish
+    retracted: list[Req] = field(default_factory=list)  # back in the waiting queue
 
 
 _NO_SLOTS = torch.empty(0, dtype=torch.int64)  # a verify's slots are read from the row by the worker
@@ -74,6 +76,7 @@ class Planner:
         self.chunked: ChunkedReq | None = None
         self._decode_steps = 0
         self.num_retractions = 0
+        self._retracted: list[Req] = []  # requeued while planning this step (Plan.retracted)
 
     # -- queue bookkeeping ---------------------------------------------------------------------------
     def has_work(self) -> bool:
@@ -160,9 +163,9 @@ class Planner:
     # -- planning --------------------------------------------------------------------------------------
     def next_batch(self) -> Plan:
         batch = self._plan_prefill()
-        if batch is not None:
-            return Plan(batch)
-        return self._plan_decode()
+        plan = Plan(batch) if batch is not None else self._plan_decode()
+        plan.retracted, self._retracted = self._retracted, []
+        return plan
 
     def _plan_prefill(self) -> ScheduleBatch | None:
         if not self.waiting and self.chunked is None:
@@ -337,4 +340,5 @@ class Planner:
         req.retract_count += 1
         self.num_retractions += 1
         self.waiting.append(req)
+        self._retracted.append(req)
         logger.debug("retracted %s after %d tokens", req.rid, len(req.output_ids))

@@ -1,12 +1,13 @@
 """Req: the scheduler's view of one choice of a generation request.
 
-Its `rid` is internal (`{group}_{choice}`). Output state grows only through
-`result_processor.apply_new_tokens`; memory state (`req_pool_idx`, `kv_alloc_len`,
-`last_node`) changes only through the KVManager; the streaming cursors only through the
-OutputStreamer.
+Its `rid` is internal (`{group}_{choice}`). `phase` changes only in SchedulerCore (core.py);
+output state grows only through `result_processor.apply_new_tokens`; memory state
+(`req_pool_idx`, `kv_alloc_len`, `last_node`) changes only through the KVManager; the
+streaming cursors only through the OutputStreamer.
 """
 from __future__ import annotations
 
+import enum
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -16,6 +17,15 @@ import numpy as np
 from tandem.ipc.messages import FinishReason, LogprobArrays, LogprobParams, TokenizedGenerateReq
 from tandem.runtime.sampling.logprobs import InputLogprobAccumulator
 from tandem.runtime.sampling.params import SamplingParams
+
+
+class Phase(enum.Enum):
+    """Where a request is: which queue holds it (see core.py for the transitions)."""
+    COMPILING = "compiling"  # in the grammar queue
+    WAITING = "waiting"  # in the planner's waiting queue (new, or retracted)
+    CHUNKED = "chunked"  # its prompt is part-way through chunked prefill
+    RUNNING = "running"  # decoding
+    DONE = "done"  # finished or aborted: its KV is back
 
 
 @dataclass(eq=False)
@@ -41,6 +51,7 @@ class Req:
     stop_window: int = 0
     stop_regex_window: int = 0  # the same for stop_regex
 
+    phase: Phase = Phase.WAITING
     output_ids: list[int] = field(default_factory=list)
     finished_reason: FinishReason | None = None
     # guided decoding: a RequestGrammar that has seen every output token so far (retraction
@@ -151,6 +162,13 @@ class Req:
 
     def max_total_len(self) -> int:
         return len(self.origin_input_ids) + self.sampling_params.max_new_tokens
+
+    def add_prompt_hidden(self, rows: np.ndarray, first_pos: int, n: int) -> None:
+        """Prompt hidden rows for positions [first_pos, first_pos + n), kept only when they are the
+        next ones due (a chunk recomputed after retraction repeats rows already kept)."""
+        if first_pos == self.prompt_hidden_next:
+            self.hidden_states.append(rows)
+            self.prompt_hidden_next += n
 
     def record_verify(self, accepted: int) -> None:
         """One verify pass that kept `accepted` of its drafts."""

@@ -1,21 +1,22 @@
-"""The scheduler process: receive -> plan step N+1 -> launch N+1 -> process step N -> stream outputs.
+"""The scheduler process shell: receive -> plan step N+1 -> launch N+1 -> apply step N -> stream.
 
-With `--disable-overlap-schedule` the same pieces run in sequence (launch, wait, process).
-Control requests that must not race a step in flight (a cache flush) wait for the point where
-no step is in flight.
+Every request transition is SchedulerCore's (core.py); this file holds what a process needs
+around it: the model and its forward worker, tensor parallelism, the sockets and the loop. With
+`--disable-overlap-schedule` the same pieces run in sequence (launch, wait, apply). Control
+requests that must not race a step in flight (a cache flush) wait for the point where no step
+is in flight.
 """
 from __future__ import annotations
 
 import logging
 import os
-import random
 import signal
 import time
 
 import torch
 import zmq
 
-from tandem.ipc.messages import (AbortReq, ChildError, FinishReason, FlushCacheReply, FlushCacheReq,
+from tandem.ipc.messages import (AbortReq, ChildError, FlushCacheReply, FlushCacheReq,
                                  GetServerInfoReply, GetServerInfoReq, Message, ReadyMsg, TokenizedGenerateReq)
 from tandem.ipc.sockets import IPCAddresses, bind_pull, connect_push, recv_all_nowait, send
 from tandem.runtime.envs import envs
@@ -27,15 +28,16 @@ from tandem.runtime.model.runner import ModelRunner
 from tandem.runtime.model.tensor_parallel import SINGLE, init_tensor_parallel
 from tandem.runtime.sampling.penalties import PenaltyCounts
 from tandem.runtime.scheduler.batch import BatchContext, ScheduleBatch
+from tandem.runtime.scheduler.core import SchedulerCore
 from tandem.runtime.scheduler.forward_worker import ForwardWorker, GenerationBatchResult, reserve_intra_op_threads
 from tandem.runtime.scheduler.future_map import FutureMap
-from tandem.runtime.scheduler.grammar_queue import GrammarQueue, grammar_size_error
+from tandem.runtime.scheduler.grammar_queue import GrammarQueue
 from tandem.runtime.scheduler.kv_manager import KVManager
 from tandem.runtime.scheduler.output_streamer import OutputStreamer
 from tandem.runtime.scheduler.planner import Planner, PlannerConfig
 from tandem.runtime.scheduler.req_rows import ReqRows
 from tandem.runtime.scheduler.request import Req
-from tandem.runtime.scheduler.result_processor import FinishChecker, apply_new_tokens
+from tandem.runtime.scheduler.result_processor import FinishChecker
 from tandem.runtime.scheduler.stats import StepStats
 from tandem.runtime.scheduler.tp_sync import ControlSync, lockstep_settings
 from tandem.runtime.scheduler.watchdog import Watchdog
@@ -105,27 +107,27 @@ class Scheduler:
         future_map = FutureMap(pool.size, runner.device, max_draft_tokens=drafter.num_drafts if drafter else 1,
                                debug=envs.DEBUG_FUTURE_MAP.get())
         penalty_counts = PenaltyCounts(pool.size, runner.config.vocab_size, runner.device)
-        self.rows = ReqRows(pool, future_map, penalty_counts)
-        self.kv = KVManager(self.rows, runner.allocator, args.disable_radix_cache)
+        rows = ReqRows(pool, future_map, penalty_counts)
+        self.kv = KVManager(rows, runner.allocator, args.disable_radix_cache)
         self.stats = StepStats()
         self.worker = ForwardWorker(runner, future_map, penalty_counts, self.stats, drafter, intra_op_threads)
         think_end_ids = tuple(self.tokenizer.encode(THINK_END, add_special_tokens=False))
-        self.planner = Planner(planner_config(args, runner), self.kv,
-                               BatchContext(runner.config.vocab_size, eos_ids, runner.device, think_end_ids))
+        planner = Planner(planner_config(args, runner), self.kv,
+                          BatchContext(runner.config.vocab_size, eos_ids, runner.device, think_end_ids))
         self.checker = FinishChecker(eos_ids, lambda ids: self.tokenizer.decode(ids), think_end_ids)
-        self.streamer = OutputStreamer(args.stream_interval,
-                                       args.speculative_num_draft_tokens - 1 if args.speculative_algorithm else 0)
+        streamer = OutputStreamer(args.stream_interval,
+                                  args.speculative_num_draft_tokens - 1 if args.speculative_algorithm else 0)
         self.num_outputs_sent = 0  # to the detokenizer: /health_generate checks they all came through
         self.grammar: GrammarBackend | None = None
-        self.grammar_queue: GrammarQueue | None = None
+        grammar_queue: GrammarQueue | None = None
         if args.grammar_backend == "xgrammar":
             self.grammar = GrammarBackend(self.tokenizer, runner.config.vocab_size,
                                           any_whitespace=not args.constrained_json_disable_any_whitespace,
                                           stop_token_ids=eos_ids, compile_threads=args.grammar_compile_threads)
-            self.grammar_queue = GrammarQueue(self.grammar, args.grammar_compile_timeout, think_end_ids)
+            grammar_queue = GrammarQueue(self.grammar, args.grammar_compile_timeout, think_end_ids)
+        self.core = SchedulerCore(planner, self.checker, streamer, grammar_queue, args.max_grammar_bytes,
+                                  args.random_seed, self.stats)
         self.watchdog = Watchdog(args.watchdog_timeout)
-        self._arrivals = 0
-        self._seed_rng = random.Random(args.random_seed)  # seeds of seedless requests: alike on every TP rank
         self._flush_pending: list[int] = []  # flush requests waiting for no step in flight
         self.ctx = zmq.Context(2)
         self.recv_sock = self.detok_sock = self.reply_sock = None
@@ -141,29 +143,31 @@ class Scheduler:
 
     # -- the loop -----------------------------------------------------------------------------------
     def event_loop(self) -> None:
+        core = self.core
         in_flight: ScheduleBatch | None = None
         busy = False  # the previous iteration had a step planned or in flight
         while True:
             self.watchdog.feed()
-            idle = in_flight is None and not self.planner.has_work()
+            idle = in_flight is None and not core.planner.has_work()
             if idle and busy:  # just went idle: nothing may be held now
                 self._check_memory()
             # grammars compiling: look again soon, without spinning
-            self._receive(block_ms=0 if not idle else GRAMMAR_POLL_MS if self.grammar_queue else 500)
+            self._receive(block_ms=0 if not idle else GRAMMAR_POLL_MS if core.grammar_queue else 500)
             if self.watch is not None and self.watch.parent_gone():
                 self.watch.exit_orphaned()  # never keep generating for a main process that is gone
             t0 = time.perf_counter()
-            continued = self.planner.chunked  # a prompt split by the last prefill step
-            batch = self._plan()
+            continued = core.planner.chunked  # a prompt split by the last prefill step
+            batch = core.plan()
             if batch is not None:
-                self._launch(batch, follows_busy=busy)
+                batch.job.follows_busy_step = busy
+                batch.future = self.worker.submit(batch.job)
             busy = batch is not None or in_flight is not None
-            waited = self._process(in_flight) if in_flight is not None else 0.0
-            if batch is not None:  # every earlier step is processed: the matchers are current
+            waited = self._apply(in_flight) if in_flight is not None else 0.0
+            if batch is not None:  # every earlier step is applied: the matchers are current
                 self._fill_grammar_mask(batch)
             in_flight = batch
             if not self.overlap and in_flight is not None:
-                waited += self._process(in_flight)
+                waited += self._apply(in_flight)
                 in_flight = None
             if in_flight is None and self._flush_pending:
                 self._flush_cache()
@@ -172,6 +176,14 @@ class Scheduler:
                 self.stats.record_step(time.perf_counter() - t0 - waited)
                 self._log(batch, continued.req if continued is not None else None)
 
+    def _apply(self, batch: ScheduleBatch) -> float:
+        """Apply a finished step's results; returns how long it waited for the step to finish."""
+        t0 = time.perf_counter()
+        result: GenerationBatchResult = batch.future.result()  # type: ignore[union-attr]
+        waited = time.perf_counter() - t0
+        self.core.apply(batch, result)
+        return waited
+
     def _check_memory(self) -> None:
         if (leak := self.kv.leak_report()) is None:
             return
@@ -179,17 +191,6 @@ class Scheduler:
         if envs.STRICT_MEM_CHECK.get():
             raise RuntimeError(message)
         logger.error(message)
-
-    def _plan(self) -> ScheduleBatch | None:
-        plan = self.planner.next_batch()
-        for req, reason in plan.aborted:
-            self._finish(req, reason)
-        return plan.batch
-
-    def _launch(self, batch: ScheduleBatch, follows_busy: bool) -> None:
-        batch.step_id = self.rows.on_launch()
-        batch.job.follows_busy_step = follows_busy
-        batch.future = self.worker.submit(batch.job)
 
     def _fill_grammar_mask(self, batch: ScheduleBatch) -> None:
         mask = batch.job.grammar_mask
@@ -202,163 +203,44 @@ class Scheduler:
         self.stats.record_grammar_fill(time.perf_counter() - t0, len(matchers))
 
     def _receive(self, block_ms: int) -> None:
+        core = self.core
         msgs = []
         if self.recv_sock is not None and (not block_ms or self.recv_sock.poll(block_ms)):
             msgs = recv_all_nowait(self.recv_sock)
         # rank 0's clock decides: the other ranks' own would disagree near the deadline
-        expired_rids = [req.rid for req in self.planner.expired(time.monotonic())] if self.is_leader else []
+        expired_rids = core.expired_rids(time.monotonic()) if self.is_leader else []
         # compile times differ across ranks: rank 0's finished compiles decide who leaves the queue
-        settled = self.grammar_queue.settled() if self.grammar_queue and self.sync and self.is_leader else ([], [])
+        queue = core.grammar_queue
+        settled = queue.settled() if queue and self.sync and self.is_leader else ([], [])
         if self.sync is not None:  # every rank takes rank 0's messages and rank 0's clock
             msgs, expired_rids, settled = self.sync.share(msgs, expired_rids, settled)
         for msg in msgs:
             self._handle(msg)
-        if self.grammar_queue:
-            ready, failed = self.grammar_queue.settle(*settled) if self.sync else self.grammar_queue.poll()
-            for req in ready:
-                self._enqueue(req)
-            for req, reason in failed:
-                self._end(req, reason)
-        self._expire(expired_rids)
-
-    def _expire(self, rids: list[str]) -> None:
-        """Finish the waiting requests the (rank 0's) clock timed out; one aborted since is skipped."""
-        if not rids:  # the common case: no scan of the waiting queue
-            return
-        timed_out, timeout = set(rids), self.args.request_timeout
-        for req in [req for req in self.planner.waiting if req.rid in timed_out]:
-            self._finish(req, FinishReason(type="abort", status_code=503, err_type="ServiceUnavailable",
-                                           message=f"request waited longer than --request-timeout ({timeout} s)"))
+        if queue:
+            core.settle(*(queue.settle(*settled) if self.sync else queue.poll()))
+        core.expire(expired_rids, self.args.request_timeout)
 
     def _handle(self, msg: Message) -> None:
         if isinstance(msg, TokenizedGenerateReq):
-            self._add_request(msg)
+            self.core.add(msg)
         elif isinstance(msg, AbortReq):
-            reason = FinishReason(type="abort", message=msg.message, status_code=200, err_type="abort")
-            taken = self.planner.take(msg.group_prefixes, msg.abort_all)
-            if self.grammar_queue:
-                taken += self.grammar_queue.take(msg.group_prefixes, msg.abort_all)
-            for req in taken:
-                self._end(req, reason)
+            self.core.abort(msg.group_prefixes, msg.abort_all, msg.message)
         elif isinstance(msg, FlushCacheReq):
-            if (busy := self._pending_requests()) is not None:
+            if (busy := self.core.pending()) is not None:
                 self._reply(FlushCacheReply(req_id=msg.req_id, success=False, message=busy))
             else:
                 self._flush_pending.append(msg.req_id)  # done once no step is in flight
         elif isinstance(msg, GetServerInfoReq):
             self._reply(GetServerInfoReply(req_id=msg.req_id, info=self.server_info()))
 
-    def _add_request(self, msg: TokenizedGenerateReq) -> None:
-        self._arrivals += 1
-        req = Req.from_message(msg, self._arrivals, self._seed_rng.getrandbits(63))
-        error = self.planner.admission_error(req)
-        if error is None and req.sampling_params.constraint is not None and self.grammar_queue is None:
-            error = FinishReason.bad_request(
-                f"sampling_params.{req.sampling_params.constraint[0]}",
-                "needs guided decoding, which is off on this server (--grammar-backend none)")
-        if error is None and req.sampling_params.constraint is not None:
-            error = grammar_size_error(req.sampling_params.constraint, self.args.max_grammar_bytes)
-        if error is not None:
-            self._end(req, error)
-        elif req.sampling_params.constraint is not None:
-            self.grammar_queue.add(req)  # type: ignore[union-attr]
-        else:
-            self._enqueue(req)
-
-    def _enqueue(self, req: Req) -> None:
-        """Into the waiting queue, within --max-queued-requests."""
-        if (error := self.planner.queue_error(req)) is not None:
-            self._end(req, error)
-            return
-        if (victim := self.planner.queue_victim(req)) is not None:
-            self._finish(victim, FinishReason(type="abort", status_code=503, err_type="ServiceUnavailable",
-                                              message="The request is aborted by a higher priority request."))
-        self.planner.add(req)
-
     def _flush_cache(self) -> None:
         req_ids, self._flush_pending = self._flush_pending, []
-        busy = self._pending_requests()  # requests may have arrived since the flush was asked for
-        if busy is None:
-            self.kv.flush()
+        busy = self.core.flush_cache()  # requests may have arrived since the flush was asked for
         for req_id in req_ids:
             self._reply(FlushCacheReply(req_id=req_id, success=busy is None, message=busy or ""))
 
-    def _pending_requests(self) -> str | None:
-        """Why the cache may not be flushed now, or None when no request is anywhere. As SGLang's
-        is_fully_idle, a request whose grammar is still compiling counts: it is queued, and a
-        flush that reports success while requests are queued would not be what SGLang does."""
-        queued = len(self.planner.waiting) + len(self.grammar_queue or ())
-        if not queued and not self.planner.has_work():
-            return None
-        return f"there are pending requests. #queue-req: {queued}, #running-req: {self.planner.num_running}"
-
-    # -- results ---------------------------------------------------------------------------------------
-    def _process(self, batch: ScheduleBatch) -> float:
-        """Apply a finished step's results; returns how long it waited for the step to finish."""
-        t0 = time.perf_counter()
-        result: GenerationBatchResult = batch.future.result()  # type: ignore[union-attr]
-        waited = time.perf_counter() - t0
-        self._apply_prompt_rows(batch, result)
-        self.stats.count_generated(sum(map(len, result.next_token_ids)))
-        batch.mark_processed()
-        verified = self._verified(batch, result)
-        if verified:
-            self.stats.record_verify([result.num_drafts[j] for j in verified],
-                                     [result.next_token_ids[j] for j in verified])
-        for j, req in enumerate(batch.sampling_reqs):
-            if req.finished:  # finished or aborted while this step was in flight
-                continue
-            tokens = result.next_token_ids[j]
-            if j in verified:
-                req.record_verify(len(tokens) - 1)
-            lp = result.output_logprobs[j] if result.output_logprobs else None
-            hidden = result.output_hidden[j] if result.output_hidden else None
-            done = apply_new_tokens(req, tokens, lp, hidden, self.checker)
-            self.kv.commit(req)
-            if done:
-                self._finish(req, req.finished_reason)
-            else:
-                self.streamer.add(req)
-        self.rows.on_processed(batch.step_id)
-        return waited
-
-    @staticmethod
-    def _verified(batch: ScheduleBatch, result: GenerationBatchResult) -> set[int]:
-        """The sampling requests this verify step verified: those speculating in it (the ones the
-        drafter drafts for), whatever the lookup found or the room left allowed, as SGLang counts
-        every request of its verify batch. One decoding plainly inside the pass (a grammar,
-        penalties, hidden states, above the disable batch size) never enters SGLang's verify:
-        counting it would report drafts it was never offered."""
-        spec = batch.job.spec
-        if not result.num_drafts or spec is None:
-            return set()
-        return {j for j, speculates in enumerate(spec.make_drafts) if speculates}
-
-    @staticmethod
-    def _apply_prompt_rows(batch: ScheduleBatch, result: GenerationBatchResult) -> None:
-        reqs = batch.reqs
-        for task, chunk in result.input_logprob_chunks:
-            req = reqs[task.req_index]
-            if not req.finished:
-                req.input_logprobs.add_chunk(chunk, task.first_pos)  # type: ignore[union-attr]
-        for task, rows in result.prompt_hidden_chunks:
-            req = reqs[task.req_index]
-            if not req.finished and task.first_pos == req.prompt_hidden_next:
-                req.hidden_states.append(rows)
-                req.prompt_hidden_next += task.n
-
-    def _finish(self, req: Req, reason: FinishReason | None) -> None:
-        self.planner.remove(req)
-        self._end(req, reason)
-
-    def _end(self, req: Req, reason: FinishReason | None) -> None:
-        """A request that no queue holds any more: its KV goes back, its last output goes out."""
-        req.finished_reason = reason
-        self.kv.release(req)
-        self.streamer.add(req)
-
     def _stream(self) -> None:
-        out = self.streamer.build()
+        out = self.core.flush()
         if out is not None and self.is_leader:
             send(self.detok_sock, out)
             self.num_outputs_sent += 1
@@ -375,13 +257,13 @@ class Scheduler:
             "kv_slots_free": alloc.available_size(),
             "kv_slots_cached": self.kv.tree.total_size(),
             "kv_slots_used": max_tokens - alloc.available_size() - self.kv.tree.evictable_size(),
-            "req_rows_free": self.rows.available(),
-            "req_rows_total": self.rows.size,
-            "num_running_reqs": self.planner.num_running,
-            "num_queue_reqs": len(self.planner.waiting) + len(self.grammar_queue or ()),
-            "num_grammar_queue_reqs": len(self.grammar_queue or ()),
+            "req_rows_free": self.kv.rows.available(),
+            "req_rows_total": self.kv.rows.size,
+            "num_running_reqs": self.core.planner.num_running,
+            "num_queue_reqs": self.core.num_queued,
+            "num_grammar_queue_reqs": len(self.core.grammar_queue or ()),
             "overlap_schedule": self.overlap,
-            "num_retractions": self.planner.num_retractions,
+            "num_retractions": self.core.planner.num_retractions,
             "num_outputs_sent": self.num_outputs_sent,
             **({"tp_size": self.runner.tp.size, "tp_comm_s": round(self.runner.tp.comm_s, 4)}
                if self.runner.tp.size > 1 else {}),
@@ -392,14 +274,12 @@ class Scheduler:
         """`continued`: the split prompt whose next chunk this step may run."""
         used = self.runner.max_total_tokens - self.kv.available_tokens()
         usage = used / self.runner.max_total_tokens
+        planner = self.core.planner
         if batch.mode == ForwardMode.EXTEND:
-            # #cached-token as SGLang's PrefillAdder counts it: prefix-cache hits of the requests this
-            # step admits; a continued chunk's prefix is its own earlier chunks, not a hit (add_chunked_req)
-            hits = sum(s.prefix_len for s in batch.spans if s.req is not continued)
-            self.stats.log_prefill(len(batch.spans), batch.num_tokens, hits, usage,
-                                   len(self.planner.running), len(self.planner.waiting))
+            self.stats.log_prefill(len(batch.spans), batch.num_tokens, batch.cache_hits(continued), usage,
+                                   len(planner.running), len(planner.waiting))
         else:
-            self.stats.maybe_log_decode(len(self.planner.running), used, usage, len(self.planner.waiting), self.overlap)
+            self.stats.maybe_log_decode(len(planner.running), used, usage, len(planner.waiting), self.overlap)
 
 
 def run_scheduler_process(args: ServerArgs, addrs: IPCAddresses, watch: ParentWatch, tp_rank: int = 0) -> None:

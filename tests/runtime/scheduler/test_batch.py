@@ -3,7 +3,7 @@ pass must report (input logprobs, hidden states), penalties, and what the prefix
 from __future__ import annotations
 
 import torch
-from scheduler_core import EOS, VOCAB, make_core
+from tests.runtime.scheduler.fake_worker import EOS, VOCAB, make_core
 
 from tandem.ipc.messages import LogprobParams
 from tandem.runtime.scheduler import batch as batch_module

@@ -1,6 +1,6 @@
-"""Stateful property test of the process-free scheduler core (tests/scheduler_core.py).
+"""Stateful property test of SchedulerCore (driven by the fake worker of fake_worker.py).
 
-Hypothesis drives the planner, KV manager and request rows through random interleavings of
+Hypothesis drives the core, its planner, KV manager and request rows through random interleavings of
 arrivals (n>1 sibling groups, shared prompt prefixes, priorities, stop tokens, min_new_tokens),
 loop iterations (overlap on: plan N+1 before processing N; off: plan then process), group
 aborts and abort-all, memory held by something else (so that retraction, requeueing of the
@@ -24,13 +24,12 @@ import torch
 from hypothesis import HealthCheck, note, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
-from scheduler_core import CONTEXT, Core, fake_token, make_core
+from tests.runtime.scheduler.fake_worker import CONTEXT, Harness, fake_token, make_core
 
 from tandem.runtime.cache.pools import DECODE_SLOT_RUN
-from tandem.ipc.messages import FinishReason
 from tandem.runtime.model.forward_batch import ForwardMode
 from tandem.runtime.scheduler.batch import ScheduleBatch
-from tandem.runtime.scheduler.request import Req
+from tandem.runtime.scheduler.request import Phase, Req
 
 # three "system prompts"; a prompt is a cut of one plus a short suffix, so prefixes are shared
 FAMILIES = [list(range(100, 116)), list(range(200, 216)), [300 + (i % 3) for i in range(16)]]
@@ -70,7 +69,7 @@ prompts = st.builds(lambda fam, cut, suffix: (FAMILIES[fam][:cut] + suffix) or [
 class CoreMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
-        self.core: Core | None = None
+        self.core: Harness | None = None
         self.in_flight: ScheduleBatch | None = None
         self.launch_rows: dict[int, list[torch.Tensor]] = {}  # step id -> each span's row prefix at launch
         self.kv_content: dict[int, int] = {}  # slot -> content id written by the last step that ran
@@ -115,8 +114,8 @@ class CoreMachine(RuleBasedStateMachine):
             sp = dict(ignore_eos=False, stop_token_ids=[fake_token(len(prompt) + stop_at)], min_new_tokens=min_new)
         expect = Expect(prompt, max_new, stop_at, min_new or 0, extra_key)
         for i in range(n):
-            req = self.core.add(f"{group}{i}", list(prompt), max_new_tokens=max_new, priority=priority, **sp)
-            req.extra_key = extra_key  # (Core.add takes none; the request is only queued so far)
+            req = self.core.add(f"{group}{i}", list(prompt), max_new_tokens=max_new, priority=priority,
+                                extra_key=extra_key, **sp)
             self.reqs.append(req)
             self.expect[req.rid] = expect
 
@@ -133,23 +132,22 @@ class CoreMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.groups)
     def abort(self, pick, everything):
         """An AbortReq between loop iterations (a step may be in flight): one group, or all."""
-        if not everything:
+        if everything:
+            self.core.abort(abort_all=True)
+        else:
             self.core.abort(self.groups[pick % len(self.groups)])
-            return
-        for req in self.core.planner.take([], abort_all=True):
-            req.finished_reason = FinishReason(type="abort", status_code=200)
-            self.core.kv.release(req)
-            self.core.finished.append(req)
 
     @rule(pick=st.integers(0, 1 << 16))
     def time_out_a_queued_request(self, pick):
         """--request-timeout: the scheduler finishes a waiting request that was never admitted."""
-        expired = self.core.planner.expired(time.monotonic() + 2e9)
+        expired = self.core.core.expired_rids(time.monotonic() + 2e9)
         if not expired:
             return
-        req = expired[pick % len(expired)]
+        rid = expired[pick % len(expired)]
+        req = next(r for r in self.core.planner.waiting if r.rid == rid)
         assert not req.output_ids and req.outputs_in_flight == 0, f"{req.rid} ran, yet it times out as never admitted"
-        self.core.finish(req, FinishReason(type="abort", status_code=503, err_type="ServiceUnavailable"))
+        self.core.expire([rid])
+        assert req.finished_reason.status_code == 503
 
     @rule(fraction=st.floats(0.3, 1.0))
     @precondition(lambda self: self.hog is None)
@@ -272,6 +270,10 @@ class CoreMachine(RuleBasedStateMachine):
         assert len(places) == len(set(places)), "a request is in two places (queues / finished)"
         assert len(places) == len(self.reqs), "a request went missing"
         assert planner.num_running <= planner.cfg.max_running_requests
+        chunked = [planner.chunked.req] if planner.chunked is not None else []
+        for phase, reqs in ((Phase.RUNNING, planner.running), (Phase.CHUNKED, chunked), (Phase.WAITING, waiting),
+                            (Phase.DONE, finished)):
+            assert all(r.phase is phase for r in reqs), [(r.rid, r.phase) for r in reqs if r.phase is not phase]
         for r in waiting + finished:
             assert r.req_pool_idx is None and r.kv_alloc_len == 0 and r.last_node is None, r.rid
         for r in live:

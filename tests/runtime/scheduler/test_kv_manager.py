@@ -9,7 +9,7 @@ import pytest
 
 from tandem.runtime.cache.pools import DECODE_SLOT_RUN
 from tandem.runtime.scheduler.scheduler import Scheduler
-from tests.scheduler_core import fake_token, make_core
+from tests.runtime.scheduler.fake_worker import fake_token, make_core
 
 
 def _decode_slots(core, steps: int) -> dict[str, list[int]]:

@@ -6,12 +6,12 @@ import time
 
 import numpy as np
 import torch
-from scheduler_core import fake_token, make_core
+from tests.runtime.scheduler.fake_worker import fake_token, make_core
 
 from tandem.ipc.messages import TokenizedGenerateReq
 from tandem.runtime.model.forward_batch import ForwardMode
 from tandem.runtime.sampling.params import SamplingParams
-from tandem.runtime.scheduler.request import Req
+from tandem.runtime.scheduler.request import Phase, Req
 
 
 def _spans(batch) -> list[tuple[str, int, int, bool]]:
@@ -221,13 +221,16 @@ def test_low_priority_values_first_preempts_and_displaces_toward_small_values():
     late = core.add("late_0", 3, max_new_tokens=8, priority=20)
     core.process(core.plan())
     queued = core.add("queued_0", 3, max_new_tokens=2, priority=None)  # no priority: sys.maxsize
-    larger, smaller = (core.add(rid, 3, priority=p) for rid, p in (("larger_0", 30), ("smaller_0", 5)))
-    core.planner.waiting.remove(larger), core.planner.waiting.remove(smaller)
-    assert core.planner.queue_victim(larger) is queued and core.planner.queue_victim(smaller) is queued
-    core.planner.waiting.remove(queued)
-    core.planner.add(smaller)
-    assert core.planner.queue_victim(queued) is None and core.planner.queue_error(queued).status_code == 503
+    larger = core.add("larger_0", 3, priority=30)  # the full queue gives way: 30 outranks no priority
+    smaller = core.add("smaller_0", 3, priority=5)  # and 5 outranks 30
+    refused = core.add("refused_0", 3, priority=40, expect=Phase.DONE)  # 40 outranks nobody
+    assert [(r.rid, r.finished_reason.status_code) for r in core.finished] == [
+        ("queued_0", 503), ("larger_0", 503), ("refused_0", 503)]
+    assert queued.finished_reason.message == "The request is aborted by a higher priority request."
+    assert refused.finished_reason.message == "The request queue is full."
+    assert core.planner.waiting == [smaller] and not larger.output_ids
     assert [s.req.rid for s in core.plan().spans] == ["smaller_0"] and late.retract_count == 1
+
 
 def test_a_lone_request_that_cannot_grow_is_returned_as_out_of_memory():
     core = make_core(max_total_tokens=8, radix=False)

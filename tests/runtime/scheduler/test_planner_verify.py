@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from scheduler_core import fake_token, make_core
+from tests.runtime.scheduler.fake_worker import fake_token, make_core
 from tandem.runtime.model.forward_batch import ForwardMode
 
 

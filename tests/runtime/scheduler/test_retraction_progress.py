@@ -7,7 +7,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from scheduler_core import CONTEXT, make_core
+from tests.runtime.scheduler.fake_worker import CONTEXT, make_core
 
 
 @pytest.mark.parametrize("preemption", [True, False])
