@@ -23,12 +23,18 @@ from tandem.runtime.scheduler.forward_worker import GenerationBatchResult
 from tandem.runtime.scheduler.grammar_queue import GrammarQueue, grammar_size_error
 from tandem.runtime.scheduler.output_streamer import OutputStreamer
 from tandem.runtime.scheduler.planner import Planner
-from tandem.runtime.scheduler.request import Phase, Req
+from tandem.runtime.scheduler.request import Phase, Req, abort_prefixes
 from tandem.runtime.scheduler.result_processor import FinishChecker, apply_new_tokens
 from tandem.runtime.scheduler.stats import StepStats
 
+# SGLang's words and statuses
 _DISPLACED = FinishReason(type="abort", status_code=503, err_type="ServiceUnavailable",
-                          message="The request is aborted by a higher priority request.")  # SGLang's words
+                          message="The request is aborted by a higher priority request.")
+_QUEUE_FULL = FinishReason(type="abort", status_code=503, err_type="ServiceUnavailable",
+                           message="The request queue is full.")
+_PRIORITY_DISABLED = FinishReason(type="abort", status_code=503, err_type="ServiceUnavailable",
+                                  message="Using priority is disabled for this server. "
+                                          "Please send a new request without a priority.")
 
 
 class SchedulerCore:
@@ -52,7 +58,7 @@ class SchedulerCore:
         self._arrivals += 1
         req = Req.from_message(msg, self._arrivals, self._seed_rng.getrandbits(63))
         constraint = req.sampling_params.constraint
-        error = self.planner.admission_error(req)
+        error = self.admission_error(req)
         if error is None and constraint is not None and self.grammar_queue is None:
             error = FinishReason.bad_request(f"sampling_params.{constraint[0]}",
                                              "needs guided decoding, which is off on this server "
@@ -78,27 +84,83 @@ class SchedulerCore:
     def _enqueue(self, req: Req) -> None:
         """Into the waiting queue, within --max-queued-requests (a more urgent arrival may displace
         the least urgent waiting request, as SGLang's _abort_on_queued_limit)."""
-        if (error := self.planner.queue_error(req)) is not None:
+        if (error := self.queue_error(req)) is not None:
             self._release(req, error)
             return
-        if (victim := self.planner.queue_victim(req)) is not None:
+        if (victim := self.queue_victim(req)) is not None:
             self.finish(victim, _DISPLACED)
         req.phase = Phase.WAITING
         self.planner.add(req)
+
+    def admission_error(self, req: Req) -> FinishReason | None:
+        """Checks that need the scheduler's numbers and flags; the tokenizer manager did the rest."""
+        cfg = self.planner.cfg
+        for limit, what in ((cfg.context_len, "exceeds the context length"),
+                            (cfg.max_total_tokens, "needs more KV slots than the server has")):
+            if req.max_total_len() > limit:
+                return FinishReason.bad_request(
+                    "sampling_params.max_new_tokens", f"({req.sampling_params.max_new_tokens}) + the prompt "
+                    f"({len(req.origin_input_ids)} tokens) {what} ({limit})")
+        if req.priority is not None and cfg.abort_on_priority_when_disabled and not cfg.enable_priority_scheduling:
+            return _PRIORITY_DISABLED
+        return None
+
+    def queue_error(self, req: Req) -> FinishReason | None:
+        """The 503 for `req` joining a full waiting queue (--max-queued-requests) that it cannot
+        displace anyone from; checked whenever a request joins the queue, as SGLang does."""
+        cap = self.planner.cfg.max_queued_requests
+        if cap is not None and len(self.planner.waiting) >= cap and self.queue_victim(req) is None:
+            return _QUEUE_FULL
+        return None
+
+    def queue_victim(self, req: Req) -> Req | None:
+        """The waiting request `req` displaces from a full queue: under --enable-priority-scheduling
+        the least urgent one (SchedulePolicy.urgency, then newest) when `req` is strictly more urgent, as
+        SGLang's _abort_on_queued_limit. None when the queue has room or `req` outranks nobody."""
+        cfg, waiting = self.planner.cfg, self.planner.waiting
+        if cfg.max_queued_requests is None or len(waiting) < cfg.max_queued_requests:
+            return None
+        if not cfg.enable_priority_scheduling or not waiting:
+            return None
+        urgency = self.planner.policy.urgency
+        victim = min(waiting, key=lambda r: (urgency(r), -r.arrival_seq))
+        return victim if urgency(req) > urgency(victim) else None
 
     # -- leaving early -----------------------------------------------------------------------------------
     def abort(self, group_prefixes: list[str], abort_all: bool, message: str = "") -> list[Req]:
         """An AbortReq: every choice of the named groups (or everything) ends, wherever it is."""
         reason = FinishReason(type="abort", message=message, status_code=200, err_type="abort")
-        taken = self.planner.take(group_prefixes, abort_all)
+        taken = self._take(abort_prefixes(group_prefixes, abort_all))
         if self.grammar_queue is not None:
             taken += self.grammar_queue.take(group_prefixes, abort_all)
         for req in taken:
             self._release(req, reason)
         return taken
 
+    def _take(self, prefixes: tuple[str, ...]) -> list[Req]:
+        """Remove and return every request the planner holds whose rid starts with one of
+        `prefixes`; one pass over each queue however many match."""
+        if not prefixes:
+            return []
+        planner = self.planner
+        taken = [r for r in planner.waiting + planner.running if r.rid.startswith(prefixes)]
+        if taken:
+            gone = set(map(id, taken))
+            planner.waiting = [r for r in planner.waiting if id(r) not in gone]
+            planner.running = [r for r in planner.running if id(r) not in gone]
+        if planner.chunked is not None and planner.chunked.req.rid.startswith(prefixes):
+            taken.append(planner.chunked.req)
+            planner.chunked = None
+        return taken
+
     def expired_rids(self, now: float) -> list[str]:
-        return [req.rid for req in self.planner.expired(now)]
+        """Waiting requests older than --request-timeout that were never admitted (a retracted
+        one has been served and waits for memory, not for service: it is not timed out)."""
+        timeout = self.planner.cfg.request_timeout
+        if not timeout:
+            return []
+        return [r.rid for r in self.planner.waiting
+                if r.retract_count == 0 and now - r.created_monotonic > timeout]
 
     def expire(self, rids: list[str], timeout: float | None) -> None:
         """Finish the waiting requests the (rank 0's) clock timed out; one gone since is skipped."""
@@ -160,7 +222,13 @@ class SchedulerCore:
     # -- ending ------------------------------------------------------------------------------------------
     def finish(self, req: Req, reason: FinishReason | None) -> None:
         """End a request the planner holds (waiting, chunked or running)."""
-        self.planner.remove(req)
+        planner = self.planner
+        if req.phase is Phase.RUNNING:
+            planner.running.remove(req)
+        elif req.phase is Phase.WAITING:
+            planner.waiting.remove(req)
+        elif req.phase is Phase.CHUNKED:
+            planner.chunked = None
         self._release(req, reason)
 
     def _release(self, req: Req, reason: FinishReason | None) -> None:

@@ -1,4 +1,4 @@
-"""Planner: the waiting queue, the running set, the chunked request, and what the next step runs.
+"""Planner: what the next step runs, over the waiting queue, the running set and the chunked request.
 
 Prefill first (chunked prefill through PrefillAdder); a decode step over the running requests
 otherwise. Retraction happens here, when the next decode step does not fit in KV memory (or
@@ -21,7 +21,7 @@ from tandem.runtime.scheduler.forward_worker import SpecInfo
 from tandem.runtime.scheduler.kv_manager import KVManager
 from tandem.runtime.scheduler.policy import SchedulePolicy
 from tandem.runtime.scheduler.prefill_adder import ChunkedReq, PrefillAdder, decode_reserve
-from tandem.runtime.scheduler.request import Req, abort_prefixes
+from tandem.runtime.scheduler.request import Req
 
 logger = logging.getLogger("tandem.scheduler")
 
@@ -58,10 +58,6 @@ class Plan:
 _NO_SLOTS = torch.empty(0, dtype=torch.int64)  # a verify's slots are read from the row by the worker
 _OOM = FinishReason(type="abort", status_code=500, err_type="OutOfMemory",
                     message="out of KV memory after retracting every other request")
-# SGLang's words and status for a priority on a server without priority scheduling (_set_or_validate_priority)
-_PRIORITY_DISABLED = FinishReason(type="abort", status_code=503, err_type="ServiceUnavailable",
-                                  message="Using priority is disabled for this server. "
-                                          "Please send a new request without a priority.")
 
 
 class Planner:
@@ -89,76 +85,6 @@ class Planner:
 
     def add(self, req: Req) -> None:
         self.waiting.append(req)
-
-    def admission_error(self, req: Req) -> FinishReason | None:
-        """Checks that need the scheduler's numbers and flags; the tokenizer manager already did the rest."""
-        limit = self.cfg.context_len
-        if req.max_total_len() > limit:
-            return FinishReason.bad_request(
-                "sampling_params.max_new_tokens", f"({req.sampling_params.max_new_tokens}) + the prompt "
-                f"({len(req.origin_input_ids)} tokens) exceeds the context length ({limit})")
-        if req.max_total_len() > self.cfg.max_total_tokens:
-            return FinishReason.bad_request(
-                "sampling_params.max_new_tokens", f"({req.sampling_params.max_new_tokens}) + the prompt "
-                f"({len(req.origin_input_ids)} tokens) needs more KV slots than the server has "
-                f"({self.cfg.max_total_tokens})")
-        cfg = self.cfg
-        if req.priority is not None and cfg.abort_on_priority_when_disabled and not cfg.enable_priority_scheduling:
-            return _PRIORITY_DISABLED
-        return None
-
-    def queue_error(self, req: Req) -> FinishReason | None:
-        """The 503 for `req` joining a full waiting queue (--max-queued-requests) that it cannot
-        displace anyone from. Checked whenever a request joins the queue, as SGLang does: on arrival,
-        or once its grammar has compiled."""
-        cap = self.cfg.max_queued_requests
-        if cap is not None and len(self.waiting) >= cap and self.queue_victim(req) is None:
-            return FinishReason(type="abort", status_code=503, err_type="ServiceUnavailable",
-                                message="The request queue is full.")  # SGLang's words
-        return None
-
-    def queue_victim(self, req: Req) -> Req | None:
-        """The waiting request `req` displaces from a full queue: under --enable-priority-scheduling
-        the least urgent one (SchedulePolicy.urgency, then newest) when `req` is strictly more urgent, as
-        SGLang's _abort_on_queued_limit. None when the queue has room or `req` outranks nobody."""
-        cap = self.cfg.max_queued_requests
-        if cap is None or len(self.waiting) < cap or not self.cfg.enable_priority_scheduling or not self.waiting:
-            return None
-        urgency = self.policy.urgency
-        victim = min(self.waiting, key=lambda r: (urgency(r), -r.arrival_seq))
-        return victim if urgency(req) > urgency(victim) else None
-
-    def take(self, group_prefixes: list[str], abort_all: bool) -> list[Req]:
-        """Remove and return every choice of the given groups (internal group prefixes), or
-        everything; one pass over each queue however many requests match."""
-        prefixes = abort_prefixes(group_prefixes, abort_all)
-        if not prefixes:
-            return []
-        taken = [r for r in self.waiting + self.running if r.rid.startswith(prefixes)]
-        if taken:
-            gone = set(map(id, taken))
-            self.waiting = [r for r in self.waiting if id(r) not in gone]
-            self.running = [r for r in self.running if id(r) not in gone]
-        if self.chunked is not None and self.chunked.req.rid.startswith(prefixes):
-            taken.append(self.chunked.req)
-            self.chunked = None
-        return taken
-
-    def remove(self, req: Req) -> None:
-        if req in self.running:
-            self.running.remove(req)
-        elif req in self.waiting:
-            self.waiting.remove(req)
-        if self.chunked is not None and self.chunked.req is req:
-            self.chunked = None
-
-    def expired(self, now: float) -> list[Req]:
-        """Waiting requests older than --request-timeout that were never admitted (a retracted
-        one has been served and waits for memory, not for service: it is not timed out)."""
-        timeout = self.cfg.request_timeout
-        if not timeout:
-            return []
-        return [r for r in self.waiting if r.retract_count == 0 and now - r.created_monotonic > timeout]
 
     # -- planning --------------------------------------------------------------------------------------
     def next_batch(self) -> Plan:

@@ -146,10 +146,10 @@ def test_abort_prefix_matches_one_group_only():
     core.add("00aa_0", 3)
     core.add("00aa_1", 3)
     core.add("00aab_0", 3)  # group ids have one length in practice; even so "00aa_" is exact
-    assert core.planner.take([""], abort_all=False) == [] and core.planner.take([], abort_all=False) == []
-    assert sorted(r.rid for r in core.planner.take(["00aa_"], abort_all=False)) == ["00aa_0", "00aa_1"]
+    assert core.abort("") == [] and core.abort() == []
+    assert sorted(r.rid for r in core.abort("00aa_")) == ["00aa_0", "00aa_1"]
     assert [r.rid for r in core.planner.waiting] == ["00aab_0"]
-    assert [r.rid for r in core.planner.take([], abort_all=True)] == ["00aab_0"] and not core.planner.has_work()
+    assert [r.rid for r in core.abort(abort_all=True)] == ["00aab_0"] and not core.planner.has_work()
 
 
 def test_priority_preemption_retracts_the_least_urgent_running_request():
@@ -305,7 +305,7 @@ def test_request_timeout_ends_only_requests_never_admitted():
     assert core.planner.waiting == [b] and b.output_ids
     queued = core.add("queued", 5)
     later = time.monotonic() + 60
-    assert core.planner.expired(later) == [queued]
+    assert core.core.expired_rids(later) == [queued.rid]
 
 
 def test_n_siblings_share_the_in_flight_prefix_and_never_write_a_freed_slot():
@@ -348,13 +348,13 @@ def test_a_full_queue_gives_way_to_a_more_urgent_arrival_only():
         return Req.from_message(msg, 99, 0)
 
     for refused in (arrival("equal_0", 1), arrival("none_0", None)):
-        assert core.planner.queue_victim(refused) is None
-        assert core.planner.queue_error(refused).status_code == 503
+        assert core.core.queue_victim(refused) is None
+        assert core.core.queue_error(refused).status_code == 503
     urgent = arrival("urgent_0", 5)
-    assert core.planner.queue_error(urgent) is None and core.planner.queue_victim(urgent) is low_new
+    assert core.core.queue_error(urgent) is None and core.core.queue_victim(urgent) is low_new
     plain = make_core(max_running_requests=1, max_queued_requests=1)
     plain.add("a_0", 4)
-    assert plain.planner.queue_victim(urgent) is None and plain.planner.queue_error(urgent).status_code == 503
+    assert plain.core.queue_victim(urgent) is None and plain.core.queue_error(urgent).status_code == 503
     assert low_old in core.planner.waiting
 
 
@@ -367,14 +367,14 @@ def test_a_priority_without_priority_scheduling_is_ignored_or_a_503_as_sglang():
                                    sampling_params=SamplingParams(max_new_tokens=2), priority=priority)
         return Req.from_message(msg, 1, 0)
 
-    assert make_core().planner.admission_error(arrival(3)) is None
-    strict = make_core(abort_on_priority_when_disabled=True).planner
+    assert make_core().core.admission_error(arrival(3)) is None
+    strict = make_core(abort_on_priority_when_disabled=True).core
     error = strict.admission_error(arrival(3))
     assert (error.type, error.status_code) == ("abort", 503)
     assert error.message == ("Using priority is disabled for this server. "
                              "Please send a new request without a priority.")
     assert strict.admission_error(arrival(None)) is None
-    enabled = make_core(abort_on_priority_when_disabled=True, enable_priority_scheduling=True).planner
+    enabled = make_core(abort_on_priority_when_disabled=True, enable_priority_scheduling=True).core
     assert enabled.admission_error(arrival(3)) is None
 
 
