@@ -16,6 +16,7 @@ from typing import Any
 
 from tandem.kernels.interpreter import triton_interpreting
 from tandem.runtime.reasoning import PARSERS
+from tandem.runtime.tools import TOOL_CALL_PARSERS
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "default.toml"
 
@@ -31,6 +32,7 @@ _CHOICES = {
     "kv_cache_dtype": KV_CACHE_DTYPES,
     "grammar_backend": ("xgrammar", "none"),
     "reasoning_parser": (None, *PARSERS),
+    "tool_call_parser": (None, *TOOL_CALL_PARSERS),
     "sampling_defaults": ("model", "openai"),
     "log_level": ("debug", "info", "warning", "error", "critical"),
     "log_requests_level": (0, 1, 2, 3),
@@ -110,6 +112,9 @@ class ServerArgs:
     grpc_port: int | None = None  # serve SGLang's gRPC service and the gateway's scheduler service here
     chat_template: str | None = None  # a Jinja file overriding the tokenizer's chat template (OpenAI chat)
     reasoning_parser: str | None = None  # deepseek-r1 | qwen3: chat answers carry reasoning_content
+    # SGLang's names: chat answers carry the model's calls in that format as tool_calls (qwen25, qwen and hermes:
+    # <tool_call> JSON; llama3; mistral; pythonic; deepseekv3); None: a required or named call is a JSON array
+    tool_call_parser: str | None = None
     # model: OpenAI chat takes generation_config.json's sampling for fields it omits; openai: the API's
     sampling_defaults: str = "model"
     enable_strict_thinking: bool = False  # allow max_thinking_tokens (a forced end of the reasoning)

@@ -17,7 +17,6 @@ from typing import Any
 import orjson
 
 from tandem.runtime.grammar.compile_pool import CompilePool
-from tandem.runtime.grammar.matcher import RequestGrammar
 from tandem.runtime.sampling.params import ANY_JSON
 
 _CACHE_SIZE = 1024  # distinct grammars kept compiled
@@ -82,9 +81,9 @@ class GrammarBackend:
             del self._cache[key]
             self._bytes.pop(key, None)
 
-    def matcher(self, compiled: Any, think_end_ids: tuple[int, ...] | None = None) -> RequestGrammar:
-        """A request's grammar state; with `think_end_ids` it starts in the reasoning phase."""
-        return RequestGrammar(self._xgr.GrammarMatcher(compiled), think_end_ids)
+    def matcher(self, compiled: Any) -> Any:
+        """A request's own xgrammar matcher of a compiled grammar."""
+        return self._xgr.GrammarMatcher(compiled)
 
     def fill_bitmask(self, matchers: list[Any], bitmask: Any) -> None:
         """Row i of `bitmask`: the tokens xgrammar matcher i allows next; all tokens where it is
@@ -134,9 +133,12 @@ class GrammarBackend:
 
     def _structural_tag(self, text: str) -> Any:
         """SGLang's two JSON forms: the legacy {"structures": [...], "triggers": [...],
-        "at_least_one": false} and xgrammar's own structural-tag format. A missing or null schema
-        is any JSON (`{}`), as SGLang's sanitizing makes it."""
+        "at_least_one": false} and xgrammar's own structural-tag format; and tandem's tool-call
+        form, a model's call format built by xgrammar. A missing or null schema is any JSON
+        (`{}`), as SGLang's sanitizing makes it."""
         tag = orjson.loads(text)
+        if tag.get("type") == "tool_calls":
+            return self._compiler.compile_structural_tag(self._tool_calls_tag(tag))
         if (structures := tag.get("structures")) is not None:
             if not isinstance(structures, list):
                 raise ValueError("structures must be a list")
@@ -151,6 +153,17 @@ class GrammarBackend:
             _default_schemas(tag["format"])
             text = orjson.dumps(tag).decode()
         return self._compiler.compile_structural_tag(text)
+
+    def _tool_calls_tag(self, tag: dict) -> Any:
+        """tandem's tool-call form (runtime/tools/constraint.py): xgrammar's own structural tag for
+        a model's call format. Without free whitespace (--constrained-json-disable-any-whitespace)
+        the arguments allow one blank at a time, the nearest the tag's JSON has to that setting."""
+        for key, kind in (("model", str), ("tools", list), ("parallel_tool_calls", bool)):
+            if not isinstance(tag.get(key), kind):
+                raise ValueError(f"a tool_calls tag needs {key} ({kind.__name__})")
+        return self._xgr.get_model_structural_tag(
+            tag["model"], tools=tag["tools"], tool_choice=tag.get("tool_choice", "required"), reasoning="disabled",
+            parallel_tool_calls=tag["parallel_tool_calls"], max_whitespace_cnt=None if self._any_whitespace else 1)
 
     def _structure_item(self, i: int, s: Any) -> Any:
         if not isinstance(s, dict):

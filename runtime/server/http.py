@@ -18,6 +18,7 @@ from tandem.runtime.server_args import ServerArgs
 from tandem.runtime.frontend.request_groups import CallStream, ClientDisconnected, RequestError
 from tandem.runtime.server import openai, openai_format, responses_api
 from tandem.runtime.reasoning import separate_reasoning, with_stream_reasoning
+from tandem.runtime.tools.parse_route import parse_function_call
 from tandem.runtime.frontend.info import VERSION, current_loads, health_generate, model_info, served_model_name, server_info
 from tandem.runtime.server.auth import ApiKeyMiddleware, is_admin
 from tandem.runtime.frontend.tokenizer_manager import ChildStartError, TokenizerManager
@@ -141,7 +142,7 @@ def create_app(args: ServerArgs, on_child_death: Callable[[str], None] | None = 
         tm = app.state.tm
         body = await read_json(request, args)
         req = openai.chat_request(body, served_name(), tm.render_chat, args.reasoning_parser,
-                                  tm.chat_sampling_defaults, tm.chat_content_format)
+                                  tm.chat_sampling_defaults, tm.chat_content_format, args.tool_call_parser)
         req.reasoning = with_stream_reasoning(req.reasoning, body)
         req.include_usage |= args.stream_response_default_include_usage
         return await openai_call(request, req)
@@ -150,7 +151,8 @@ def create_app(args: ServerArgs, on_child_death: Callable[[str], None] | None = 
     async def responses(request: Request) -> Response:
         tm = app.state.tm
         req = responses_api.responses_request(await read_json(request, args), served_name(), tm.render_chat,
-                                              args.reasoning_parser, tm.chat_sampling_defaults, tm.chat_content_format)
+                                              args.reasoning_parser, tm.chat_sampling_defaults, tm.chat_content_format,
+                                              args.tool_call_parser)
         return await openai_call(request, req)
 
     async def tokenize_route(request: Request) -> Response:
@@ -162,6 +164,10 @@ def create_app(args: ServerArgs, on_child_death: Callable[[str], None] | None = 
     @app.post("/separate_reasoning")
     async def separate_reasoning_route(request: Request) -> Response:
         return _json(separate_reasoning(await read_json(request, args)))
+
+    @app.post("/parse_function_call")
+    async def parse_function_call_route(request: Request) -> Response:
+        return _json(parse_function_call(await read_json(request, args)))
 
     for path in ("/tokenize", "/v1/tokenize"):  # SGLang answers both
         app.add_api_route(path, tokenize_route, methods=["POST"])

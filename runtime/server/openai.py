@@ -5,8 +5,10 @@ A request becomes a native body (so every field is validated exactly as `/genera
 it; a native field name in an error is mapped back to the OpenAI one), runs through the
 tokenizer manager, and the native results become OpenAI's response, chunk or error shapes.
 Unknown fields are ignored, as OpenAI-compatible servers do; known fields this server cannot
-honour (OpenAI's tools, audio, ...; SGLang's extensions lora_path, session_params, ...) are a 400
+honour (OpenAI's audio, ...; SGLang's extensions lora_path, session_params, ...) are a 400
 rather than a silently different answer. SGLang's rid, priority and extra_key pass through.
+Chat takes `tools` (runtime/tools/): rendered by the chat template, a required or named call
+constrained, the answer's calls parsed in the server's --tool-call-parser format.
 """
 from __future__ import annotations
 
@@ -19,6 +21,9 @@ import orjson
 from tandem.runtime.server.openai_vllm import apply_vllm_fields
 from tandem.runtime.server.openai_response_format import response_format_constraint
 from tandem.runtime.reasoning import ReasoningParser
+from tandem.runtime.server.openai_tools import tool_sampling
+from tandem.runtime.tools.parser import ToolFormat
+from tandem.runtime.tools.request import ToolRequest, tool_request
 from tandem.runtime.value_checks import ValidationError, is_int
 
 # OpenAI name -> native sampling_params name (None: the same name)
@@ -34,7 +39,7 @@ _SAMPLING = {
 _CONSTRAINTS = ("regex", "ebnf", "json_schema")
 _NATIVE_TO_OPENAI = {"min_new_tokens": "min_tokens", "sampling_seed": "seed"}
 # known OpenAI fields whose meaning this server does not implement: a 400, never ignored
-# (tools and tool_choice: see _check_tools)
+# (tools and tool_choice on /v1/completions: see _check_tools)
 _UNSUPPORTED = ("functions", "function_call", "audio", "modalities", "prediction", "suffix",
                 "web_search_options", "reasoning",
                 # SGLang's extensions of the OpenAI API that this server does not implement
@@ -74,6 +79,8 @@ class OpenAIRequest:
     reasoning: ReasoningParser | None = None  # chat: split reasoning_content off the answer
     add_special_tokens: bool = True  # a text prompt's BOS; a chat template writes its own
     echoed: dict[str, Any] = field(default_factory=dict)  # /v1/responses: the request fields its answer repeats
+    tools: ToolRequest | None = None  # chat: the tools a call may name
+    tool_format: ToolFormat | None = None  # chat: the format the answer's calls are parsed in (None: not parsed)
 
     def rename(self, exc: ValidationError) -> ValidationError:
         """A native field name in a validation error -> the OpenAI one the client sent."""
@@ -101,6 +108,7 @@ class OpenAIRequest:
 # -- requests ---------------------------------------------------------------------------------------------
 def completion_request(body: Any, served_model: str) -> OpenAIRequest:
     _check_object(body)
+    _check_tools(body)
     prompt = body.get("prompt")
     echo = _flag(body, "echo")
     if body.get("reasoning_effort") is not None:
@@ -160,10 +168,12 @@ def decode_echo(req: OpenAIRequest, tokenizer: Any) -> None:
 
 def chat_request(body: Any, served_model: str, render: Callable[[list, dict], str],
                  reasoning_parser: str | None = None, sampling_defaults: dict[str, Any] | None = None,
-                 content_format: str = "string") -> OpenAIRequest:
+                 content_format: str = "string", tool_call_parser: str | None = None) -> OpenAIRequest:
     """`sampling_defaults`: the model's recommended sampling, for the fields the request leaves out.
-    `content_format`: the chat template's (`tokenizer.template_content_format`)."""
+    `content_format`: the chat template's (`tokenizer.template_content_format`). `tool_call_parser`:
+    the server's (--tool-call-parser)."""
     _check_object(body)
+    tools = tool_request(body)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
         raise ValidationError("messages", "must be a non-empty list of message objects")
@@ -176,8 +186,12 @@ def chat_request(body: Any, served_model: str, render: Callable[[list, dict], st
         raise ValidationError(f"chat_template_kwargs.{key}", "is set by the server (continue a final assistant "
                               "message with the request's continue_final_message)")
     kwargs = _with_effort(body.get("reasoning_effort"), kwargs)
+    if tools is not None:
+        if "tools" in kwargs:  # apply_chat_template would take two
+            raise ValidationError("chat_template_kwargs.tools", "cannot be combined with tools; give them as tools")
+        kwargs = {**kwargs, "tools": tools.template_tools()}
     req = OpenAIRequest("chat", _model(body, served_model), _native_base(body), stream=_stream(body),
-                        add_special_tokens=False)
+                        add_special_tokens=False, tools=tools)
     _stream_options(body, req)
     separate = body.get("separate_reasoning")
     if separate is not None and not isinstance(separate, bool):
@@ -190,6 +204,8 @@ def chat_request(body: Any, served_model: str, render: Callable[[list, dict], st
     else:
         req.native["text"] = _render(messages, kwargs, render, _flag(body, "continue_final_message"))
     req.native["sampling_params"] = {**(sampling_defaults or {}), **_sampling(body, req, default_max_tokens=None)}
+    if tools is not None:
+        tool_sampling(tools, tool_call_parser, req)
     _require_reasoning(body, req.native, parser)
     if _flag(body, "logprobs"):
         top = body.get("top_logprobs") or 0
@@ -312,16 +328,16 @@ def _check_object(body: Any) -> None:
     for name in _UNSUPPORTED:
         if body.get(name) not in (None, [], {}, False, ""):  # what clients send for "not used" passes
             raise ValidationError(name, "is not supported by this server")
-    _check_tools(body)
 
 
 def _check_tools(body: dict) -> None:
-    """Tool calling is not implemented: a request that could call a tool is a 400. What asks for
-    no call passes, as SGLang ignores it: tools with `tool_choice: "none"`, `tool_choice` "none" or
-    "auto" without tools, `parallel_tool_calls` (a flag about calls that cannot happen)."""
+    """Completions call no tools (chat does): a request that could call one is a 400. What asks
+    for no call passes, as SGLang ignores it: tools with `tool_choice: "none"`, `tool_choice` "none"
+    or "auto" without tools, `parallel_tool_calls` (a flag about calls that cannot happen)."""
     choice, tools = body.get("tool_choice"), body.get("tools")
     if tools not in (None, []) and choice != "none":
-        raise ValidationError("tools", "is not supported by this server (tool_choice \"none\" ignores them)")
+        raise ValidationError("tools", "is not supported on /v1/completions (/v1/chat/completions takes them; "
+                                       "tool_choice \"none\" ignores them)")
     if choice not in (None, "none", "auto"):
         raise ValidationError("tool_choice", "is not supported by this server")
     if not isinstance(body.get("parallel_tool_calls", False), bool):

@@ -8,7 +8,9 @@ from typing import Any, AsyncIterator
 
 from tandem.runtime.frontend.request_groups import CallStream, RequestError
 from tandem.runtime.server.openai import OpenAIRequest
+from tandem.runtime.server.openai_tools import ChoiceCalls, delta_calls, finish_reason, message_calls, parser_for
 from tandem.runtime.reasoning import StreamSplitter
+from tandem.runtime.tools.parser import ToolStream
 from tandem.runtime.value_checks import ValidationError
 
 _FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
@@ -95,6 +97,10 @@ def response(req: OpenAIRequest, results: list[dict], n: int) -> dict[str, Any]:
             if req.reasoning is not None:
                 reasoning, content = req.reasoning.split(r["text"])
                 message.update(content=content, reasoning_content=reasoning or None, reasoning=reasoning or None)
+            if req.tools is not None:
+                message["content"], message["tool_calls"] = message_calls(req, message["content"])
+                if message["tool_calls"]:
+                    reason, matched = finish_reason(reason, True), (None if reason == "stop" else matched)
             choice = {"index": i, "message": message, "logprobs": _chat_logprobs(meta) if req.logprobs else None}
         else:
             echo = req.echo_texts[i // max(n, 1)] if req.echo_texts else ""
@@ -155,13 +161,15 @@ async def stream_chunks(req: OpenAIRequest, cumulative: CallStream, n: int) -> A
 
 
 class _ChatStream:
-    """A chat stream's per-choice state: its reasoning splitter, the logprobs sent (they ride with
-    the chunks that show their text, so a held-back token's wait, and none is sent twice), and
-    its finish chunk, held until every choice's text is out."""
+    """A chat stream's per-choice state: its reasoning splitter, its tool-call split (over the
+    content the reasoning split leaves), the logprobs sent (they ride with the chunks that show
+    their text, so a held-back token's wait, and none is sent twice), and its finish chunk, held
+    until every choice's text is out."""
 
     def __init__(self, req: OpenAIRequest) -> None:
         self.req = req
         self.splitters: dict[int, StreamSplitter] = {}
+        self.calls: dict[int, ChoiceCalls] = {}
         self.sent_lp: dict[int, int] = {}
         self.finished: dict[int, dict] = {}
 
@@ -177,13 +185,23 @@ class _ChatStream:
             reasoning, delta_text = splitter.feed(item["text"], reason is not None, aborted=reason == "abort")
             if reasoning:  # the think end inside this step's text: one delta each, as SGLang's
                 deltas.append({"reasoning_content": reasoning, "reasoning": reasoning})  # SGLang's and vLLM's names
+        called = False
+        if (parser := parser_for(self.req)) is not None:
+            calls = self.calls.setdefault(i, ChoiceCalls(ToolStream(parser)))
+            delta_text, call_deltas = calls.feed(delta_text, reason is not None)
+            called = calls.called
+        else:
+            call_deltas = []
         if delta_text:
             deltas.append({"content": delta_text})
+        if call_deltas:
+            deltas.append({"tool_calls": delta_calls(call_deltas)})
         for delta in deltas:  # the step's logprobs go with its first delta, as SGLang's
             out.append((self._choice(i, delta, self._logprobs(i, meta)), True))
         if reason is not None:  # what no delta showed (a trimmed stop string's) ends with the finish
-            self.finished[i] = {**self._choice(i, {}, self._logprobs(i, meta)), "finish_reason": reason,
-                                "matched_stop": matched}
+            self.finished[i] = {**self._choice(i, {}, self._logprobs(i, meta)),
+                                "finish_reason": finish_reason(reason, called),
+                                "matched_stop": None if called and reason == "stop" else matched}
         return out
 
     def _choice(self, i: int, delta: dict, logprobs: dict | None = None) -> dict:

@@ -1,10 +1,11 @@
-"""The OpenAI Responses API (`/v1/responses`) as SGLang serves it without tools or storage: a
-request is a chat request (`instructions` a system message before the `input` messages), and its
-answer is a response object with a reasoning item (with a reasoning parser) and a message item, or
-named stream events numbered from 0. What needs stored responses, sessions, tools or logprobs is a
-400 naming the field; nothing is stored: `store: true` (SGLang's default, under which it keeps the
-response for a later previous_response_id) is answered with `store: false`, which tells the client
-so, and a previous_response_id is then a 400 naming it."""
+"""The OpenAI Responses API (`/v1/responses`) as SGLang serves it without storage: a request is a
+chat request (`instructions` a system message before the `input` items), and its answer is a
+response object with a reasoning item (with a reasoning parser), a message item and a
+`function_call` item per tool call (function tools: responses_tools.py), or named stream events
+numbered from 0. What needs stored responses, sessions, built-in tools or logprobs is a 400 naming
+the field; nothing is stored: `store: true` (SGLang's default, under which it keeps the response
+for a later previous_response_id) is answered with `store: false`, which tells the client so, and a
+previous_response_id is then a 400 naming it."""
 from __future__ import annotations
 
 import re
@@ -16,18 +17,22 @@ from tandem.runtime.frontend.request_groups import CallStream
 from tandem.runtime.server.openai import OpenAIRequest, chat_request
 from tandem.runtime.server.openai_format import error_event
 from tandem.runtime.reasoning import StreamSplitter
+from tandem.runtime.server.openai_tools import ChoiceCalls, message_calls, parser_for
+from tandem.runtime.server.responses_tools import (call_item, chat_tool_fields, input_call_messages, new_item_id,
+                                                   responses_tool_field)
+from tandem.runtime.tools.parser import CallDelta, ToolStream
 from tandem.runtime.value_checks import ValidationError, json_text
 
-# /v1/responses: what SGLang's ResponsesRequest takes beside input and instructions, as the chat
-# fields they are; what needs stored responses, tools or logprobs (none here) is a 400
+# /v1/responses: what SGLang's ResponsesRequest takes beside input, instructions and tools, as the
+# chat fields they are; what needs stored responses, built-in tools or logprobs (none here) is a 400
 _RESPONSES_CHAT = ("model", "stream", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
-                   "frequency_penalty", "presence_penalty", "stop", "chat_template_kwargs", "tools", "tool_choice",
-                   "parallel_tool_calls", "priority", "extra_key", "cache_salt")
+                   "frequency_penalty", "presence_penalty", "stop", "chat_template_kwargs", "priority", "extra_key",
+                   "cache_salt")
 _RESPONSES_UNSUPPORTED = {
     "previous_response_id": "this server stores no responses", "conversation": "this server stores no responses",
     "background": "this server stores no responses", "prompt": "this server stores no prompt templates",
     "include": "this server returns no extra output items", "top_logprobs": "this server returns no logprobs here",
-    "max_tool_calls": "this server runs no tools",
+    "max_tool_calls": "this server runs no built-in tools",
     "session_id": "this server keeps no sessions"}  # as chat refuses it
 _RESPONSES_DEFAULTS = {"temperature": 0.7}  # SGLang's ResponsesRequest default, under the model's own
 _RESPONSES_PARTS = ("input_text", "output_text", "text")
@@ -37,10 +42,10 @@ _MESSAGE_FIELD = re.compile(r"messages\[(\d+)\](.*)")
 
 def responses_request(body: Any, served_model: str, render: Callable[[list, dict], str],
                       reasoning_parser: str | None = None, sampling_defaults: dict[str, Any] | None = None,
-                      content_format: str = "string") -> OpenAIRequest:
-    """/v1/responses as SGLang serves it without tools: `instructions` a system message before the
-    `input` messages, rendered and sampled as a chat request; the rid is `request_id` (SGLang's
-    field), which is also the response's id. Nothing is stored (the answer says `store: false`)."""
+                      content_format: str = "string", tool_call_parser: str | None = None) -> OpenAIRequest:
+    """/v1/responses as SGLang serves it: `instructions` a system message before the `input`
+    items, rendered and sampled as a chat request; the rid is `request_id` (SGLang's field), which
+    is also the response's id. Nothing is stored (the answer says `store: false`)."""
     if not isinstance(body, dict):
         raise ValidationError("body", "must be a JSON object")
     for name, why in _RESPONSES_UNSUPPORTED.items():
@@ -55,21 +60,23 @@ def responses_request(body: Any, served_model: str, render: Callable[[list, dict
         raise ValidationError("instructions", "must be a string")
     system = [{"role": "system", "content": instructions}] if instructions else []
     chat = {name: body[name] for name in _RESPONSES_CHAT if body.get(name) is not None}
-    chat.update(messages=system + _input_messages(body.get("input")), response_format=_text_format(body),
+    messages, origin = _input_messages(body.get("input"))
+    chat.update(messages=system + messages, response_format=_text_format(body),
                 max_completion_tokens=body.get("max_output_tokens"),
-                reasoning_effort=_only(body, "reasoning", "effort"))
+                reasoning_effort=_only(body, "reasoning", "effort"), **chat_tool_fields(body))
     try:
         req = chat_request(chat, served_model, render, reasoning_parser,
-                           {**_RESPONSES_DEFAULTS, **(sampling_defaults or {})}, content_format)
+                           {**_RESPONSES_DEFAULTS, **(sampling_defaults or {})}, content_format, tool_call_parser)
     except ValidationError as exc:
-        raise ValidationError(_responses_field(exc.field, len(system)), exc.message) from None
+        raise ValidationError(_responses_field(exc.field, [-1] * len(system) + origin), exc.message) from None
     req.kind = "response"
-    req.renames = {**req.renames, "max_new_tokens": "max_output_tokens", "json_schema": "text.format"}
+    req.renames = {**req.renames, "max_new_tokens": "max_output_tokens",  # a tool call's grammar stays the tools'
+                   "json_schema": "tools" if req.renames.get("json_schema") == "tools" else "text.format"}
     req.native["rid"] = body.get("request_id") or "resp_" + secrets.token_hex(16)
     req.echoed = {"instructions": instructions, "max_output_tokens": body.get("max_output_tokens"),
                   "metadata": body.get("metadata"), "user": body.get("user"), "reasoning": body.get("reasoning"),
                   "text": body.get("text") or {"format": {"type": "text"}},
-                  "tool_choice": body.get("tool_choice", "auto"),
+                  "tools": body.get("tools") or [], "tool_choice": body.get("tool_choice", "auto"),
                   "parallel_tool_calls": body.get("parallel_tool_calls", True)}
     _check_echoable(req.echoed)
     return req
@@ -82,19 +89,32 @@ def _check_echoable(echoed: dict[str, Any]) -> None:
         json_text(name, {"response": {name: value}})
 
 
-def _input_messages(value: Any) -> list[dict]:
-    """A string is one user message; a list holds message items with string or text-part content."""
+def _input_messages(value: Any) -> tuple[list[dict], list[int]]:
+    """The chat messages of `input` and, for each, the input item it came from. A string is one
+    user message; a list holds message items with string or text-part content, and function
+    calls and their outputs."""
     if isinstance(value, str):
-        return [{"role": "user", "content": value}]
+        return [{"role": "user", "content": value}], [0]
     if not isinstance(value, list) or not value:
         raise ValidationError("input", "must be a string or a non-empty list of message items")
-    return [_input_message(i, item) for i, item in enumerate(value)]
+    out: list[tuple[int, dict]] = []
+    calls: list[tuple[int, dict]] = []
+    for i, item in enumerate(value):
+        kind = item.get("type", "message") if isinstance(item, dict) else None
+        if kind in ("function_call", "function_call_output"):
+            calls.append((i, item))
+            continue
+        out += input_call_messages(calls)
+        calls = []
+        out.append((i, _input_message(i, item, kind)))
+    out += input_call_messages(calls)
+    return [m for _, m in out], [i for i, _ in out]
 
 
-def _input_message(i: int, item: Any) -> dict:
-    kind = item.get("type", "message") if isinstance(item, dict) else None
-    if kind != "message":  # function calls and their outputs, reasoning items, item references: no tools here
-        raise ValidationError(f"input[{i}].type", f"only message items are supported, got {kind!r}")
+def _input_message(i: int, item: Any, kind: Any) -> dict:
+    if kind != "message":  # reasoning items, item references: nothing here keeps or reads them
+        raise ValidationError(f"input[{i}].type", f"only message, function_call and function_call_output items "
+                                                  f"are supported, got {kind!r}")
     content = item.get("content")
     if isinstance(content, list):
         content = [_input_part(f"input[{i}].content[{j}]", part) for j, part in enumerate(content)]
@@ -131,11 +151,13 @@ def _text_format(body: dict) -> Any:
     return fmt
 
 
-def _responses_field(name: str, system: int) -> str:
-    """A chat field name in an error -> the /v1/responses one (messages shift by the instructions)."""
+def _responses_field(name: str, origin: list[int]) -> str:
+    """A chat field name in an error -> the /v1/responses one: a message's is its input item's
+    (`origin`: each message's item; -1 the instructions)."""
     if m := _MESSAGE_FIELD.match(name):
-        index, rest = int(m.group(1)) - system, m.group(2)
+        index, rest = origin[int(m.group(1))], m.group(2)
         return "instructions" if index < 0 else f"input[{index}]{rest}"
+    name = responses_tool_field(name)
     name = name.replace("response_format.json_schema", "text.format")  # a Responses format holds its schema itself
     renames = {"messages": "input", "max_completion_tokens": "max_output_tokens", "response_format": "text.format",
                "reasoning_effort": "reasoning.effort"}
@@ -145,11 +167,14 @@ def _responses_field(name: str, system: int) -> str:
 
 def responses_response(req: OpenAIRequest, result: dict) -> dict[str, Any]:
     """A finished answer: a reasoning item (with a reasoning parser) and a message item, each only
-    when it has text, as SGLang's _make_response_output_items."""
+    when it has text, as SGLang's _make_response_output_items, then a function_call item per call."""
     reasoning, content = req.reasoning.split(result["text"]) if req.reasoning else ("", result["text"])
     output = [_reasoning_item("rs_" + secrets.token_hex(12), reasoning, "completed")] if reasoning else []
-    if content:
-        output.append(_message_item("msg_" + secrets.token_hex(12), content, "completed"))
+    text, calls = message_calls(req, content) if req.tools is not None else (content, None)
+    if text:
+        output.append(_message_item("msg_" + secrets.token_hex(12), text, "completed"))
+    output += [call_item(new_item_id(), c["id"], c["function"]["name"], c["function"]["arguments"], "completed")
+               for c in calls or ()]
     return _responses_object(req, int(time.time()), output, result["meta_info"])
 
 
@@ -197,6 +222,8 @@ async def responses_events(req: OpenAIRequest, cumulative: CallStream) -> AsyncI
     yield out.event("response.created", response=out.snapshot(None))
     yield out.event("response.in_progress", response=out.snapshot(None))
     splitter = StreamSplitter(req.reasoning) if req.reasoning else None
+    parser = parser_for(req)
+    calls = ChoiceCalls(ToolStream(parser)) if parser is not None else None
     meta, sent = None, 0
     async for item in cumulative:
         if cumulative.error is not None:  # the chat stream's error event, numbered in this stream
@@ -207,7 +234,15 @@ async def responses_events(req: OpenAIRequest, cumulative: CallStream) -> AsyncI
             reasoning, content = splitter.feed(text, final=meta.get("finish_reason") is not None)
         else:
             reasoning, content, sent = "", text[sent:], len(text)
-        for event in out.delta("reasoning", reasoning) + out.delta("message", content):
+        events = out.delta("reasoning", reasoning)
+        if calls is not None:
+            content, call_deltas = calls.feed(content, final=meta.get("finish_reason") is not None)
+            # a call the step goes on with comes before the step's text, a call it starts after it
+            events += out.calls([d for d in call_deltas if d.id is None]) + out.delta("message", content)
+            events += out.calls([d for d in call_deltas if d.id is not None])
+        else:
+            events += out.delta("message", content)
+        for event in events:
             yield event
     for event in out.close():
         yield event
@@ -224,8 +259,9 @@ class _ResponseEvents:
         self.created = int(time.time())
         self.number = 0
         self.output: list[dict] = []  # closed items
-        self.kind: str | None = None  # the open item's: "reasoning" | "message"
+        self.kind: str | None = None  # the open item's: "reasoning" | "message" | "function_call"
         self.item_id, self.text = "", ""
+        self.call: tuple[str, str] = ("", "")  # the open function_call item's call id and name
 
     def next_number(self) -> int:
         self.number += 1
@@ -263,9 +299,32 @@ class _ResponseEvents:
             return events + [self.event("response.reasoning_text.delta", **self._where(), delta=text)]
         return events + [self.event("response.output_text.delta", **self._where(), delta=text, logprobs=[])]
 
+    def calls(self, deltas: list[CallDelta]) -> list[dict]:
+        """A function_call item per call: added with its name, its arguments as deltas."""
+        events = []
+        for d in deltas:
+            if d.id is not None:
+                events += self.close()
+                self.kind, self.item_id, self.text, self.call = "function_call", new_item_id(), "", (d.id, d.name or "")
+                events.append(self.event("response.output_item.added", output_index=len(self.output),
+                                         item=call_item(self.item_id, *self.call, "", "in_progress")))
+            if d.arguments:
+                self.text += d.arguments
+                events.append(self.event("response.function_call_arguments.delta", item_id=self.item_id,
+                                         output_index=len(self.output), delta=d.arguments))
+        return events
+
     def close(self) -> list[dict]:
         if self.kind is None:
             return []
+        if self.kind == "function_call":
+            item = call_item(self.item_id, *self.call, self.text, "completed")
+            done = [self.event("response.function_call_arguments.done", item_id=self.item_id,
+                               output_index=len(self.output), arguments=self.text),
+                    self.event("response.output_item.done", output_index=len(self.output), item=item)]
+            self.output.append(item)
+            self.kind = None
+            return done
         if self.kind == "reasoning":
             done = [self.event("response.reasoning_text.done", **self._where(), text=self.text)]
         else:

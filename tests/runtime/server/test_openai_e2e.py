@@ -173,7 +173,8 @@ def test_a_structural_tag_response_format_constrains_both_routes(client):
     ({"max_tokens": -1}, "max_tokens"),
     ({"temperature": "hot"}, "temperature"),
     ({"top_logprobs": 3}, "top_logprobs"),
-    ({"extra_body": {"tools": [{"type": "function", "function": {"name": "f"}}]}}, "tools"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "nonsense"}}}]},
+     "tools[0].function.parameters"),
     ({"response_format": {"type": "xml"}}, "response_format"),
     # found by the scheduler when the grammar compiles, and still named as the client sent it
     ({"extra_body": {"regex": "(unclosed"}}, "regex"),
