@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from collections import OrderedDict
+from pathlib import Path
 
 import pytest
 
@@ -13,6 +14,7 @@ NGRAM = ["--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", "
 # two, share this many units (a tiny-model server ~0.8 GB: 1, a SmolLM2 one ~2.7 GB: 3). All 20 kept
 # up at once took 23 of the machine's 24 GB, and CI's pytest was killed for memory.
 PINNED = ("tiny", "smol")
+TOOLS_TEMPLATE = str(Path(__file__).parent / "templates" / "qwen25_tools.jinja")
 UNITS_UP = 6
 
 
@@ -85,6 +87,9 @@ def servers(tmp_path_factory, tiny_model_dir):
                                           "--enable-strict-thinking", "--constrained-json-disable-any-whitespace"],
                                          {"TANDEM_DEBUG_FUTURE_MAP": "1"}),
                 "tiny_reasoning": (["--model-path", tiny, *TINY_ARGS, "--reasoning-parser", "qwen3"], None),
+                # tool calling: a tiny Qwen2 with a Qwen2.5-style tools template and the qwen25 parser
+                "tiny_tools": (["--model-path", tiny_model_dir("qwen2"), *TINY_ARGS, "--tool-call-parser", "qwen25",
+                                "--chat-template", TOOLS_TEMPLATE, "--constrained-json-disable-any-whitespace"], None),
                 "smol_ngram": (["--max-total-tokens", "20000", "--max-running-requests", "32", *NGRAM], None),
                 # STANDALONE: the draft is the tiny model cut to its first layer (SmolLM2: first 6 of 30)
                 "tiny_standalone": (["--model-path", tiny, *TINY_ARGS, *standalone(tiny, 1)],
