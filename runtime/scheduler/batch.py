@@ -52,7 +52,6 @@ class BatchContext:
     vocab_size: int
     eos_ids: tuple[int, ...]
     device: torch.device
-    think_end_ids: tuple[int, ...] = ()  # "</think>" tokenized: what max_thinking_tokens forces
     logit_bias: BatchTensorCache = field(default_factory=BatchTensorCache, compare=False, repr=False)
     bans: BatchTensorCache = field(default_factory=BatchTensorCache, compare=False, repr=False)
 
@@ -142,28 +141,16 @@ def build_batch(mode: ForwardMode, spans: list[ExtendSpan], ctx: BatchContext,
         input_logprob_tasks=lp_tasks, prompt_hidden_tasks=hidden_tasks,
         penalties=_penalties(sreqs, outputs_before, ctx) if sreqs else None,
         grammar_mask=_grammar_mask(sreqs), spec=spec,
-        forced_ids=_forced_ids(sreqs, outputs_before, ctx.think_end_ids),
+        forced_ids=_forced_ids(sreqs, outputs_before),
     )
     return ScheduleBatch(mode, spans, job)
 
 
-def _forced_ids(reqs: list[Req], outputs_before: list[int], end: tuple[int, ...]) -> list[int] | None:
-    """Strict thinking: output number k + i of a request still thinking after k tokens is the
-    i-th think-end token (-1: sample as usual). A think-end the model wrote itself before the
-    budget ran out ends the reasoning (one step late under overlap: the step in flight is unseen)."""
-    forced = []
-    for r, n in zip(reqs, outputs_before):
-        k = r.sampling_params.max_thinking_tokens
-        token = -1
-        if k is not None and end and k <= n < k + len(end) and not _contains(r.output_ids[:k], end):
-            token = end[n - k]
-        forced.append(token)
+def _forced_ids(reqs: list[Req], outputs_before: list[int]) -> list[int] | None:
+    """Strict thinking (max_thinking_tokens): the think-end token a request must emit next, or -1."""
+    forced = [-1 if (k := r.sampling_params.max_thinking_tokens) is None or r.think is None
+              else r.think.forced_token(k, n) for r, n in zip(reqs, outputs_before)]
     return forced if any(t >= 0 for t in forced) else None
-
-
-def _contains(ids: list[int], seq: tuple[int, ...]) -> bool:
-    n = len(seq)
-    return any(tuple(ids[i:i + n]) == seq for i in range(len(ids) - n + 1))
 
 
 def _grammar_mask(sampling_reqs: list[Req]) -> GrammarMask | None:

@@ -26,6 +26,7 @@ from tandem.runtime.scheduler.planner import Planner
 from tandem.runtime.scheduler.request import Phase, Req, abort_prefixes
 from tandem.runtime.scheduler.result_processor import FinishChecker, apply_new_tokens
 from tandem.runtime.scheduler.stats import StepStats
+from tandem.runtime.scheduler.think import ReasoningState
 
 # SGLang's words and statuses
 _DISPLACED = FinishReason(type="abort", status_code=503, err_type="ServiceUnavailable",
@@ -40,7 +41,8 @@ _PRIORITY_DISABLED = FinishReason(type="abort", status_code=503, err_type="Servi
 class SchedulerCore:
     def __init__(self, planner: Planner, checker: FinishChecker, streamer: OutputStreamer,
                  grammar_queue: GrammarQueue | None = None, max_grammar_bytes: int = 1 << 62,
-                 random_seed: int = 0, stats: StepStats | None = None) -> None:
+                 random_seed: int = 0, stats: StepStats | None = None,
+                 think_end_ids: tuple[int, ...] = ()) -> None:
         self.planner = planner
         self.kv = planner.kv
         self.rows = planner.kv.rows
@@ -49,6 +51,7 @@ class SchedulerCore:
         self.grammar_queue = grammar_queue
         self.max_grammar_bytes = max_grammar_bytes
         self.stats = stats or StepStats()
+        self.think_end_ids = think_end_ids  # "</think>" tokenized
         self._arrivals = 0
         self._seed_rng = random.Random(random_seed)  # seeds of seedless requests: alike on every TP rank
 
@@ -57,6 +60,8 @@ class SchedulerCore:
         """A new request: refused (DONE with a 400/503), COMPILING its grammar, or WAITING."""
         self._arrivals += 1
         req = Req.from_message(msg, self._arrivals, self._seed_rng.getrandbits(63))
+        if req.require_reasoning or req.sampling_params.max_thinking_tokens is not None:
+            req.think = ReasoningState(self.think_end_ids)
         constraint = req.sampling_params.constraint
         error = self.admission_error(req)
         if error is None and constraint is not None and self.grammar_queue is None:

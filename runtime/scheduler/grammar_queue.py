@@ -1,8 +1,9 @@
 """GrammarQueue: requests whose grammar is still compiling.
 
 A constrained request waits here, not in the planner's queue, until its grammar is ready, so a
-slow compile never holds up anyone else; then it gets its own matcher (in the reasoning phase
-first when it has `require_reasoning`) and joins the waiting queue. A compile error or `--grammar-compile-timeout` ends it with a 400 quoting xgrammar.
+slow compile never holds up anyone else; then it gets its own matcher (applied after the think
+end for a `require_reasoning` request: Req.in_reasoning) and joins the waiting queue. A compile
+error or `--grammar-compile-timeout` ends it with a 400 quoting xgrammar.
 Under TP every rank compiles its own grammars, but which requests leave the queue in an
 iteration is rank 0's decision (`settled`), applied alike on every rank (`settle`).
 """
@@ -37,10 +38,9 @@ def grammar_size_error(constraint: tuple[str, str], max_bytes: int) -> FinishRea
 
 
 class GrammarQueue:
-    def __init__(self, backend: GrammarBackend, timeout_s: float, think_end_ids: tuple[int, ...] = ()) -> None:
+    def __init__(self, backend: GrammarBackend, timeout_s: float) -> None:
         self.backend = backend
         self.timeout_s = timeout_s
-        self.think_end_ids = think_end_ids  # where a require_reasoning request's grammar starts
         self._waiting: list[_Waiting] = []
 
     def __len__(self) -> int:
@@ -75,8 +75,7 @@ class GrammarQueue:
             if w.req.rid in done_set:
                 exc = w.compiled.exception()  # blocks until this rank's compile is done too
                 if exc is None:
-                    think_end = self.think_end_ids if w.req.require_reasoning else None
-                    w.req.grammar = self.backend.matcher(w.compiled.result(), think_end)
+                    w.req.grammar = self.backend.matcher(w.compiled.result())
                     ready.append(w.req)
                 else:
                     failed.append((w.req, FinishReason.bad_request(

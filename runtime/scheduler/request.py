@@ -17,6 +17,7 @@ import numpy as np
 from tandem.ipc.messages import FinishReason, LogprobArrays, LogprobParams, TokenizedGenerateReq
 from tandem.runtime.sampling.logprobs import InputLogprobAccumulator
 from tandem.runtime.sampling.params import SamplingParams
+from tandem.runtime.scheduler.think import ReasoningState
 
 
 class Phase(enum.Enum):
@@ -54,8 +55,10 @@ class Req:
     phase: Phase = Phase.WAITING
     output_ids: list[int] = field(default_factory=list)
     finished_reason: FinishReason | None = None
-    # guided decoding: a RequestGrammar that has seen every output token so far (retraction
-    # keeps the output, so it stays valid across it)
+    # require_reasoning or max_thinking_tokens: where the output stands against the think end
+    think: ReasoningState | None = None
+    # guided decoding: an xgrammar matcher that has seen every output token after the reasoning
+    # (retraction keeps the output, so it stays valid across it)
     grammar: Any | None = None
 
     # memory: the row in ReqToTokenPool and how many of its positions hold allocated KV slots;
@@ -73,10 +76,6 @@ class Req:
     spec_verify_ct: int = 0
     spec_accepted_drafts: int = 0
     spec_accept_histogram: list[int] = field(default_factory=list)
-    # require_reasoning: output tokens through the think end (SGLang's reasoning_tokens), and
-    # whether the think end came
-    reasoning_tokens: int = 0
-    reasoning_over: bool = False
     last_node: object | None = None  # locked radix node covering the cached prefix
     cached_tokens: int = 0  # prompt tokens served from the radix cache (first prefill)
     retract_count: int = 0
@@ -131,6 +130,16 @@ class Req:
 
     def all_ids(self) -> list[int]:
         return self.origin_input_ids + self.output_ids
+
+    @property
+    def in_reasoning(self) -> bool:
+        """A require_reasoning request before its think end: its grammar does not apply yet."""
+        return self.require_reasoning and self.think is not None and not self.think.over
+
+    @property
+    def reasoning_tokens(self) -> int:
+        """SGLang's reasoning_tokens: counted for require_reasoning requests only."""
+        return self.think.tokens if self.require_reasoning and self.think is not None else 0
 
     @property
     def return_logprob(self) -> bool:

@@ -19,15 +19,15 @@ STOP_REGEX_TIMEOUT_S = 0.05
 
 
 class FinishChecker:
-    def __init__(self, eos_ids: Sequence[int], decode: Callable[[list[int]], str],
-                 think_end_ids: Sequence[int] = ()) -> None:
+    def __init__(self, eos_ids: Sequence[int], decode: Callable[[list[int]], str]) -> None:
         self.eos_ids = set(eos_ids)
         self.decode = decode
-        self.think_end_ids = list(think_end_ids)  # "</think>" tokenized: where reasoning_tokens stop
 
     def finished_len(self, req: Req, new_tokens: list[int]) -> tuple[int, FinishReason | None]:
         """How many of `new_tokens` to keep, and why the request ends (None: it goes on).
-        A constrained request's matcher accepts each kept token here, in order."""
+        A constrained request's matcher accepts each kept token after the reasoning here, in
+        order; such a request gets one token a step (it never drafts), so `in_reasoning` is
+        current for it."""
         sp = req.sampling_params
         base = len(req.output_ids)
         for i, tok in enumerate(new_tokens):
@@ -53,7 +53,7 @@ class FinishChecker:
                     return i, FinishReason.bad_request("sampling_params.stop_regex", f"does not compile: {exc}")
                 if hit is not None:
                     return i + 1, FinishReason(type="stop", matched=hit)
-            if req.grammar is not None:
+            if req.grammar is not None and not req.in_reasoning:
                 if not req.grammar.accept_token(tok):  # the mask allowed it, so this is a bug
                     return i, FinishReason(type="abort", status_code=500, err_type="InternalServerError",
                                            message=f"the grammar rejected sampled token {tok}")
@@ -113,8 +113,9 @@ def apply_new_tokens(req: Req, new_tokens: list[int], logprobs: list[LogprobArra
     else:
         req.output_ids.extend(new_tokens[:keep])
         keep_extras = keep
-        if req.require_reasoning and not req.reasoning_over:
-            _count_reasoning(req, keep, checker.think_end_ids)
+        if req.think is not None:
+            for token in new_tokens[:keep]:
+                req.think.feed(token)
     if logprobs:
         req.output_logprobs.extend(logprobs[:keep_extras])
     if hidden:
@@ -123,15 +124,3 @@ def apply_new_tokens(req: Req, new_tokens: list[int], logprobs: list[LogprobArra
         req.finished_reason = reason
     return reason is not None
 
-
-def _count_reasoning(req: Req, added: int, think_end: list[int]) -> None:
-    """SGLang's reasoning_tokens: every output token up to and including the think end (here the
-    last token of its tokenized sequence); without a think end known, none are counted."""
-    if not think_end:
-        return
-    end = len(req.output_ids)
-    for pos in range(end - added + 1, end + 1):
-        req.reasoning_tokens += 1
-        if req.output_ids[max(pos - len(think_end), 0):pos] == think_end:
-            req.reasoning_over = True
-            return

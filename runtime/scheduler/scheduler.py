@@ -113,8 +113,8 @@ class Scheduler:
         self.worker = ForwardWorker(runner, future_map, penalty_counts, self.stats, drafter, intra_op_threads)
         think_end_ids = tuple(self.tokenizer.encode(THINK_END, add_special_tokens=False))
         planner = Planner(planner_config(args, runner), self.kv,
-                          BatchContext(runner.config.vocab_size, eos_ids, runner.device, think_end_ids))
-        self.checker = FinishChecker(eos_ids, lambda ids: self.tokenizer.decode(ids), think_end_ids)
+                          BatchContext(runner.config.vocab_size, eos_ids, runner.device))
+        self.checker = FinishChecker(eos_ids, lambda ids: self.tokenizer.decode(ids))
         streamer = OutputStreamer(args.stream_interval,
                                   args.speculative_num_draft_tokens - 1 if args.speculative_algorithm else 0)
         self.num_outputs_sent = 0  # to the detokenizer: /health_generate checks they all came through
@@ -124,9 +124,9 @@ class Scheduler:
             self.grammar = GrammarBackend(self.tokenizer, runner.config.vocab_size,
                                           any_whitespace=not args.constrained_json_disable_any_whitespace,
                                           stop_token_ids=eos_ids, compile_threads=args.grammar_compile_threads)
-            grammar_queue = GrammarQueue(self.grammar, args.grammar_compile_timeout, think_end_ids)
+            grammar_queue = GrammarQueue(self.grammar, args.grammar_compile_timeout)
         self.core = SchedulerCore(planner, self.checker, streamer, grammar_queue, args.max_grammar_bytes,
-                                  args.random_seed, self.stats)
+                                  args.random_seed, self.stats, think_end_ids)
         self.watchdog = Watchdog(args.watchdog_timeout)
         self._flush_pending: list[int] = []  # flush requests waiting for no step in flight
         self.ctx = zmq.Context(2)
@@ -198,7 +198,8 @@ class Scheduler:
             return
         t0 = time.perf_counter()
         sampling = batch.sampling_reqs
-        matchers = [None if sampling[i].finished else sampling[i].grammar.constraining for i in mask.sample_indices]
+        # a finished request's sample is thrown away, and one still reasoning writes freely
+        matchers = [None if (r := sampling[i]).finished or r.in_reasoning else r.grammar for i in mask.sample_indices]
         mask.fill(matchers, self.grammar, self.runner.device)  # type: ignore[union-attr]
         self.stats.record_grammar_fill(time.perf_counter() - t0, len(matchers))
 

@@ -53,7 +53,7 @@ def test_errors_are_xgrammars_message_without_its_prefix(backend, kind, text, fr
 def test_a_matcher_walks_to_the_end_and_the_mask_allows_only_the_grammar(backend, smol_tokenizer):
     matcher = backend.matcher(backend.compile("regex", "(?:yes|no)").result(timeout=60))
     mask = GrammarMask([1])
-    mask.fill([matcher.constraining], backend, torch.device("cpu"))
+    mask.fill([matcher], backend, torch.device("cpu"))
     logits = torch.zeros(2, 49152)
     masked = mask.apply(logits)
     assert torch.isfinite(logits).all()  # the raw logits (and so the logprobs) are untouched
@@ -71,11 +71,11 @@ def test_sglangs_any_json_schema_takes_any_json_value(backend, smol_tokenizer):
     """json_schema "$$ANY$$" (sglang.test.send_one --json sends it): xgrammar's built-in JSON
     grammar, so a bare array is allowed, where a schema would have wanted an object."""
     grammar = backend.compile("json_schema", "$$ANY$$").result(timeout=60)
-    matcher = backend.matcher(grammar).constraining
+    matcher = backend.matcher(grammar)
     for tok in smol_tokenizer.encode("[1, 2]", add_special_tokens=False):
         assert matcher.accept_token(tok)
     assert matcher.accept_token(smol_tokenizer.eos_token_id) and matcher.is_terminated()
-    assert not backend.matcher(grammar).constraining.accept_token(smol_tokenizer.encode("x", add_special_tokens=False)[0])
+    assert not backend.matcher(grammar).accept_token(smol_tokenizer.encode("x", add_special_tokens=False)[0])
 
 
 def test_a_failed_fill_never_leaves_the_worker_waiting(backend):
@@ -113,7 +113,7 @@ def test_bitmask_buffers_alternate_and_reused_rows_allow_everything(backend):
 def test_a_structural_tag_without_a_schema_takes_any_json(backend, smol_tokenizer, tag):
     """SGLang's backend fills a missing or null schema with {} in both forms; before, a 400
     ("does not compile: 'schema'")."""
-    matcher = backend.matcher(backend.compile("structural_tag", json.dumps(tag)).result(timeout=60)).constraining
+    matcher = backend.matcher(backend.compile("structural_tag", json.dumps(tag)).result(timeout=60))
     text = "x[1]" if tag.get("format", {}).get("type") == "sequence" else "<a>[1]</a>"
     for tok in smol_tokenizer.encode(text, add_special_tokens=False):
         assert matcher.accept_token(tok), text
@@ -128,7 +128,7 @@ def test_a_legacy_structural_tag_with_at_least_one_opens_with_a_tag(backend, smo
     compiled = backend.compile("structural_tag", json.dumps(tag)).result(timeout=60)
 
     def accepts(text: str) -> bool:
-        matcher = backend.matcher(compiled).constraining
+        matcher = backend.matcher(compiled)
         return all(matcher.accept_token(tok) for tok in smol_tokenizer.encode(text, add_special_tokens=False))
 
     assert accepts('<a>{"k": 1}</a> done')
@@ -153,7 +153,7 @@ def test_every_model_eos_id_ends_a_grammar(smol_tokenizer):
     its own takes only the tokenizer's eos_token and masked id 0."""
     be = GrammarBackend(smol_tokenizer, 49152, stop_token_ids=(0, smol_tokenizer.eos_token_id))
     try:
-        matcher = be.matcher(be.compile("regex", "ab").result(timeout=60)).constraining
+        matcher = be.matcher(be.compile("regex", "ab").result(timeout=60))
         for tok in smol_tokenizer.encode("ab", add_special_tokens=False):
             assert matcher.accept_token(tok)
         assert matcher.accept_token(0) and matcher.is_terminated()
@@ -208,7 +208,7 @@ def test_json_without_free_whitespace_has_sglangs_separators(smol_tokenizer):
     try:
         compiled = be.compile("json_schema", schema).result(timeout=60)
         for text, ok in (('{"a": 1, "b": 2}', True), ('{"a":1,"b":2}', False), ('{ "a": 1, "b": 2}', False)):
-            matcher = be.matcher(compiled).constraining
+            matcher = be.matcher(compiled)
             assert matcher.accept_string(text) is ok, text
     finally:
         be.close()

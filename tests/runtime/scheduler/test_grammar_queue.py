@@ -25,8 +25,8 @@ class FakeBackend:
     def compile(self, kind: str, text: str) -> Future:
         return self.futures.setdefault((kind, text), Future())
 
-    def matcher(self, compiled: object, think_end_ids: tuple[int, ...] | None = None) -> str:
-        return f"matcher of {compiled}" + (f" after {think_end_ids}" if think_end_ids else "")
+    def matcher(self, compiled: object) -> str:
+        return f"matcher of {compiled}"
 
     def release(self, kind: str, text: str) -> None:
         self.released.append((kind, text))
@@ -73,15 +73,15 @@ def test_ready_failed_and_timed_out(clock):
     assert len(queue) == 0
 
 
-def test_require_reasoning_gets_a_matcher_that_starts_after_the_think_end():
+def test_requests_sharing_a_grammar_get_a_matcher_each_from_one_compile():
     backend = FakeBackend()
-    queue = GrammarQueue(backend, timeout_s=10, think_end_ids=(9, 8))  # type: ignore[arg-type]
+    queue = GrammarQueue(backend, timeout_s=10)  # type: ignore[arg-type]
     plain, reasoning = _req("a_0", regex="x"), _req("b_0", require_reasoning=True, regex="x")
     queue.add(plain)
     queue.add(reasoning)
     backend.futures[("regex", "x")].set_result("G")
     assert queue.poll() == ([plain, reasoning], [])
-    assert (plain.grammar, reasoning.grammar) == ("matcher of G", "matcher of G after (9, 8)")
+    assert (plain.grammar, reasoning.grammar) == ("matcher of G", "matcher of G")
 
 
 def test_abort_reaches_requests_still_compiling():

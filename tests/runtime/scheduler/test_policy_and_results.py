@@ -13,6 +13,7 @@ from tandem.runtime.sampling.params import SamplingParams
 from tandem.runtime.scheduler.output_streamer import OutputStreamer
 from tandem.runtime.scheduler.policy import SchedulePolicy
 from tandem.runtime.scheduler.request import Req
+from tandem.runtime.scheduler.think import ReasoningState
 from tandem.runtime.scheduler.result_processor import (STOP_REGEX_TIMEOUT_S, FinishChecker, apply_new_tokens,
                                                        tail_ids)
 
@@ -337,21 +338,21 @@ def test_reasoning_tokens_count_through_the_think_end_for_require_reasoning():
     """SGLang's Req.update_reasoning_tokens: with require_reasoning, every output token up to and
     including the one that ends the think block counts, also inside one multi-token run."""
     think_end = [9617, 17400, 46]  # "</think>" in SmolLM2's tokenizer
-    checker = FinishChecker([2], lambda ids: "", think_end_ids=think_end)
+    checker = FinishChecker([2], lambda ids: "")
     streamer = OutputStreamer(default_stream_interval=1)
     r, plain = _req(1, stream=True, max_new_tokens=50), _req(2, stream=True, max_new_tokens=50)
-    r.require_reasoning = True
+    r.require_reasoning, r.think = True, ReasoningState(tuple(think_end))
     for run in ([5, 9617], [17400, 46, 7, 8], [9617, 17400, 46]):
         apply_new_tokens(r, run, None, None, checker)
         apply_new_tokens(plain, run, None, None, checker)
-    assert (r.reasoning_tokens, r.reasoning_over, plain.reasoning_tokens) == (4, True, 0)
+    assert (r.reasoning_tokens, r.think.over, plain.reasoning_tokens) == (4, True, 0)
     streamer.add(r)
     streamer.add(plain)
     assert [c.reasoning_tokens for c in streamer.build().counters] == [4, 0]
     never_closed = _req(3, max_new_tokens=50)
-    never_closed.require_reasoning = True
+    never_closed.require_reasoning, never_closed.think = True, ReasoningState(tuple(think_end))
     apply_new_tokens(never_closed, [5, 6, 46], None, None, checker)
-    assert never_closed.reasoning_tokens == 3 and not never_closed.reasoning_over
+    assert never_closed.reasoning_tokens == 3 and not never_closed.think.over
 
 
 def test_lpm_orders_by_cached_prefix_alone_even_with_priority_scheduling():
