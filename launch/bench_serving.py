@@ -155,27 +155,28 @@ def _progress_bar(total: int, args: Any) -> Any:
     return tqdm(total=total, disable=args.disable_tqdm or not sys.stderr.isatty())
 
 
-async def _warmup(session: aiohttp.ClientSession, api_url: str, row: DatasetRow, args: Any) -> None:
+async def _warmup(session: aiohttp.ClientSession, api_url: str, row: DatasetRow, args: Any, send: Any) -> None:
     if args.warmup_requests <= 0:
         return
     n_tokens = min(row.output_len, WARMUP_MAX_NEW_TOKENS)
-    outs = await asyncio.gather(*(send_request(session, api_url, row, args, n_tokens)
+    outs = await asyncio.gather(*(send(session, api_url, row, args, n_tokens)
                                   for _ in range(args.warmup_requests)))
     if not any(o.success for o in outs):
         raise BenchError(f"warmup failed, check the arguments and the server: {outs[0].error}")
 
 
 async def run_benchmark(
-    args: Any, rows: list[DatasetRow], base_url: str
+    args: Any, rows: list[DatasetRow], base_url: str, send: Any = send_request, path: str = "/generate"
 ) -> tuple[list[RequestResult], float, float]:
-    """Send every row under the configured load shape; returns results, duration, start time."""
-    api_url = f"{base_url}/generate"
+    """Send every row under the configured load shape; returns results, duration, start time.
+    `send` streams one row to `path` (default: SGLang's native /generate)."""
+    api_url = f"{base_url}{path}"
     connector = aiohttp.TCPConnector(limit=0)  # the semaphore, not aiohttp, caps concurrency
     async with aiohttp.ClientSession(
         connector=connector, timeout=aiohttp.ClientTimeout(total=HTTP_TIMEOUT_S),
         read_bufsize=READ_BUFSIZE,
     ) as session:
-        await _warmup(session, api_url, rows[0], args)
+        await _warmup(session, api_url, rows[0], args, send)
         if args.flush_cache:
             async with session.post(f"{base_url}/flush_cache", json={}) as resp:
                 await resp.read()
@@ -184,7 +185,7 @@ async def run_benchmark(
 
         async def one(row: DatasetRow) -> RequestResult:
             async with sem if sem is not None else contextlib.nullcontext():
-                res = await send_request(session, api_url, row, args)
+                res = await send(session, api_url, row, args)
             pbar.update(1)
             return res
 
@@ -247,6 +248,10 @@ def build_parser() -> argparse.ArgumentParser:
     a("--extra-request-body", default=None, help="JSON object merged into every payload")
     a("--json-schema", default=None, help="constrain every request by this JSON schema (a file), then run the "
                                           "same prompts unconstrained with matched output lengths, and compare")
+    a("--tools", default=None, help="OpenAI tools (a JSON file): stream every request through /v1/chat/completions "
+                                    "without tools and with them (tool_choice auto, parsed by the server's "
+                                    "--tool-call-parser), alternating, and compare inter-token latency")
+    a("--tools-rounds", type=int, default=2, help="with --tools: without/with pairs to run")
     a("--flush-cache", action="store_true", help="POST /flush_cache after warmup")
     a("--via-gateway", action="store_true", help="put the SGLang Model Gateway (smg) in front of the server and "
                                                  "run the same workload straight and through it, alternating")
@@ -337,6 +342,10 @@ def _run(args: argparse.Namespace, base_url: str) -> dict[str, Any]:
     rows = _rows(args)
     if args.json_schema_text:
         return _run_guided(args, rows, base_url)
+    if args.tools:
+        from tandem.launch.bench_chat import compare_tools  # lazy: only --tools runs chat streams
+
+        return compare_tools(args, rows, base_url)
     if args.via_gateway:
         return compare_via_gateway(args, base_url, functools.partial(_measure, args, rows))
     results, duration, t0 = asyncio.run(run_benchmark(args, rows, base_url))

@@ -193,3 +193,21 @@ def test_smollm2_required_call_is_well_formed(smol_server):
     assert choice.finish_reason == "tool_calls"
     _validate(choice.message.tool_calls)
     assert choice.message.tool_calls[0].function.name == "get_weather"
+
+
+def test_bench_serving_compares_chat_streams_with_and_without_tools(server, tmp_path):
+    """`tandem bench serving --tools`: the same rows streamed through chat without and with tools
+    (a functional check on the tiny model; the numbers are for a quiet machine)."""
+    from tandem.launch import bench_serving
+
+    tools, out = tmp_path / "tools.json", tmp_path / "out.json"
+    tools.write_text(json.dumps(TOOLS))
+    assert bench_serving.main(["--base-url", server.url, "--tools", str(tools), "--tools-rounds", "1",
+                               "--num-prompts", "4", "--random-input-len", "16", "--random-output-len", "12",
+                               "--disable-tqdm", "--output-file", str(out)]) == 0
+    result = json.loads(out.read_text())
+    plain, tooled = result["without_tools"][0], result["with_tools"][0]
+    for run in (plain, tooled):
+        assert run["completed"] == 4 and not run["errors"], run
+    assert tooled["total_output_tokens"] == plain["total_output_tokens"] > 0  # the same requests, ignore_eos
+    assert result["with_over_without_itl"] > 0
