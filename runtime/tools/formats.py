@@ -66,10 +66,9 @@ def body(text: str, i: int, final: bool, names: Collection[str]) -> Body | Pendi
             return None
         if m.group(2):  # {"name": "f"}: no arguments
             return Body(Call(name, "{}"), m.end(), m.end())
-        viable, end = scan(text, m.end())
-        args, whole = arguments(text, m.end(), viable, end)
+        args, whole, viable, end = arguments(text, m.end())
         if whole:
-            viable, end = scan(text, i)
+            viable, end = scan(text, i)[:2]
         else:
             end = None
         return Body(Call(name, args, whole), end, end if end is not None else (
@@ -79,7 +78,7 @@ def body(text: str, i: int, final: bool, names: Collection[str]) -> Body | Pendi
     first = _match(_ARGS_FIRST, text, i, final)
     if not isinstance(first, regex.Match):
         return first
-    viable, end = scan(text, first.end())
+    args, _, viable, end = arguments(text, first.end())
     if end is None:
         return PENDING if viable == len(text) and not final else None
     last = _match(_NAME_LAST, text, end, final)
@@ -88,7 +87,7 @@ def body(text: str, i: int, final: bool, names: Collection[str]) -> Body | Pendi
     name = json.loads(last.group(1))
     if name not in names:
         return None
-    return Body(Call(name, arguments(text, first.end(), viable, end)[0]), last.end(), last.end())
+    return Body(Call(name, args), last.end(), last.end())
 
 
 class TaggedFormat:
@@ -218,8 +217,8 @@ class DeepSeekV3Format:
                     return None
                 coming = not final and self.end.startswith(text[i:])  # the closing tag, partly written
                 return Region(tuple(calls), None if coming else i)
-            viable, end = scan(text, m.end())  # type: ignore[union-attr]
-            calls.append(Call(m.group(1).strip(), *arguments(text, m.end(), viable, end)))  # type: ignore[union-attr]
+            args, whole, viable, end = arguments(text, m.end())  # type: ignore[union-attr]
+            calls.append(Call(m.group(1).strip(), args, whole))  # type: ignore[union-attr]
             close = -1 if end is None and viable == len(text) else text.find(
                 self.call_end, end if end is not None else viable)
             if close < 0:
