@@ -180,3 +180,22 @@ def test_parse_function_call_route():
         with pytest.raises(ValidationError) as err:
             parse_function_call(body)
         assert err.value.field == field
+
+
+def test_a_reasoning_model_thinks_then_calls():
+    """With a reasoning parser the calls are parsed from the content after the think end (and a
+    required call's grammar waits for it: require_reasoning)."""
+    req = oa.chat_request({"messages": USER, "tools": TOOLS, "tool_choice": "required", "stream": True}, "served",
+                          lambda m, kw: "<p>", "deepseek-r1", tool_call_parser="qwen25")
+    assert req.native["require_reasoning"] is True
+    text = "let me look it up</think>\n\n" + CALL
+    whole = oar.response(req, [result(text, 0, finish={"type": "stop"})], 1)["choices"][0]["message"]
+    assert whole["reasoning_content"] == "let me look it up" and whole["content"] is None
+    assert whole["tool_calls"][0]["function"]["arguments"] == '{"city": "Paris"}'
+    chunks = _collect(req, [result(text[:k], 0) for k in range(3, len(text), 6)] + [
+        result(text, 0, finish={"type": "stop"})])
+    deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
+    assert "".join(d.get("reasoning_content") or "" for d in deltas) == "let me look it up"
+    assert "".join(tc["function"]["arguments"] for d in deltas for tc in d.get("tool_calls") or []) == \
+        '{"city": "Paris"}'
+    assert not any(d.get("content") for d in deltas)
