@@ -131,7 +131,7 @@ def build_batch(mode: ForwardMode, spans: list[ExtendSpan], ctx: BatchContext,
     want_lp = any(r.return_logprob for r in sreqs)
     want_hidden = any(r.return_hidden_states for r in sreqs)
     job = ForwardJob(
-        mode=mode, rows=[r.req_pool_idx for r in reqs], prefix_lens=[s.prefix_len for s in spans],
+        mode=mode, rows=[r.kv.req_pool_idx for r in reqs], prefix_lens=[s.prefix_len for s in spans],
         extend_lens=[s.extend_len for s in spans], input_ids=input_ids,
         out_cache_loc=torch.cat([s.out_cache_loc for s in spans]), sample_indices=sample_idx,
         sampling=_sampling_info(sreqs, ctx) if sreqs else None, sample_positions=positions,

@@ -213,7 +213,7 @@ class SchedulerCore:
                 continue
             tokens = result.next_token_ids[j]
             if j in verified:
-                req.record_verify(len(tokens) - 1)
+                req.spec.record_verify(len(tokens) - 1)
             lp = result.output_logprobs[j] if result.output_logprobs else None
             hidden = result.output_hidden[j] if result.output_hidden else None
             done = apply_new_tokens(req, tokens, lp, hidden, self.checker)

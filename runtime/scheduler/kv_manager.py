@@ -2,7 +2,7 @@
 
 Ownership: every KV slot is free, owned by the radix tree, or owned by one request's row. A
 request's row holds `kv_alloc_len` slots: the tree's (matched or inserted prefix, locked
-through `req.last_node`) followed by its own. Positions below `kv_committed_len` hold the KV
+through `req.kv.last_node`) followed by its own. Positions below `kv_committed_len` hold the KV
 of the request's known tokens; speculative decoding reserves slots beyond it (the verify's
 positions depend on how many drafts the step in flight accepts), and plain decoding reserves
 its slots a run of positions at a time (`decode_run`); only committed positions ever reach the
@@ -50,48 +50,48 @@ class KVManager:
         row = self.rows.alloc(req.sampling_params, req.output_ids)
         if row is None:
             return False
-        req.req_pool_idx = row
+        req.kv.req_pool_idx = row
         n = len(prefix_slots)
         if n:
             self.req_to_token[row, :n] = prefix_slots.to(self.req_to_token.device)
-        req.kv_alloc_len = req.kv_committed_len = n
-        req.last_node = node
+        req.kv.alloc_len = req.kv.committed_len = n
+        req.kv.last_node = node
         self.tree.inc_lock_ref(node)
         return True
 
     def extend(self, req: Req, new_len: int) -> torch.Tensor | None:
         """Allocate and commit positions [kv_alloc_len, kv_alloc_len + new_len): a step in flight
         computes exactly these positions."""
-        slots = self.reserve(req, req.kv_alloc_len + new_len)
+        slots = self.reserve(req, req.kv.alloc_len + new_len)
         if slots is not None:
-            req.kv_committed_len = req.kv_alloc_len
+            req.kv.committed_len = req.kv.alloc_len
         return slots
 
     def reserve(self, req: Req, upto: int) -> torch.Tensor | None:
         """Allocate slots so that positions [0, upto) have one, without committing them."""
-        need = upto - req.kv_alloc_len
+        need = upto - req.kv.alloc_len
         slots = self.alloc_slots(max(need, 0))
         if slots is None:
             return None
-        start = req.kv_alloc_len
-        self.req_to_token[req.req_pool_idx, start:start + len(slots)] = slots.to(self.req_to_token.device)
-        req.kv_alloc_len += len(slots)
+        start = req.kv.alloc_len
+        self.req_to_token[req.kv.req_pool_idx, start:start + len(slots)] = slots.to(self.req_to_token.device)
+        req.kv.alloc_len += len(slots)
         return slots
 
     # -- plain decoding ------------------------------------------------------------------------------
     def decode_need(self, reqs: list[Req]) -> int:
         """Slots a plain decode step over `reqs` must allocate at least: one per request that has
         no slot reserved at its next position."""
-        return sum(r.kv_alloc_len <= r.kv_committed_len for r in reqs)
+        return sum(r.kv.alloc_len <= r.kv.committed_len for r in reqs)
 
     def alloc_decode(self, reqs: list[Req]) -> torch.Tensor:
         """The slot of each request's next position (`kv_committed_len`), which the step computes:
         committed here. A request with no slot reserved there gets a run (`decode_run`), or one slot
         when memory is short for runs. The caller has made sure that `decode_need(reqs)` slots are
         available."""
-        fresh = [r for r in reqs if r.kv_alloc_len <= r.kv_committed_len]
+        fresh = [r for r in reqs if r.kv.alloc_len <= r.kv.committed_len]
         # the last sampled token is never an input: positions up to max_total_len - 2 are computed
-        runs = [decode_run(r.kv_committed_len, r.max_total_len() - 2) for r in fresh]
+        runs = [decode_run(r.kv.committed_len, r.max_total_len() - 2) for r in fresh]
         if sum(runs) > self.available_tokens():
             runs = [1] * len(fresh)
         slots = self.alloc_slots(sum(runs))
@@ -99,40 +99,40 @@ class KVManager:
         run_rows: list[int] = []
         run_positions: list[int] = []
         for r, n in zip(fresh, runs):  # one table write for every run (one launch on a GPU)
-            run_rows += [r.req_pool_idx] * n
-            run_positions += range(r.kv_alloc_len, r.kv_alloc_len + n)
-            r.kv_alloc_len += n
+            run_rows += [r.kv.req_pool_idx] * n
+            run_positions += range(r.kv.alloc_len, r.kv.alloc_len + n)
+            r.kv.alloc_len += n
         self.req_to_token[_long(run_rows), _long(run_positions)] = slots
-        positions = _long([r.kv_committed_len for r in reqs])
+        positions = _long([r.kv.committed_len for r in reqs])
         for r in reqs:
-            r.kv_committed_len += 1
-        return self.req_to_token[_long([r.req_pool_idx for r in reqs]), positions]
+            r.kv.committed_len += 1
+        return self.req_to_token[_long([r.kv.req_pool_idx for r in reqs]), positions]
 
     def drop_decode_runs(self, reqs: list[Req]) -> bool:
         """Free the slots plain decoding reserved past each request's next position (no step
         writes them); whether any were. Memory is short: they go before anyone is retracted."""
         dropped = False
         for r in reqs:
-            if r.kv_alloc_len > r.kv_committed_len:
-                self.allocator.free(self.req_to_token[r.req_pool_idx, r.kv_committed_len:r.kv_alloc_len])  # free copies
-                r.kv_alloc_len, dropped = r.kv_committed_len, True
+            if r.kv.alloc_len > r.kv.committed_len:
+                self.allocator.free(self.req_to_token[r.kv.req_pool_idx, r.kv.committed_len:r.kv.alloc_len])  # free copies
+                r.kv.alloc_len, dropped = r.kv.committed_len, True
         return dropped
 
     def commit(self, req: Req) -> None:
         """After a step's tokens are applied: every token but the last has its KV written (the last
         one is the next step's input)."""
-        if req.req_pool_idx is not None:
-            req.kv_committed_len = max(req.kv_committed_len, req.seq_len - 1)
+        if req.kv.req_pool_idx is not None:
+            req.kv.committed_len = max(req.kv.committed_len, req.seq_len - 1)
 
     def cache_prefill(self, req: Req) -> None:
         """Put the request's computed-or-in-flight KV into the tree right after it is planned, so
         requests admitted after it (the n>1 siblings, shared system prompts) reuse it at once."""
         if self.tree.disabled:
             return
-        n = req.kv_committed_len
-        slots, node = self.tree.cache_unfinished_req(req.all_ids()[:n], self._row(req, n), req.last_node, req.extra_key)
-        self.req_to_token[req.req_pool_idx, :n] = slots.to(self.req_to_token.device)
-        req.last_node = node
+        n = req.kv.committed_len
+        slots, node = self.tree.cache_unfinished_req(req.all_ids()[:n], self._row(req, n), req.kv.last_node, req.extra_key)
+        self.req_to_token[req.kv.req_pool_idx, :n] = slots.to(self.req_to_token.device)
+        req.kv.last_node = node
 
     # -- release --------------------------------------------------------------------------------------
     def release(self, req: Req) -> None:
@@ -142,17 +142,17 @@ class KVManager:
         Slots still being written by an in-flight step are safe to hand out again: every later
         step runs after that one on the same worker, in order.
         """
-        row = req.req_pool_idx
+        row = req.kv.req_pool_idx
         if row is None:
             return
         ids = req.all_ids()
-        keep = min(req.kv_committed_len, len(ids))
-        slots = self._row(req, req.kv_alloc_len)
-        self.tree.cache_finished_req(ids[:keep], slots[:keep], req.last_node or self.tree.root, req.extra_key)
-        if req.kv_alloc_len > keep:
+        keep = min(req.kv.committed_len, len(ids))
+        slots = self._row(req, req.kv.alloc_len)
+        self.tree.cache_finished_req(ids[:keep], slots[:keep], req.kv.last_node or self.tree.root, req.extra_key)
+        if req.kv.alloc_len > keep:
             self.allocator.free(slots[keep:])
         self.rows.release(row)
-        req.req_pool_idx, req.kv_alloc_len, req.kv_committed_len, req.last_node = None, 0, 0, None
+        req.kv.req_pool_idx, req.kv.alloc_len, req.kv.committed_len, req.kv.last_node = None, 0, 0, None
 
     def releasable(self, reqs: list[Req]) -> int:
         """Slots that releasing every one of `reqs` would make obtainable: each one's own slots
@@ -161,20 +161,20 @@ class KVManager:
         locks: dict[int, list] = {}  # id(node) -> [node, locks `reqs` hold on it]
         own = 0
         for req in reqs:
-            node, cached = req.last_node, 0
+            node, cached = req.kv.last_node, 0
             while node is not None and node is not self.tree.root:
                 locks.setdefault(id(node), [node, 0])[1] += 1
                 cached += len(node.value)
                 node = node.parent
-            own += req.kv_alloc_len - cached
+            own += req.kv.alloc_len - cached
         return own + sum(len(node.value) for node, held in locks.values() if node.lock_ref == held)
 
     def row_slots(self, req: Req, start: int, stop: int) -> torch.Tensor:
         """The KV slots of positions [start, stop) of the request (a copy)."""
-        return self.req_to_token[req.req_pool_idx, start:stop].clone()
+        return self.req_to_token[req.kv.req_pool_idx, start:stop].clone()
 
     def _row(self, req: Req, n: int) -> torch.Tensor:
-        return self.req_to_token[req.req_pool_idx, :n].to("cpu").clone()
+        return self.req_to_token[req.kv.req_pool_idx, :n].to("cpu").clone()
 
     def leak_report(self) -> str | None:
         """What is held with no request running (None: nothing). Every slot must then be free or

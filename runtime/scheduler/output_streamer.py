@@ -30,11 +30,11 @@ class OutputStreamer:
     def should_send(self, req: Req) -> bool:
         if req.finished:
             return True
-        new = len(req.output_ids) - req.sent_token_len
+        new = len(req.output_ids) - req.cursor.tokens
         if new <= 0:
             return False
         if req.stream:  # the first token at once, then every interval-th (SGLang's 1, 1 + k, 1 + 2k, ...)
-            return req.sent_token_len == 0 or new >= (req.sampling_params.stream_interval
+            return req.cursor.tokens == 0 or new >= (req.sampling_params.stream_interval
                                                       or self.default_stream_interval)
         # non-streaming logprob / hidden-state requests still ship in pieces so nothing is rebuilt at the end
         return (req.return_logprob or req.return_hidden_states) and new >= self.force_stream_interval
@@ -60,17 +60,17 @@ class OutputStreamer:
     def _append(out: BatchTokenIDOutput, r: Req) -> None:
         out.rids.append(r.rid)
         out.finished_reasons.append(r.finished_reason)
-        out.new_token_ids.append(np.asarray(r.output_ids[r.sent_token_len:], dtype=np.int32))
+        out.new_token_ids.append(np.asarray(r.output_ids[r.cursor.tokens:], dtype=np.int32))
         # per-request constants travel once: a 48 MB stop list must not ride every step
-        out.detokenize_params.append(None if r.sent_any else _detokenize_params(r))
-        r.sent_any = True
-        r.sent_token_len = len(r.output_ids)
+        out.detokenize_params.append(None if r.cursor.sent_any else _detokenize_params(r))
+        r.cursor.sent_any = True
+        r.cursor.tokens = len(r.output_ids)
 
     def _counters(self, r: Req) -> ReqCounters:
         spec = None
         if self.drafts_per_verify:  # every request of a speculating server, verified yet or not
-            spec = SpecCounts(verify_ct=r.spec_verify_ct, proposed=r.spec_verify_ct * self.drafts_per_verify,
-                              accepted=r.spec_accepted_drafts, accept_histogram=list(r.spec_accept_histogram))
+            spec = SpecCounts(verify_ct=r.spec.verify_ct, proposed=r.spec.verify_ct * self.drafts_per_verify,
+                              accepted=r.spec.accepted_drafts, accept_histogram=list(r.spec.accept_histogram))
         return ReqCounters(completion_tokens=len(r.output_ids), cached_tokens=r.cached_tokens,
                            retractions=r.retract_count, reasoning_tokens=r.reasoning_tokens, spec=spec)
 
@@ -78,21 +78,21 @@ class OutputStreamer:
     def _append_logprobs(out: BatchTokenIDOutput, r: Req) -> None:
         outputs = inputs = None
         if r.return_logprob:
-            if r.sent_logprob_len < len(r.output_logprobs):
-                outputs = concat_parts(r.output_logprobs[r.sent_logprob_len:])
-                r.sent_logprob_len = len(r.output_logprobs)
-            if r.input_logprobs is not None and r.input_logprobs.done and not r.input_logprobs_sent:
+            if r.cursor.logprobs < len(r.output_logprobs):
+                outputs = concat_parts(r.output_logprobs[r.cursor.logprobs:])
+                r.cursor.logprobs = len(r.output_logprobs)
+            if r.input_logprobs is not None and r.input_logprobs.done and not r.cursor.input_logprobs:
                 inputs = r.input_logprobs.finalize()
-                r.input_logprobs_sent = True
+                r.cursor.input_logprobs = True
         out.output_logprobs.append(outputs)
         out.input_logprobs.append(inputs)
 
     @staticmethod
     def _append_hidden(out: BatchTokenIDOutput, r: Req) -> None:
         rows = None
-        if r.return_hidden_states and r.sent_hidden_len < len(r.hidden_states):
-            rows = np.concatenate(r.hidden_states[r.sent_hidden_len:])
-            r.sent_hidden_len = len(r.hidden_states)
+        if r.return_hidden_states and r.cursor.hidden < len(r.hidden_states):
+            rows = np.concatenate(r.hidden_states[r.cursor.hidden:])
+            r.cursor.hidden = len(r.hidden_states)
         out.hidden_states.append(rows)
 
 

@@ -137,7 +137,7 @@ class Planner:
         slots = self.kv.alloc_decode(reqs)  # one position each, computed by this step: committed
         spans = []
         for i, r in enumerate(reqs):  # the step computes the position just committed
-            spans.append(ExtendSpan(r, r.kv_committed_len - 1, 1, slots[i:i + 1], samples=True))
+            spans.append(ExtendSpan(r, r.kv.committed_len - 1, 1, slots[i:i + 1], samples=True))
             r.outputs_in_flight += 1
         return Plan(build_batch(ForwardMode.DECODE, spans, self.ctx))
 
@@ -149,7 +149,7 @@ class Planner:
         spec = self._spec_active(len(reqs))
         while True:
             drafts = {id(r): self._max_drafts(r) if spec else 0 for r in reqs}
-            need = {id(r): self._reserve_upto(r, drafts[id(r)]) - r.kv_alloc_len for r in reqs}
+            need = {id(r): self._reserve_upto(r, drafts[id(r)]) - r.kv.alloc_len for r in reqs}
             if self.kv.available_tokens() >= sum(max(n, 0) for n in need.values()):
                 break
             if (gave_up := self._make_room(reqs)) is not None:

@@ -36,7 +36,7 @@ class ChunkedReq:
 
     @property
     def remaining(self) -> int:
-        return self.req.seq_len - self.req.kv_alloc_len
+        return self.req.seq_len - self.req.kv.alloc_len
 
 
 class PrefillAdder:
@@ -70,9 +70,9 @@ class PrefillAdder:
         prefix_slots, node = self.kv.match_prefix(req)
         if not self.kv.start(req, prefix_slots, node):
             return False
-        short = self.shortfall(req, req.kv_alloc_len)
+        short = self.shortfall(req, req.kv.alloc_len)
         self.reserve += decode_reserve([req])
-        prompt_left = req.seq_len - req.kv_alloc_len
+        prompt_left = req.seq_len - req.kv.alloc_len
         if short > 0 or not self._extend(req, min(prompt_left, self.budget)):
             self.kv.release(req)
             return False
@@ -82,7 +82,7 @@ class PrefillAdder:
         return True
 
     def _extend(self, req: Req, n: int) -> bool:
-        prefix = req.kv_alloc_len
+        prefix = req.kv.alloc_len
         if self.kv.extend(req, n) is None:
             return False
         self.kv.cache_prefill(req)
@@ -90,7 +90,7 @@ class PrefillAdder:
         # sibling admitted just before), the row now points at the tree's slots and ours were
         # freed, so this step must write there and not into a slot that may be handed out again
         slots = self.kv.row_slots(req, prefix, prefix + n)
-        done = req.kv_alloc_len >= req.seq_len
+        done = req.kv.alloc_len >= req.seq_len
         self.chunked = None if done else ChunkedReq(req)
         self.spans.append(ExtendSpan(req, prefix, n, slots, samples=done))
         self.budget -= n

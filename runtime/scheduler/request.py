@@ -2,7 +2,7 @@
 
 Its `rid` is internal (`{group}_{choice}`). `phase` changes only in SchedulerCore (core.py);
 output state grows only through `result_processor.apply_new_tokens`; memory state
-(`req_pool_idx`, `kv_alloc_len`, `last_node`) changes only through the KVManager; the
+(`kv`) changes only through the KVManager; the
 streaming cursors only through the OutputStreamer.
 """
 from __future__ import annotations
@@ -18,6 +18,46 @@ from tandem.ipc.messages import FinishReason, LogprobArrays, LogprobParams, Toke
 from tandem.runtime.sampling.logprobs import InputLogprobAccumulator
 from tandem.runtime.sampling.params import SamplingParams
 from tandem.runtime.scheduler.think import ReasoningState
+
+
+@dataclass
+class KVState:
+    """A request's KV memory, written only by the KVManager: its row in ReqToTokenPool and how
+    many of the row's positions hold allocated slots. Positions [0, committed_len) hold (or a
+    step in flight is writing) the KV of known tokens; alloc_len equals committed_len except
+    under speculation, which reserves slots ahead of need."""
+    req_pool_idx: int | None = None
+    alloc_len: int = 0
+    committed_len: int = 0
+    last_node: object | None = None  # the locked radix node covering the cached prefix
+
+
+@dataclass
+class StreamCursor:
+    """What the OutputStreamer (its only writer) has sent: the first output with the per-request
+    constants, then tokens, output logprob blocks and hidden-state blocks, and the input logprobs."""
+    sent_any: bool = False
+    tokens: int = 0
+    logprobs: int = 0
+    hidden: int = 0
+    input_logprobs: bool = False
+
+
+@dataclass
+class SpecStats:
+    """Speculative decoding, as SGLang counts it: verifies (decode steps the request drafted in;
+    a plain decode inside a verify pass is none), drafts accepted, and how many verifies accepted
+    0, 1, 2, ... drafts (spec_accept_histogram). Drafts proposed follow from the verify count."""
+    verify_ct: int = 0
+    accepted_drafts: int = 0
+    accept_histogram: list[int] = field(default_factory=list)
+
+    def record_verify(self, accepted: int) -> None:
+        """One verify pass that kept `accepted` of its drafts."""
+        self.verify_ct += 1
+        self.accepted_drafts += accepted
+        self.accept_histogram.extend([0] * (accepted + 1 - len(self.accept_histogram)))
+        self.accept_histogram[accepted] += 1
 
 
 class Phase(enum.Enum):
@@ -61,40 +101,24 @@ class Req:
     # (retraction keeps the output, so it stays valid across it)
     grammar: Any | None = None
 
-    # memory: the row in ReqToTokenPool and how many of its positions hold allocated KV slots;
-    # positions [0, kv_committed_len) hold (or a step in flight is writing) the KV of known
-    # tokens. They are equal except under speculation, which reserves slots ahead of need.
-    req_pool_idx: int | None = None
-    kv_alloc_len: int = 0
-    kv_committed_len: int = 0
+    kv: KVState = field(default_factory=lambda: KVState())
     # most tokens the planned but not yet processed steps can still add (1 per plain step,
     # 1 + drafts per verify): the planner's upper bound on the output length
     outputs_in_flight: int = 0
-    # speculative decoding: verifies (decode steps it drafted in; a plain decode inside a verify
-    # pass is none), drafts accepted, and how many verifies accepted 0, 1, 2, ... drafts (SGLang's
-    # spec_accept_histogram); drafts proposed follow from the verify count
-    spec_verify_ct: int = 0
-    spec_accepted_drafts: int = 0
-    spec_accept_histogram: list[int] = field(default_factory=list)
-    last_node: object | None = None  # locked radix node covering the cached prefix
+    spec: SpecStats = field(default_factory=lambda: SpecStats())
     cached_tokens: int = 0  # prompt tokens served from the radix cache (first prefill)
     retract_count: int = 0
     created_monotonic: float = field(default_factory=time.monotonic)
 
     # logprobs: input side accumulated over chunks; output side one block per kept token
     input_logprobs: InputLogprobAccumulator | None = None
-    input_logprobs_sent: bool = False
     output_logprobs: list[LogprobArrays] = field(default_factory=list)
     # hidden states: [n, H] float32 blocks in position order, prompt rows first (positions
     # [logprob_start_len, P-1) when asked), then one row per kept output token
     hidden_states: list[np.ndarray] = field(default_factory=list)
     prompt_hidden_next: int = 0  # next prompt position whose hidden row is still to come
 
-    # streaming cursors: tokens, output logprob blocks and hidden-state blocks already sent
-    sent_any: bool = False  # the first output (with the per-request constants) went out
-    sent_token_len: int = 0
-    sent_logprob_len: int = 0
-    sent_hidden_len: int = 0
+    cursor: StreamCursor = field(default_factory=lambda: StreamCursor())
 
     @staticmethod
     def from_message(msg: TokenizedGenerateReq, arrival_seq: int, default_seed: int) -> "Req":
@@ -179,13 +203,6 @@ class Req:
             self.hidden_states.append(rows)
             self.prompt_hidden_next += n
 
-    def record_verify(self, accepted: int) -> None:
-        """One verify pass that kept `accepted` of its drafts."""
-        self.spec_verify_ct += 1
-        self.spec_accepted_drafts += accepted
-        hist = self.spec_accept_histogram
-        hist.extend([0] * (accepted + 1 - len(hist)))
-        hist[accepted] += 1
 
 
 def abort_prefixes(group_prefixes: list[str], abort_all: bool) -> tuple[str, ...]:

@@ -60,8 +60,8 @@ class FakeWorker:
         runs = []
         for span in batch.spans:
             req, last = span.req, span.req.seq_len - 1
-            if req.req_pool_idx is not None:  # (a retracted request's row is gone; its run still counts)
-                assert req.kv_alloc_len >= last + 1 + span.drafts, (req.rid, req.kv_alloc_len, last, span.drafts)
+            if req.kv.req_pool_idx is not None:  # (a retracted request's row is gone; its run still counts)
+                assert req.kv.alloc_len >= last + 1 + span.drafts, (req.rid, req.kv.alloc_len, last, span.drafts)
             accepted = (last * 7 + len(req.rid)) % (span.drafts + 1)
             runs.append([fake_token(last + 1 + j) for j in range(accepted + 1)])
             if not req.finished:

@@ -66,7 +66,7 @@ def test_penalties_min_new_tokens_bans_and_logit_bias():
     assert _banned(pen.ban_mask) == [sorted([9, EOS]), [], []]
     assert pen.logit_bias[1, 5] == 1.5 and pen.logit_bias[0].abs().sum() == 0
     assert pen.frequency.tolist() == [0.0, 0.5, 0.0]
-    assert [a.req_pool_idx, b.req_pool_idx, c.req_pool_idx] == batch.job.rows
+    assert [a.kv.req_pool_idx, b.kv.req_pool_idx, c.kv.req_pool_idx] == batch.job.rows
 
 
 def test_min_new_tokens_bans_eos_with_or_without_ignore_eos():

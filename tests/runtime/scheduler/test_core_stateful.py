@@ -199,7 +199,7 @@ class CoreMachine(RuleBasedStateMachine):
             written = set(span.out_cache_loc.tolist())
             assert not written & free, f"{span.req.rid}: a step writes a free KV slot"
             assert 0 not in written
-            rows.append(self.core.kv.req_to_token[span.req.req_pool_idx, :span.prefix_len].clone())
+            rows.append(self.core.kv.req_to_token[span.req.kv.req_pool_idx, :span.prefix_len].clone())
         self.launch_rows[batch.step_id] = rows
 
     def _process(self, batch: ScheduleBatch) -> None:
@@ -220,7 +220,7 @@ class CoreMachine(RuleBasedStateMachine):
         for span, row_then, row in zip(batch.spans, at_launch, rows_now):
             content = self.expect[span.req.rid].content
             views = [row_then]
-            if span.req.req_pool_idx == row:  # still alive: the worker may read the row as it is now
+            if span.req.kv.req_pool_idx == row:  # still alive: the worker may read the row as it is now
                 views.append(self.core.kv.req_to_token[row, :span.prefix_len])
             for view in views:
                 for i, slot in enumerate(view.tolist()):
@@ -275,21 +275,21 @@ class CoreMachine(RuleBasedStateMachine):
                             (Phase.DONE, finished)):
             assert all(r.phase is phase for r in reqs), [(r.rid, r.phase) for r in reqs if r.phase is not phase]
         for r in waiting + finished:
-            assert r.req_pool_idx is None and r.kv_alloc_len == 0 and r.last_node is None, r.rid
+            assert r.kv.req_pool_idx is None and r.kv.alloc_len == 0 and r.kv.last_node is None, r.rid
         for r in live:
-            assert r.req_pool_idx is not None and r.last_node is not None and not r.finished, r.rid
+            assert r.kv.req_pool_idx is not None and r.kv.last_node is not None and not r.finished, r.rid
         for r in waiting:
             assert not r.finished, r.rid
         if planner.chunked is not None:
             c = planner.chunked.req
-            assert c.kv_alloc_len < c.seq_len and c.outputs_in_flight == 0
+            assert c.kv.alloc_len < c.seq_len and c.outputs_in_flight == 0
         for r in planner.running:
             # decode slots are reserved in runs: at most a run ahead, never past the last position
             # the request can compute
-            state = (r.rid, r.kv_committed_len, r.kv_alloc_len, r.seq_len, r.outputs_in_flight)
-            assert r.kv_committed_len == r.seq_len - 1 + r.outputs_in_flight, state
-            assert r.kv_committed_len <= r.kv_alloc_len < r.kv_committed_len + DECODE_SLOT_RUN, state
-            assert r.kv_alloc_len == r.kv_committed_len or r.kv_alloc_len <= r.max_total_len() - 1, state
+            state = (r.rid, r.kv.committed_len, r.kv.alloc_len, r.seq_len, r.outputs_in_flight)
+            assert r.kv.committed_len == r.seq_len - 1 + r.outputs_in_flight, state
+            assert r.kv.committed_len <= r.kv.alloc_len < r.kv.committed_len + DECODE_SLOT_RUN, state
+            assert r.kv.alloc_len == r.kv.committed_len or r.kv.alloc_len <= r.max_total_len() - 1, state
 
     @invariant()
     def outputs_follow_the_fake_model(self):
@@ -340,13 +340,13 @@ class CoreMachine(RuleBasedStateMachine):
         assert tree.root.lock_ref == 1
         assert (tree.evictable_size(), tree.protected_size()) == (evictable, protected)
         for r in self._live():
-            node = r.last_node
+            node = r.kv.last_node
             assert id(node) in nodes, f"{r.rid} locks a node that is not in the tree"
             depth = tree.node_depth(node)
-            assert depth <= r.kv_committed_len <= r.kv_alloc_len
-            row = kv.req_to_token[r.req_pool_idx]
+            assert depth <= r.kv.committed_len <= r.kv.alloc_len
+            row = kv.req_to_token[r.kv.req_pool_idx]
             assert torch.equal(row[:depth], tree._path_slots(node)), f"{r.rid}: row prefix is not its locked path"
-            own(row[depth:r.kv_alloc_len].tolist(), r.rid)
+            own(row[depth:r.kv.alloc_len].tolist(), r.rid)
             while node is not tree.root:
                 locks[id(node)] = locks.get(id(node), 0) + 1
                 node = node.parent
@@ -362,7 +362,7 @@ class CoreMachine(RuleBasedStateMachine):
         if self.core is None:
             return
         rows = self.core.rows
-        held = [r.req_pool_idx for r in self._live()]
+        held = [r.kv.req_pool_idx for r in self._live()]
         free = list(rows.pool._free_rows)
         deferred = [row for row, _ in rows._released]
         every = held + free + deferred
@@ -379,7 +379,7 @@ class CoreMachine(RuleBasedStateMachine):
                 assert self.kv_content.get(slot) == c, f"tree slot {slot} holds other KV than its path"
         for r in self._live():
             content = self.expect[r.rid].content
-            for i, slot in enumerate(kv.req_to_token[r.req_pool_idx, :r.kv_committed_len].tolist()):
+            for i, slot in enumerate(kv.req_to_token[r.kv.req_pool_idx, :r.kv.committed_len].tolist()):
                 assert self.kv_content.get(slot) == content[i], f"{r.rid}: position {i} slot {slot} holds other KV"
 
     # -- the end ---------------------------------------------------------------------------------------

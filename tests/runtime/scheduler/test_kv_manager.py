@@ -33,7 +33,7 @@ def test_decode_slots_of_a_request_are_contiguous_runs():
         runs = [own[i:i + DECODE_SLOT_RUN] for i in range(0, 2 * DECODE_SLOT_RUN, DECODE_SLOT_RUN)]
         assert all(run == list(range(run[0], run[0] + DECODE_SLOT_RUN)) for run in runs)
         # the third run's first slot is in use; the rest sits in the row beyond the committed positions
-        assert req.kv_alloc_len == req.kv_committed_len + DECODE_SLOT_RUN - 1
+        assert req.kv.alloc_len == req.kv.committed_len + DECODE_SLOT_RUN - 1
     core.run()
     for req in reqs:
         assert req.output_ids == [fake_token(p) for p in range(6, 66)]
@@ -46,7 +46,7 @@ def test_a_run_never_reaches_past_the_last_position_a_request_computes():
     core.process(core.plan())
     free_before = core.kv.allocator.available_size()
     core.plan()
-    assert req.kv_alloc_len == 9 and core.kv.allocator.available_size() == free_before - 3
+    assert req.kv.alloc_len == 9 and core.kv.allocator.available_size() == free_before - 3
 
 
 def test_short_memory_drops_reserved_runs_before_retracting_anyone():
@@ -54,13 +54,13 @@ def test_short_memory_drops_reserved_runs_before_retracting_anyone():
     a = core.add("a", 4, max_new_tokens=40)
     core.process(core.plan())
     core.process(core.plan())  # a decodes once and holds the rest of its run
-    assert a.kv_alloc_len - a.kv_committed_len == DECODE_SLOT_RUN - 1
+    assert a.kv.alloc_len - a.kv.committed_len == DECODE_SLOT_RUN - 1
     b = core.add("b", 4, max_new_tokens=40)
     core.process(core.plan())  # b's prefill: b has no decode slot yet
     hog = core.kv.allocator.alloc(core.kv.available_tokens())  # memory held by something else
     batch = core.plan()  # b needs a slot and none is free: a's reserved run goes, nobody is retracted
     assert [s.req.rid for s in batch.spans] == ["a", "b"] and core.planner.num_retractions == 0
-    assert a.kv_alloc_len == a.kv_committed_len and b.kv_alloc_len == b.kv_committed_len  # one slot each
+    assert a.kv.alloc_len == a.kv.committed_len and b.kv.alloc_len == b.kv.committed_len  # one slot each
     core.process(batch)
     assert core.kv.drop_decode_runs([a, b]) is False
     more = core.kv.allocator.alloc(core.kv.available_tokens())  # what a's run gave back, taken too

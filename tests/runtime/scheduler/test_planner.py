@@ -98,7 +98,7 @@ def test_retraction_frees_the_newest_and_requeues_it_first_in_arrival_order():
     assert core.kv.available_tokens() == 0
     decode = core.plan()  # decode 2 does not fit: the newest (c) is retracted
     assert [s.req.rid for s in decode.spans] == ["a", "b"]
-    assert c.retract_count == 1 and c.req_pool_idx is None and c.kv_alloc_len == 0
+    assert c.retract_count == 1 and c.kv.req_pool_idx is None and c.kv.alloc_len == 0
     assert core.planner.waiting == [c] and core.planner.num_retractions == 1
     assert core.kv.available_tokens() == 5 - 2  # c's 5 slots came back, a and b took one each
     assert c.output_ids == [fake_token(4), fake_token(5)]  # what c produced is kept
@@ -316,7 +316,7 @@ def test_n_siblings_share_the_in_flight_prefix_and_never_write_a_freed_slot():
     # the first sibling computes the prompt; the others reuse its in-flight KV but the last token
     assert [(s.prefix_len, s.extend_len) for s in batch.spans] == [(0, 8), (7, 1), (7, 1)]
     written = torch.cat([s.out_cache_loc for s in batch.spans])
-    first_row = core.kv.req_to_token[sibs[0].req_pool_idx, :8]
+    first_row = core.kv.req_to_token[sibs[0].kv.req_pool_idx, :8]
     assert set(written.tolist()) == set(first_row.tolist())  # duplicates go to the tree's own slots
     assert not core.kv.allocator._is_free[written].any()
     core.process(batch)

@@ -14,16 +14,16 @@ def test_first_verify_is_planned_before_the_prefill_ran():
     req = core.add("a", 10, max_new_tokens=20)
     prefill = core.plan()
     assert prefill.mode == ForwardMode.EXTEND and prefill.job.spec.histories == [req.all_ids()]
-    assert req.outputs_in_flight == 1 and req.kv_committed_len == req.kv_alloc_len == 10
+    assert req.outputs_in_flight == 1 and req.kv.committed_len == req.kv.alloc_len == 10
     verify = core.plan()  # overlap: the prefill's token is not known yet
     assert verify.mode == ForwardMode.TARGET_VERIFY and verify.spans[0].drafts == 3
     # the last token sits at position 10 at the latest: the run may reach 13
-    assert req.kv_alloc_len == 14 and req.kv_committed_len == 10 and req.outputs_in_flight == 5
+    assert req.kv.alloc_len == 14 and req.kv.committed_len == 10 and req.outputs_in_flight == 5
     core.process(prefill)
-    assert req.output_ids == [fake_token(10)] and req.kv_committed_len == 10
+    assert req.output_ids == [fake_token(10)] and req.kv.committed_len == 10
     core.process(verify)
     n = len(req.output_ids)
-    assert req.output_ids == [fake_token(10 + i) for i in range(n)] and req.kv_committed_len == 10 + n - 1
+    assert req.output_ids == [fake_token(10 + i) for i in range(n)] and req.kv.committed_len == 10 + n - 1
 
 
 def test_a_draft_model_gets_slots_past_each_run():
@@ -33,13 +33,13 @@ def test_a_draft_model_gets_slots_past_each_run():
     req = core.add("a", 10, max_new_tokens=20)
     prefill = core.plan()
     assert prefill.job.spec.make_drafts == [True]
-    assert req.kv_alloc_len == 13 and req.kv_committed_len == 10
+    assert req.kv.alloc_len == 13 and req.kv.committed_len == 10
     core.plan()
-    assert req.kv_alloc_len == 10 + 1 + 3 + 3 and req.kv_committed_len == 10
+    assert req.kv.alloc_len == 10 + 1 + 3 + 3 and req.kv.committed_len == 10
     short = make_core(speculative_num_drafts=3, speculative_draft_ahead=3)
     r = short.add("b", 10, max_new_tokens=2)
     short.plan()
-    assert r.kv_alloc_len == 12  # never past prompt + max_new_tokens
+    assert r.kv.alloc_len == 12  # never past prompt + max_new_tokens
 
 
 def test_what_may_draft():

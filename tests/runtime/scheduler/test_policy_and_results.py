@@ -191,18 +191,18 @@ def test_streamer_cursors_stay_aligned_across_retraction_and_prefill_only():
     retracted.retract_count = 1  # retracted before it produced anything: nothing to send
     streamer.add(retracted)
     assert streamer.build() is None
-    assert (retracted.sent_token_len, retracted.sent_logprob_len) == (0, 0)
+    assert (retracted.cursor.tokens, retracted.cursor.logprobs) == (0, 0)
     apply_new_tokens(retracted, [9], [_lp(9)], None, checker)
     streamer.add(retracted)
     out = streamer.build()
     assert out.new_token_ids[0].tolist() == [9] and out.output_logprobs[0].token_ids.tolist() == [9]
-    assert (retracted.sent_token_len, retracted.sent_logprob_len) == (1, 1)
+    assert (retracted.cursor.tokens, retracted.cursor.logprobs) == (1, 1)
     prefill_only = _req(2, max_new_tokens=0)
     assert apply_new_tokens(prefill_only, [11], [_lp(11)], None, checker)
     streamer.add(prefill_only)
     out = streamer.build()
     assert out.new_token_ids[0].tolist() == [] and out.output_logprobs[0].token_logprobs.tolist() == [-0.5]
-    assert (prefill_only.sent_token_len, prefill_only.sent_logprob_len) == (0, 1)
+    assert (prefill_only.cursor.tokens, prefill_only.cursor.logprobs) == (0, 1)
 
 
 def test_stream_interval_sends_the_first_token_at_once_then_every_interval():
@@ -310,7 +310,7 @@ def test_verify_counts_and_the_acceptance_histogram_travel_with_the_output():
     streamer = OutputStreamer(default_stream_interval=1, drafts_per_verify=3)
     r = _req(1, max_new_tokens=50)
     for accepted in (2, 1, 0, 0):
-        r.record_verify(accepted)
+        r.spec.record_verify(accepted)
     streamer.add(r)
     r.finished_reason = FinishChecker([2], lambda ids: "").finished_len(r, [2])[1]
     out = streamer.build()
