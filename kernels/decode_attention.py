@@ -4,7 +4,8 @@ Stage 1 runs one program per (request, kv head, head block, split): the q heads 
 head are processed together so each K/V row is loaded once per group, and each split covers a
 contiguous piece of the request's keys, writing a partial output and its log-sum-exp (base 2).
 Stage 2 merges a request's splits. Long requests get more splits so a small batch still fills
-the GPU; the per-request split count is data, so mixed lengths share one launch.
+the GPU; the per-request split count is data, so mixed lengths share one launch. With a sliding
+window W a query attends to (and its splits cover) only its last W keys: none before is loaded.
 """
 from __future__ import annotations
 
@@ -23,14 +24,16 @@ MAX_HEAD_BLOCK = 64
 
 
 def decode_attention_ref(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
-                         kv_indptr: torch.Tensor, kv_indices: torch.Tensor, scale: float) -> torch.Tensor:
+                         kv_indptr: torch.Tensor, kv_indices: torch.Tensor, scale: float,
+                         window: int = 0) -> torch.Tensor:
     """q: [bs, Hq, D]; request b attends to slots kv_indices[kv_indptr[b]:kv_indptr[b+1]] (the pool
-    in q's dtype or fp8)."""
+    in q's dtype or fp8), or with a window to the last `window` of them."""
     out = torch.empty_like(q)
     group = q.shape[1] // k_buffer.shape[1]
     bounds = kv_indptr.tolist()
     for b in range(q.shape[0]):
-        slots = kv_indices[bounds[b]:bounds[b + 1]]
+        first = max(bounds[b], bounds[b + 1] - window) if window else bounds[b]
+        slots = kv_indices[first:bounds[b + 1]]
         k = k_buffer[slots].float().repeat_interleave(group, dim=1)  # [n, Hq, D]
         v = v_buffer[slots].float().repeat_interleave(group, dim=1)
         scores = torch.einsum("hd,nhd->hn", q[b].float(), k) * scale
@@ -57,7 +60,7 @@ def num_kv_splits(seq_lens: list[int], num_kv_heads: int, *, min_split_len: int 
 
 
 @triton.jit
-def _decode_split_kernel(Q, K_buf, V_buf, KvIndptr, KvIndices, KvLens, NumSplits, MidO, MidLse, sm_scale,
+def _decode_split_kernel(Q, K_buf, V_buf, KvIndptr, KvIndices, KvLens, NumSplits, MidO, MidLse, sm_scale, window,
                          stride_qb, stride_qh, stride_kbs, stride_kbh, stride_vbs, stride_vbh,
                          stride_mob, stride_moh, stride_mos, stride_lb, stride_lh,
                          GROUP: tl.constexpr, HEAD_BLOCKS: tl.constexpr, HEAD_DIM: tl.constexpr,
@@ -74,9 +77,11 @@ def _decode_split_kernel(Q, K_buf, V_buf, KvIndptr, KvIndices, KvLens, NumSplits
         kv_len = tl.load(KvLens + b).to(tl.int32)
     else:
         kv_len = (tl.load(KvIndptr + b + 1) - kv_start).to(tl.int32)
-    # splits start on BLOCK_N boundaries; trailing splits of a short request may be empty
-    split_len = tl.cdiv(tl.cdiv(kv_len, n_splits), BLOCK_N) * BLOCK_N
-    lo = split * split_len
+    # a window (window > 0) leaves the last `window` keys; the splits divide those
+    first = tl.where(window > 0, tl.maximum(kv_len - window, 0), 0)
+    # splits start on BLOCK_N boundaries from the first key; trailing splits of a short request may be empty
+    split_len = tl.cdiv(tl.cdiv(kv_len - first, n_splits), BLOCK_N) * BLOCK_N
+    lo = first + split * split_len
     hi = tl.minimum(lo + split_len, kv_len)
 
     heads = kv_head * GROUP + (tl.program_id(1) % HEAD_BLOCKS) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -163,12 +168,15 @@ def _check_args(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
 def decode_attention_fwd(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
                          kv_indptr: torch.Tensor, kv_indices: torch.Tensor, num_splits: torch.Tensor,
                          max_splits: int, scale: float, block_n: int | None = None,
-                         kv_lens: torch.Tensor | None = None) -> torch.Tensor:
+                         kv_lens: torch.Tensor | None = None, window: int = 0) -> torch.Tensor:
     """q: [bs, Hq, D] (one token per request); k_buffer/v_buffer: [slots, Hkv, D];
     kv_indptr: [bs + 1]; kv_indices: slot of every key; num_splits: [bs], each in 1..max_splits.
     kv_lens: [bs], when given query b attends over kv_indices[kv_indptr[b]:][:kv_lens[b]] (an
-    extend's tokens as queries of their own over one shared slot list). Every query must have at
+    extend's tokens as queries of their own over one shared slot list). window > 0: each query
+    attends to its last `window` keys only (size num_splits by those). Every query must have at
     least one key. Returns [bs, Hq, D] in q's dtype."""
+    if window < 0:
+        raise ValueError(f"window must be 0 (every key) or positive, got {window}")
     _check_args(q, k_buffer, v_buffer, kv_indptr, kv_indices, num_splits, kv_lens)
     bs, num_heads, head_dim = q.shape
     out = torch.empty_like(q)
@@ -183,7 +191,7 @@ def decode_attention_fwd(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torc
     mid_lse = torch.empty((bs, num_heads, max_splits), dtype=torch.float32, device=q.device)
     _decode_split_kernel[(bs, k_buffer.shape[1] * head_blocks, max_splits)](
         q, k_buffer, v_buffer, kv_indptr, kv_indices, kv_indptr if kv_lens is None else kv_lens, num_splits, mid_o,
-        mid_lse, scale,
+        mid_lse, scale, window,
         q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
         GROUP=group, HEAD_BLOCKS=head_blocks, HEAD_DIM=head_dim, BLOCK_H=block_h, BLOCK_D=block_d,

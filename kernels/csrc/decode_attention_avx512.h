@@ -212,9 +212,10 @@ inline void weighted_v_heads(int64_t heads, Args&&... args) {
 }
 
 template <typename q_t, typename kv_t, int kD>
+// `first` (or null: key 0): query b's first key, its row's slots read from there on, seq_lens[b] of them
 void decode_attention_avx512(const q_t* q, int64_t q_stride, const kv_t* k, const kv_t* v, const int64_t* req_to_token,
-                             int64_t row_stride, const int64_t* rows, const int64_t* seq_lens, q_t* out,
-                             int64_t bs, int64_t hq, int64_t hkv, float scale) {
+                             int64_t row_stride, const int64_t* rows, const int64_t* seq_lens, const int64_t* first,
+                             q_t* out, int64_t bs, int64_t hq, int64_t hkv, float scale) {
   using R = Row<kv_t>;
   constexpr int kVec = kD / 16;
   constexpr int kHeads = kVec >= 16 ? 1 : 16 / kVec;  // query heads whose V accumulators fit in registers
@@ -224,7 +225,7 @@ void decode_attention_avx512(const q_t* q, int64_t q_stride, const kv_t* k, cons
     std::vector<float> q_lanes(hq * kD), acc_lanes(hq * kD), scores, inv_sum(hq);
     for (int64_t b = begin; b < end; ++b) {
       const int64_t n = seq_lens[b], stride = (n + 15) / 16 * 16;
-      const int64_t* slots = req_to_token + rows[b] * row_stride;
+      const int64_t* slots = req_to_token + rows[b] * row_stride + (first != nullptr ? first[b] : 0);
       for (int64_t head = 0; head < hq; ++head)
         for (int e = 0; e < kD; ++e) q_lanes[head * kD + R::lane(e)] = load(q[b * q_stride + head * kD + e]);
       scores.resize(hq * stride);
@@ -236,7 +237,7 @@ void decode_attention_avx512(const q_t* q, int64_t q_stride, const kv_t* k, cons
       const int64_t passes = hkv * ((group + kHeads - 1) / kHeads);
       SpreadPrefetch<kv_t> next_prefetch{k, v, nullptr, 0, hkv * blocks * 16 + passes * n, slot_elems};
       if (b + 1 < end) {
-        next_prefetch.slots = req_to_token + rows[b + 1] * row_stride;
+        next_prefetch.slots = req_to_token + rows[b + 1] * row_stride + (first != nullptr ? first[b + 1] : 0);
         next_prefetch.count = seq_lens[b + 1];
       }
       SpreadPrefetch<kv_t> v_prefetch{v, nullptr, slots, b == begin ? n : 0, hkv * blocks, slot_elems};

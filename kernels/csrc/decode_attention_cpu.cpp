@@ -9,6 +9,9 @@
 // --kv-cache-dtype), widened to float32 as it is read.
 // Given the step's new K/V and their slots, the op first stores them (as KVPool.set_kv would),
 // which saves a decode step two index_put calls per layer.
+// A sliding window (window > 0: a query at length n attends to keys [n - window, n) only, as
+// transformers' sliding_window) is a start per query: the portable and AVX-512 paths read from that
+// slot on, the AMX path masks below it (attention_amx.h). Keys before the window are never read.
 #include <torch/library.h>
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -35,8 +38,8 @@ using tandem_cpu::attn::softmax_rows;
 // kD == 0: any head dim, read from `d_runtime`.
 template <typename q_t, typename kv_t, int64_t kD>
 void decode_attention_portable(const q_t* q, int64_t q_stride, const kv_t* k, const kv_t* v, const int64_t* req_to_token,
-                               int64_t row_stride, const int64_t* rows, const int64_t* seq_lens, q_t* out,
-                               int64_t bs, int64_t hq, int64_t hkv, int64_t d_runtime, float scale) {
+                               int64_t row_stride, const int64_t* rows, const int64_t* seq_lens, const int64_t* first,
+                               q_t* out, int64_t bs, int64_t hq, int64_t hkv, int64_t d_runtime, float scale) {
   const int64_t d = kD > 0 ? kD : d_runtime;
   const int64_t group = hq / hkv;
   // one task per request, all its KV heads: a slot's K (or V) rows for every head are contiguous,
@@ -45,8 +48,8 @@ void decode_attention_portable(const q_t* q, int64_t q_stride, const kv_t* k, co
   tandem_cpu::attn::parallel_by_length(seq_lens, bs, [&](int64_t begin, int64_t end) {
     std::vector<float> scores, acc(hq * d), kf(d), qf(hq * d), inv_sum(hq);
     for (int64_t b = begin; b < end; ++b) {
-      const int64_t n = seq_lens[b];
-      const int64_t* slots = req_to_token + rows[b] * row_stride;
+      const int64_t n = seq_lens[b];  // keys from the window's first (seq_lens holds the window's length)
+      const int64_t* slots = req_to_token + rows[b] * row_stride + (first != nullptr ? first[b] : 0);
       for (int64_t i = 0; i < hq * d; ++i) qf[i] = load(q[b * q_stride + i]);
       scores.resize(hq * n);
       for (int64_t t = 0; t < n; ++t) {
@@ -119,26 +122,36 @@ struct NewKV {
 
 template <typename q_t, typename kv_t>
 void run(const at::Tensor& q, at::Tensor& k_buffer, at::Tensor& v_buffer, const at::Tensor& req_to_token,
-         const at::Tensor& rows, const at::Tensor& lens, at::Tensor& out, double scale, const NewKV& new_kv) {
+         const at::Tensor& rows, const at::Tensor& lens, at::Tensor& out, double scale, const NewKV& new_kv,
+         int64_t window) {
   if (new_kv.k != nullptr) {  // before any read: each request's newest slot is among those it attends to
     store_rows<q_t, kv_t>(*new_kv.k, k_buffer, new_kv.loc->data_ptr<int64_t>());
     store_rows<q_t, kv_t>(*new_kv.v, v_buffer, new_kv.loc->data_ptr<int64_t>());
   }
   const int64_t bs = q.size(0), hq = q.size(1), hkv = k_buffer.size(1), d = q.size(2);
-  auto args = std::make_tuple(q.data_ptr<q_t>(), q.stride(0), k_buffer.data_ptr<kv_t>(), v_buffer.data_ptr<kv_t>(),
-                              req_to_token.data_ptr<int64_t>(), req_to_token.stride(0), rows.data_ptr<int64_t>(),
-                              lens.data_ptr<int64_t>(), out.data_ptr<q_t>(), bs, hq, hkv);
   const float s = static_cast<float>(scale);
 #ifdef TANDEM_AMX
   if constexpr (std::is_same_v<q_t, at::BFloat16> && std::is_same_v<kv_t, at::BFloat16>) {
     if ((d == 64 || d == 128) && tandem_cpu::amx::usable()) {
       const tandem_cpu::amx_attn::Args a{q.data_ptr<q_t>(), q.stride(0), k_buffer.data_ptr<kv_t>(), v_buffer.data_ptr<kv_t>(),
                                          req_to_token.data_ptr<int64_t>(), req_to_token.stride(0), rows.data_ptr<int64_t>(),
-                                         lens.data_ptr<int64_t>(), out.data_ptr<q_t>(), bs, hq, hkv, s};
+                                         lens.data_ptr<int64_t>(), out.data_ptr<q_t>(), bs, hq, hkv, s, window};
       return d == 64 ? tandem_cpu::amx_attn::attention<64>(a) : tandem_cpu::amx_attn::attention<128>(a);
     }
   }
 #endif
+  // a window: each query's first key and the count from it
+  std::vector<int64_t> first, counts;
+  const int64_t* n = lens.data_ptr<int64_t>();
+  if (window > 0) {
+    first.resize(bs), counts.resize(bs);
+    for (int64_t b = 0; b < bs; ++b) first[b] = std::max<int64_t>(0, n[b] - window), counts[b] = n[b] - first[b];
+    n = counts.data();
+  }
+  auto args = std::make_tuple(q.data_ptr<q_t>(), q.stride(0), k_buffer.data_ptr<kv_t>(), v_buffer.data_ptr<kv_t>(),
+                              req_to_token.data_ptr<int64_t>(), req_to_token.stride(0), rows.data_ptr<int64_t>(), n,
+                              window > 0 ? static_cast<const int64_t*>(first.data()) : nullptr, out.data_ptr<q_t>(),
+                              bs, hq, hkv);
 #if defined(__AVX512F__)
   if (d == 64) return std::apply([&](auto... a) { tandem_cpu::attn::decode_attention_avx512<q_t, kv_t, 64>(a..., s); }, args);
   if (d == 128) return std::apply([&](auto... a) { tandem_cpu::attn::decode_attention_avx512<q_t, kv_t, 128>(a..., s); }, args);
@@ -170,7 +183,8 @@ NewKV check_new_kv(const at::Tensor& q, const at::Tensor& k_buffer, const c10::o
 at::Tensor decode_attention(const at::Tensor& q, at::Tensor k_buffer, at::Tensor v_buffer,
                             const at::Tensor& req_to_token, const at::Tensor& req_pool_indices,
                             const at::Tensor& seq_lens, double scale, const c10::optional<at::Tensor>& k,
-                            const c10::optional<at::Tensor>& v, const c10::optional<at::Tensor>& out_cache_loc) {
+                            const c10::optional<at::Tensor>& v, const c10::optional<at::Tensor>& out_cache_loc,
+                            int64_t window) {
   TORCH_CHECK(q.dim() == 3 && k_buffer.dim() == 3 && v_buffer.dim() == 3, "q, k_buffer, v_buffer: 3 dims each");
   TORCH_CHECK(k_buffer.sizes() == v_buffer.sizes() && k_buffer.dtype() == v_buffer.dtype(),
               "k_buffer and v_buffer differ");
@@ -180,6 +194,7 @@ at::Tensor decode_attention(const at::Tensor& q, at::Tensor k_buffer, at::Tensor
   TORCH_CHECK(req_to_token.scalar_type() == at::kLong && req_pool_indices.scalar_type() == at::kLong &&
               seq_lens.scalar_type() == at::kLong, "req_to_token, req_pool_indices, seq_lens: int64");
   TORCH_CHECK(req_to_token.stride(1) == 1, "req_to_token rows must be contiguous");
+  TORCH_CHECK(window >= 0, "window: 0 (every key) or the keys a query attends to, got ", window);
   // q may be a view into the fused qkv output: only its heads must be packed rows
   const at::Tensor qc = q.stride(2) == 1 && q.stride(1) == q.size(2) ? q : q.contiguous();
   const at::Tensor rows = req_pool_indices.contiguous(), lens = seq_lens.contiguous();
@@ -190,12 +205,12 @@ at::Tensor decode_attention(const at::Tensor& q, at::Tensor k_buffer, at::Tensor
   tandem_cpu::dispatch_float_types(q.scalar_type(), "q", [&](auto q_tag) {
     using q_t = decltype(q_tag);
     if (k_buffer.scalar_type() == q.scalar_type())
-      return run<q_t, q_t>(qc, k_buffer, v_buffer, req_to_token, rows, lens, out, scale, new_kv);
+      return run<q_t, q_t>(qc, k_buffer, v_buffer, req_to_token, rows, lens, out, scale, new_kv, window);
     if (k_buffer.scalar_type() == at::kFloat8_e5m2)
-      return run<q_t, at::Float8_e5m2>(qc, k_buffer, v_buffer, req_to_token, rows, lens, out, scale, new_kv);
+      return run<q_t, at::Float8_e5m2>(qc, k_buffer, v_buffer, req_to_token, rows, lens, out, scale, new_kv, window);
     TORCH_CHECK(k_buffer.scalar_type() == at::kFloat8_e4m3fn, "the KV pool holds ", k_buffer.scalar_type(),
                 ": it must hold q's dtype (", q.scalar_type(), "), float8_e5m2 or float8_e4m3fn");
-    run<q_t, at::Float8_e4m3fn>(qc, k_buffer, v_buffer, req_to_token, rows, lens, out, scale, new_kv);
+    run<q_t, at::Float8_e4m3fn>(qc, k_buffer, v_buffer, req_to_token, rows, lens, out, scale, new_kv, window);
   });
   return out;
 }
@@ -205,7 +220,7 @@ at::Tensor decode_attention(const at::Tensor& q, at::Tensor k_buffer, at::Tensor
 TORCH_LIBRARY_FRAGMENT(tandem_cpu, m) {
   m.def("decode_attention(Tensor q, Tensor(a!) k_buffer, Tensor(b!) v_buffer, Tensor req_to_token, "
         "Tensor req_pool_indices, Tensor seq_lens, float scale, Tensor? k=None, Tensor? v=None, "
-        "Tensor? out_cache_loc=None) -> Tensor");
+        "Tensor? out_cache_loc=None, int window=0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tandem_cpu, CPU, m) { m.impl("decode_attention", &decode_attention); }

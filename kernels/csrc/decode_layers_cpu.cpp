@@ -35,7 +35,8 @@ using AddRmsnorm = std::vector<at::Tensor>(const at::Tensor&, const OptTensor&, 
 using Rotary = void(const at::Tensor&, at::Tensor, at::Tensor, const at::Tensor&);
 using SiluAndMul = at::Tensor(const at::Tensor&);
 using DecodeAttention = at::Tensor(const at::Tensor&, at::Tensor, at::Tensor, const at::Tensor&, const at::Tensor&,
-                                   const at::Tensor&, double, const OptTensor&, const OptTensor&, const OptTensor&);
+                                   const at::Tensor&, double, const OptTensor&, const OptTensor&, const OptTensor&,
+                                   int64_t);
 
 template <typename Fn>
 c10::TypedOperatorHandle<Fn> op(const char* name) {
@@ -84,11 +85,12 @@ at::Tensor decode_layers(const at::Tensor& embedded, const at::Tensor& positions
                          at::TensorList k_buffers, at::TensorList v_buffers, const at::Tensor& req_to_token,
                          const at::Tensor& req_pool_indices, const at::Tensor& seq_lens,
                          const at::Tensor& out_cache_loc, const at::Tensor& cos_sin, const at::Tensor& final_norm,
-                         double eps, double scale, int64_t num_heads, int64_t padded_rows) {
+                         double eps, double scale, int64_t num_heads, int64_t padded_rows, at::IntArrayRef windows) {
   const int64_t layers = static_cast<int64_t>(k_buffers.size());
   TORCH_CHECK(static_cast<int64_t>(params.size()) == layers * kPerLayer && v_buffers.size() == k_buffers.size(),
               "params: ", kPerLayer, " per layer, one K and one V buffer per layer");
   TORCH_CHECK(embedded.dim() == 2 && padded_rows >= embedded.size(0), "embedded: [batch, hidden]; padded_rows >= batch");
+  TORCH_CHECK(windows.empty() || static_cast<int64_t>(windows.size()) == layers, "windows: none, or one per layer");
   const Ops& ops = Ops::get();
   const int64_t bs = embedded.size(0), hkv = k_buffers[0].size(1), d = k_buffers[0].size(2);
   const int64_t q_width = num_heads * d, kv_width = hkv * d;
@@ -109,7 +111,7 @@ at::Tensor decode_layers(const at::Tensor& embedded, const at::Tensor& positions
     }
     ops.rotary.call(positions, q, k, cos_sin);
     const at::Tensor attn = ops.attention.call(q, k_buffers[layer], v_buffers[layer], req_to_token, req_pool_indices,
-                                               seq_lens, scale, k, v, out_cache_loc);
+                                               seq_lens, scale, k, v, out_cache_loc, windows.empty() ? 0 : windows[layer]);
     x = add_bias(linear(attn.reshape({bs, q_width}), *param(kO), param(kOLike), std::nullopt, padded_rows), param(kOBias));
     normed = ops.add_rmsnorm.call(x, residual, *param(kPostNorm), eps);
     residual = normed[1];
@@ -145,7 +147,7 @@ TORCH_LIBRARY_FRAGMENT(tandem_cpu, m) {
   m.def("decode_layers(Tensor embedded, Tensor positions, Tensor?[] params, Tensor(a!)[] k_buffers, "
         "Tensor(b!)[] v_buffers, Tensor req_to_token, Tensor req_pool_indices, Tensor seq_lens, "
         "Tensor out_cache_loc, Tensor cos_sin, Tensor final_norm, float eps, float scale, int num_heads, "
-        "int padded_rows) -> Tensor");
+        "int padded_rows, int[] windows=[]) -> Tensor");
 }
 
 // the dispatcher keys on every tensor argument: packed oneDNN weights make it MkldnnCPU
