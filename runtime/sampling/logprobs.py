@@ -119,10 +119,14 @@ def compute_logprobs_from_hidden(
     out = None
     for start in range(0, n, chunk_size):
         stop = min(start + chunk_size, n)
+        # shifted by the row's max first, as the sampler (a logit_bias near float32's maximum divided
+        # by a temperature < 1 would be inf, and its log-softmax NaN), and always: a prompt position's
+        # logprob then has the bits of the same token's output logprob (x - max - lse rounds otherwise
+        # than x - lse), so a teacher-forced scoring reproduces a rollout's logprobs exactly
         x = lm_head(hidden[start:stop]).float()
-        if temperatures is not None:  # shifted first, as the sampler: a logit_bias near float32's
-            # maximum divided by a temperature < 1 would be inf, and its log-softmax NaN (null)
-            x = (x - x.amax(dim=-1, keepdim=True)) / temperatures[start:stop, None].to(x)
+        x = x - x.amax(dim=-1, keepdim=True)
+        if temperatures is not None:
+            x = x / temperatures[start:stop, None].to(x)
         if out is None:
             out = _allocate(n, max(0, min(top_logprobs_num, x.shape[1])), len(token_ids_logprob or ()), dev)
             _check_ids(req_ids, x.shape[1])
