@@ -181,6 +181,19 @@ def create_app(args: ServerArgs, on_child_death: Callable[[str], None] | None = 
             return _error(503, "starting" if tm is None else reason)
         return Response(status_code=200)
 
+    @app.get("/ready")
+    async def ready() -> Response:
+        """Readiness probe: 200 when a request sent now is served at once; 503 with the reason while
+        starting, draining after SIGTERM, after a child died, or while generation is paused."""
+        tm = getattr(app.state, "tm", None)
+        if tm is None:
+            return _error(503, "starting")
+        if (reason := tm.not_serving()) is not None:
+            return _error(503, reason)
+        if getattr(tm, "paused", False):  # pause_generation; continue_generation clears it
+            return _error(503, "generation is paused (pause_generation); continue_generation resumes it")
+        return _json({"status": "ready"})
+
     @app.get("/health_generate")
     async def health_generate_route() -> Response:
         """A one-token generation through every process; 503 when it does not finish in time."""
