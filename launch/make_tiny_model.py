@@ -1,7 +1,8 @@
 """Build a tiny random checkpoint (HF folder: config.json + safetensors + tokenizer) for tests,
 or a layer-truncated copy of a checkpoint (a draft model for STANDALONE speculation).
 
-`python -m tandem.launch.make_tiny_model OUT_DIR --arch qwen2` writes a tiny one;
+`python -m tandem.launch.make_tiny_model OUT_DIR --arch qwen2` writes a tiny one (gemma3: window
+layers of 16 keys beside global ones, softcapped logits; qwen3_moe and mixtral: 8 experts, 2 a token);
 `... OUT_DIR --truncate-from MODEL --layers 4` a truncated copy. Tests call `build_tiny_model` /
 `build_truncated_model` directly. The tokenizer is the embedded SmolLM2 one, so vocab is 49152.
 """
@@ -17,11 +18,29 @@ _ARCHS = {
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
     "mistral": ("MistralConfig", "MistralForCausalLM"),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
 }
+GEMMA3_WINDOW = 16  # the tiny Gemma 3's sliding window: short prompts already reach past it
+
+
+def _arch_settings(arch: str, hidden: int, layers: int) -> dict:
+    """What a tiny model of `arch` sets beyond the shared sizes, so its own pieces are exercised."""
+    if arch == "gemma3":  # every other layer a window layer; a scale and a logit cap of its own
+        return {"sliding_window": GEMMA3_WINDOW, "final_logit_softcapping": 30.0, "query_pre_attn_scalar": 24,
+                "layer_types": ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]}
+    if arch == "qwen3_moe":
+        return {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": hidden // 2,
+                "norm_topk_prob": True}
+    if arch == "mixtral":
+        return {"num_local_experts": 8, "num_experts_per_tok": 2}
+    return {}
 
 
 def build_tiny_model(out_dir: str | Path, arch: str = "qwen2", hidden: int = 64, layers: int = 2,
-                     heads: int = 4, kv_heads: int = 2, seed: int = 0) -> Path:
+                     heads: int = 4, kv_heads: int = 2, seed: int = 0, **overrides) -> Path:
+    """`overrides`: config fields on top of the arch's tiny settings."""
     import transformers
 
     from tandem.runtime.tokenizer import load_tokenizer
@@ -31,18 +50,19 @@ def build_tiny_model(out_dir: str | Path, arch: str = "qwen2", hidden: int = 64,
         return out
     tok = load_tokenizer(None)
     config_cls, model_cls = (getattr(transformers, name) for name in _ARCHS[arch])
-    config = config_cls(vocab_size=len(tok), hidden_size=hidden, intermediate_size=hidden * 2,
-                        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
-                        head_dim=hidden // heads, max_position_embeddings=2048, rms_norm_eps=1e-6,
-                        tie_word_embeddings=arch != "qwen2", eos_token_id=tok.eos_token_id,
-                        bos_token_id=tok.bos_token_id, torch_dtype="float32")
+    fields = dict(vocab_size=len(tok), hidden_size=hidden, intermediate_size=hidden * 2, num_hidden_layers=layers,
+                  num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=hidden // heads,
+                  max_position_embeddings=2048, rms_norm_eps=1e-6,
+                  tie_word_embeddings=arch not in ("qwen2", "mixtral"), eos_token_id=tok.eos_token_id,
+                  bos_token_id=tok.bos_token_id, torch_dtype="float32")
+    config = config_cls(**(fields | _arch_settings(arch, hidden, layers) | overrides))
     torch.manual_seed(seed)
     model = model_cls(config).eval()
-    with torch.no_grad():  # default init is tiny; widen it so logits are not all near-ties
-        for name, p in model.named_parameters():
-            if p.dim() == 2:
+    with torch.no_grad():  # default init is tiny (routers and Gemma's norms zero); widen it so
+        for name, p in model.named_parameters():  # logits are not all near-ties and experts differ
+            if p.dim() >= 2:
                 p.normal_(0.0, 0.08)
-            if name.endswith("bias"):
+            if name.endswith("bias") or (arch == "gemma3" and name.endswith("norm.weight")):
                 p.normal_(0.0, 0.05)
     model.save_pretrained(str(out), safe_serialization=True)
     tok.save_pretrained(str(out))
@@ -65,6 +85,10 @@ def build_truncated_model(model_path: str | None, out_dir: str | Path, layers: i
         return out
     src = resolve_model_path(model_path)
     cfg = load_config(src)
+    windows = set(cfg.layer_windows)
+    if cfg.family != "llama" or cfg.num_experts or len(windows) > 1 or (windows and cfg.arch != "MistralForCausalLM"):
+        raise ValueError(f"a truncated copy is written for the dense Llama-family layouts; {cfg.arch} "
+                         f"(per-layer windows, experts or Gemma's layers) is not one")
     if not 1 <= layers <= cfg.num_layers:
         raise ValueError(f"layers must be in [1, {cfg.num_layers}], got {layers}")
     out.mkdir(parents=True, exist_ok=True)
@@ -80,7 +104,7 @@ def build_truncated_model(model_path: str | None, out_dir: str | Path, layers: i
           "rms_norm_eps": cfg.rms_norm_eps, "rope_theta": cfg.rope_theta, "rope_scaling": scaling,
           "max_position_embeddings": max_position, "tie_word_embeddings": cfg.tie_word_embeddings,
           "attention_bias": cfg.qkv_bias, "mlp_bias": cfg.mlp_bias, "eos_token_id": list(cfg.eos_token_ids),
-          "torch_dtype": "float32"}
+          "torch_dtype": "float32", "sliding_window": next(iter(windows), None)}
     (out / "config.json").write_text(json.dumps(hf, indent=2))
     load_tokenizer(model_path).save_pretrained(str(out))
     return out

@@ -1,7 +1,10 @@
 """Attention backends behind one interface, and the torch backend (CPU and reference).
 
 A backend writes the new K/V of a layer into the KV pool at `out_cache_loc`, then attends each
-new query over its request's whole sequence read through the request-to-token table.
+new query over its request's whole sequence read through the request-to-token table, or, in a
+layer with a sliding window W, over the last W keys up to itself (transformers' sliding_window:
+a query at position p sees keys p - W + 1 .. p). The cpu and triton backends never read a key
+before a query's window; the torch backend (the reference) gathers and masks them.
 
 Contract: in every layer, ALL new K/V of the batch are written before ANY request reads the
 pool. A request's cached prefix may be slots another request of the same batch is filling in
@@ -9,7 +12,7 @@ this very pass (n>1 siblings and shared prompts admitted together reuse each oth
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -24,22 +27,45 @@ class AttentionBackend(Protocol):
         """Build per-pass metadata once; every layer of the pass reuses it."""
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
-                batch: ForwardBatch, scale: float) -> torch.Tensor:
-        """q: [T, Hq, D]; k, v: [T, Hkv, D]. Returns [T, Hq, D]."""
+                batch: ForwardBatch, scale: float, window: int = 0) -> torch.Tensor:
+        """q: [T, Hq, D]; k, v: [T, Hkv, D]; window: the layer's sliding window (0: none). Returns [T, Hq, D]."""
 
 
 @dataclass
 class _DecodeMeta:
     kv_slots: torch.Tensor  # [bs, max_seq] slot per key position (0 = padding)
     mask: torch.Tensor  # [bs, 1, 1, max_seq] True where the query may attend
+    seq: torch.Tensor  # [bs] int64 lengths
+    windowed: dict[int, torch.Tensor] = field(default_factory=dict)  # window -> mask, built once per pass
+
+    def mask_for(self, window: int) -> torch.Tensor:
+        if not window:
+            return self.mask
+        if window not in self.windowed:
+            key_pos = torch.arange(self.mask.shape[-1], device=self.mask.device)
+            self.windowed[window] = self.mask & (key_pos[None, :] >= (self.seq - window)[:, None])[:, None, None, :]
+        return self.windowed[window]
 
 
 @dataclass
 class _ExtendSpan:
     q_start: int
     q_end: int
+    prefix: int
     kv_slots: torch.Tensor | None  # slots of the whole sequence; None without a cached prefix
     mask: torch.Tensor | None  # [ext, seq] causal mask shifted by the prefix; None = plain causal
+    windowed: dict[int, torch.Tensor | None] = field(default_factory=dict)
+
+    def mask_for(self, window: int, device: torch.device) -> torch.Tensor | None:
+        """The causal mask narrowed to the last `window` keys of each query (None: plain causal)."""
+        ext = self.q_end - self.q_start
+        if not window or window >= self.prefix + ext:
+            return self.mask
+        if window not in self.windowed:
+            q_pos = self.prefix + torch.arange(ext, device=device)
+            key_pos = torch.arange(self.prefix + ext, device=device)
+            self.windowed[window] = (key_pos[None, :] <= q_pos[:, None]) & (key_pos[None, :] > q_pos[:, None] - window)
+        return self.windowed[window]
 
 
 class TorchAttnBackend:
@@ -63,7 +89,7 @@ class TorchAttnBackend:
         key_pos = torch.arange(max(batch.seq_lens_cpu), device=device)
         rows = self.req_to_token[batch.req_pool_indices, :len(key_pos)]
         valid = key_pos[None, :] < seq[:, None]
-        return _DecodeMeta(torch.where(valid, rows, torch.zeros_like(rows)), valid[:, None, None, :])
+        return _DecodeMeta(torch.where(valid, rows, torch.zeros_like(rows)), valid[:, None, None, :], seq)
 
     def _extend_spans(self, batch: ForwardBatch) -> list[_ExtendSpan]:
         spans, start = [], 0
@@ -73,16 +99,16 @@ class TorchAttnBackend:
             if pre:
                 slots = self.req_to_token[batch.req_pool_indices[i], :pre + ext]
                 mask = torch.ones((ext, pre + ext), dtype=torch.bool, device=device).tril(diagonal=pre)
-            spans.append(_ExtendSpan(start, start + ext, slots, mask))
+            spans.append(_ExtendSpan(start, start + ext, pre, slots, mask))
             start += ext
         return spans
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
-                batch: ForwardBatch, scale: float) -> torch.Tensor:
+                batch: ForwardBatch, scale: float, window: int = 0) -> torch.Tensor:
         # the whole batch's K/V first: a prefix read below may be slots this pass is filling
         self.kv_pool.set_kv(layer_id, batch.out_cache_loc, k, v)
         if batch.mode == ForwardMode.DECODE:
-            return self._decode(q, layer_id, batch, scale)
+            return self._decode(q, layer_id, batch, scale, window)
         out = torch.empty_like(q)
         k_pool, v_pool = self.kv_pool.k_buffer[layer_id], self.kv_pool.v_buffer[layer_id]
         for span in batch.attn_metadata:  # type: ignore[union-attr]
@@ -91,18 +117,20 @@ class TorchAttnBackend:
                 ks, vs = k[span.q_start:span.q_end], v[span.q_start:span.q_end]
             else:
                 ks, vs = _prefixed(k_pool, span, k), _prefixed(v_pool, span, v)
+            mask = span.mask_for(window, q.device)
             o = F.scaled_dot_product_attention(qs, ks.transpose(0, 1)[None], vs.transpose(0, 1)[None],
-                                               attn_mask=span.mask, is_causal=span.mask is None, scale=scale,
+                                               attn_mask=mask, is_causal=mask is None, scale=scale,
                                                enable_gqa=True)
             out[span.q_start:span.q_end] = o[0].transpose(0, 1)
         return out
 
-    def _decode(self, q: torch.Tensor, layer_id: int, batch: ForwardBatch, scale: float) -> torch.Tensor:
+    def _decode(self, q: torch.Tensor, layer_id: int, batch: ForwardBatch, scale: float,
+                window: int) -> torch.Tensor:
         meta: _DecodeMeta = batch.attn_metadata  # type: ignore[assignment]
         k_all = _read(self.kv_pool.k_buffer[layer_id], meta.kv_slots, q.dtype).transpose(1, 2)  # [bs, Hkv, max_seq, D]
         v_all = _read(self.kv_pool.v_buffer[layer_id], meta.kv_slots, q.dtype).transpose(1, 2)
-        out = F.scaled_dot_product_attention(q[:, :, None, :], k_all, v_all, attn_mask=meta.mask, scale=scale,
-                                             enable_gqa=True)
+        out = F.scaled_dot_product_attention(q[:, :, None, :], k_all, v_all, attn_mask=meta.mask_for(window),
+                                             scale=scale, enable_gqa=True)
         return out[:, :, 0, :]
 
 
@@ -160,15 +188,15 @@ class CpuAttnBackend(TorchAttnBackend):
             batch.attn_metadata = _query_rows(batch)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
-                batch: ForwardBatch, scale: float) -> torch.Tensor:
+                batch: ForwardBatch, scale: float, window: int = 0) -> torch.Tensor:
         if self.ops is None:
-            return super().forward(q, k, v, layer_id, batch, scale)
+            return super().forward(q, k, v, layer_id, batch, scale, window)
         rows: _QueryRows | None = batch.attn_metadata  # type: ignore[assignment]
         req_pool_indices, seq_lens = (batch.req_pool_indices, batch.seq_lens) if rows is None else \
             (rows.req_pool_indices, rows.seq_lens)
         return self.ops.decode_attention(q, self.kv_pool.k_buffer[layer_id], self.kv_pool.v_buffer[layer_id],
                                          self.req_to_token, req_pool_indices, seq_lens, scale,
-                                         k, v, batch.out_cache_loc)
+                                         k, v, batch.out_cache_loc, window)
 
 
 def _query_rows(batch: ForwardBatch) -> _QueryRows:

@@ -6,7 +6,7 @@ so neither init_forward nor forward waits on the device.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -27,6 +27,8 @@ class TritonAttnMeta:
     num_splits: torch.Tensor | None  # decode: [bs] int64, 1..max_splits
     max_splits: int
     kv_lens: torch.Tensor | None = None  # an extend run as decode queries: [tokens] keys each
+    query_lens: list[int] = field(default_factory=list)  # decode: each query's keys (host), for windows' splits
+    window_splits: dict[int, tuple[torch.Tensor, int]] = field(default_factory=dict)  # window -> splits, max
 
 
 def _to_device(parts: list[list[int]], device: torch.device) -> list[torch.Tensor]:
@@ -96,7 +98,7 @@ class TritonAttnBackend:
         kv_indices = gather_kv_indices(self.req_to_token, batch.req_pool_indices.to(device), lens, kv_indptr,
                                        kv_offsets[-1])
         batch.attn_metadata = TritonAttnMeta(decode, kv_indptr, kv_indices, qo_indptr, max_extend, num_splits,
-                                             max_splits)
+                                             max_splits, query_lens=list(kv_lens) if decode else [])
 
     def _extend_as_decode(self, batch: ForwardBatch) -> TritonAttnMeta:
         """Every new token a decode query over its request's slot list, its length its own."""
@@ -113,10 +115,24 @@ class TritonAttnBackend:
             [kv_offsets, seq_lens, token_starts + [kv_offsets[-1]], token_lens, splits], device)
         kv_indices = gather_kv_indices(self.req_to_token, batch.req_pool_indices.to(device), lens, kv_indptr,
                                        kv_offsets[-1])
-        return TritonAttnMeta(True, token_indptr, kv_indices, None, 1, num_splits, max(splits), kv_lens)
+        return TritonAttnMeta(True, token_indptr, kv_indices, None, 1, num_splits, max(splits), kv_lens,
+                              query_lens=token_lens)
+
+    def _splits(self, meta: TritonAttnMeta, window: int) -> tuple[torch.Tensor, int]:
+        """Decode splits for a window layer: by each query's keys inside its window (its own
+        length, as without one), made once per pass and window."""
+        if not window:
+            return meta.num_splits, meta.max_splits
+        if window not in meta.window_splits:
+            splits = num_kv_splits([min(n, window) for n in meta.query_lens], self.num_kv_heads,
+                                   min_split_len=self.min_split_len, max_splits=self.max_kv_splits,
+                                   target_programs=None)
+            [t] = _to_device([splits], self.req_to_token.device)
+            meta.window_splits[window] = (t, max(splits))
+        return meta.window_splits[window]
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
-                batch: ForwardBatch, scale: float) -> torch.Tensor:
+                batch: ForwardBatch, scale: float, window: int = 0) -> torch.Tensor:
         meta = batch.attn_metadata
         if not isinstance(meta, TritonAttnMeta):
             raise RuntimeError("TritonAttnBackend.forward called before init_forward for this batch")
@@ -127,7 +143,8 @@ class TritonAttnBackend:
         else:  # an fp8 pool: torch rounds (to nearest even, e4m3 clamped) where the kernels only read
             self.kv_pool.set_kv(layer_id, batch.out_cache_loc, k, v)
         if meta.decode:
-            return decode_attention_fwd(q, k_buffer, v_buffer, meta.kv_indptr, meta.kv_indices, meta.num_splits,
-                                        meta.max_splits, scale, kv_lens=meta.kv_lens)
+            num_splits, max_splits = self._splits(meta, window)
+            return decode_attention_fwd(q, k_buffer, v_buffer, meta.kv_indptr, meta.kv_indices, num_splits,
+                                        max_splits, scale, kv_lens=meta.kv_lens, window=window)
         return extend_attention_fwd(q, k, v, k_buffer, v_buffer, meta.qo_indptr, meta.kv_indptr,
-                                    meta.kv_indices, meta.max_extend_len, scale)
+                                    meta.kv_indices, meta.max_extend_len, scale, window=window)

@@ -3,7 +3,8 @@ what CUDA graphs are to SGLang's decode on a GPU, a step without Python between 
 
 Invariant: it runs the very ops the Python modules run, in their order, on the same weights, so
 its hidden states equal the modules' bit for bit; where it cannot (another attention backend or
-small ops, tensor parallelism, the C++ ops not built) the model keeps its modules, as SGLang
+small ops, tensor parallelism, the C++ ops not built, a layer other than the Llama family's dense
+one: Gemma 3's, a mixture of experts) the model keeps its modules, as SGLang
 runs eager where a graph does not apply. Weights are read from the modules when a step is built, after
 packing (runtime/model/packed_linear.py), and never copied.
 """
@@ -35,7 +36,8 @@ class CpuDecodeStep:
     def build(model: nn.Module, attn: AttentionBackend) -> CpuDecodeStep | None:
         """A step for `model` under `attn`, or None where the modules must run (see the module doc)."""
         if (type(attn) is not CpuAttnBackend or attn.ops is None or not isinstance(model.norm.ops, CpuOps)
-                or model.tp.size != 1 or not envs.CPU_DECODE_STEP.get()):
+                or model.tp.size != 1 or not envs.CPU_DECODE_STEP.get() or model.cfg.family != "llama"
+                or model.cfg.num_experts or model.cfg.hidden_act != "silu"):
             return None
         return CpuDecodeStep(model, attn)
 
@@ -45,7 +47,8 @@ class CpuDecodeStep:
         return attn.ops.decode_layers(
             embedded, batch.positions, self._params, attn.kv_pool.k_buffer, attn.kv_pool.v_buffer,
             attn.req_to_token, batch.req_pool_indices, batch.seq_lens, batch.out_cache_loc, m.rotary.cos_sin,
-            m.norm.weight, m.norm.eps, self._scale, self._num_heads, padded_rows(embedded.shape[0]))
+            m.norm.weight, m.norm.eps, self._scale, self._num_heads, padded_rows(embedded.shape[0]),
+            list(m.cfg.layer_windows))
 
 
 def _layer_params(layer: nn.Module) -> list[torch.Tensor | None]:

@@ -1,4 +1,6 @@
-"""Decoder-only transformer for Llama, Mistral, Qwen2 (qkv bias) and Qwen3 (q/k norm).
+"""Decoder-only transformer for Llama, Mistral, Qwen2 (qkv bias) and Qwen3 (q/k norm), and with
+mixture-of-experts MLPs (runtime/model/moe.py) Qwen3-MoE and Mixtral. Gemma 3 subclasses it
+(runtime/model/gemma3.py).
 
 Weights use fused projections: `qkv_proj` = [q; k; v] rows and `gate_up_proj` = [gate; up] rows.
 Under tensor parallelism each rank builds its share of heads, MLP width and vocabulary
@@ -14,6 +16,7 @@ from tandem.runtime.model.config import ModelConfig
 from tandem.runtime.model.cpu_decode_step import CpuDecodeStep
 from tandem.runtime.model.forward_batch import ForwardBatch, ForwardMode
 from tandem.runtime.model.layers import RMSNorm, RotaryEmbedding
+from tandem.runtime.model.moe import SparseMoE
 from tandem.runtime.model.ops import CpuOps, TorchOps, TritonOps
 from tandem.runtime.model.packed_linear import Weight, fp32_head, head_logits, pack_linears
 from tandem.runtime.model.tensor_parallel import SINGLE, TensorParallel, VocabParallelEmbedding
@@ -30,9 +33,12 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
         # added after the all-reduce, once: inside the row-parallel linear every rank would add it
         self.o_proj_bias = nn.Parameter(torch.zeros(cfg.hidden_size)) if cfg.o_bias else None
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.scale = cfg.head_dim ** -0.5
+        self.q_norm = self.norm_class(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = self.norm_class(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.scale = cfg.attn_scale or cfg.head_dim ** -0.5
+        self.window = cfg.window(layer_id)  # the layer's sliding window; 0 = every key
+
+    norm_class: type[nn.Module] = RMSNorm  # Gemma 3's (1 + weight) norm in its subclass
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, rotary: RotaryEmbedding,
                 attn: AttentionBackend) -> torch.Tensor:
@@ -43,7 +49,7 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotary(batch.positions, q, k)
-        out = attn.forward(q, k, v, self.layer_id, batch, self.scale)
+        out = attn.forward(q, k, v, self.layer_id, batch, self.scale, window=self.window)
         return _add_bias(self.tp.all_reduce(self.o_proj(out.reshape(-1, self.q_size))), self.o_proj_bias)
 
 
@@ -53,13 +59,16 @@ class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TensorParallel) -> None:
         super().__init__()
         self.tp = tp
+        self.act = cfg.hidden_act  # "silu" or "gelu_tanh": which gated activation of the ops
         width = cfg.intermediate_size // tp.size
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * width, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(width, cfg.hidden_size, bias=False)
         self.down_proj_bias = nn.Parameter(torch.zeros(cfg.hidden_size)) if cfg.mlp_bias else None  # as o_proj_bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.tp.all_reduce(self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x))))
+        gate_up = self.gate_up_proj(x)
+        act = self.ops.silu_and_mul(gate_up) if self.act == "silu" else self.ops.gelu_tanh_and_mul(gate_up)
+        out = self.tp.all_reduce(self.down_proj(act))
         return _add_bias(out, self.down_proj_bias)
 
 
@@ -73,7 +82,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, layer_id, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg, tp)
+        self.mlp = SparseMoE(cfg, tp) if cfg.is_moe_layer(layer_id) else MLP(cfg, tp)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch,
                 rotary: RotaryEmbedding, attn: AttentionBackend) -> tuple[torch.Tensor, torch.Tensor]:
@@ -87,33 +96,49 @@ class DecoderLayer(nn.Module):
 
 
 class CausalLM(nn.Module):
+    layer_class: type[nn.Module] = DecoderLayer
+    norm_class: type[nn.Module] = RMSNorm
+
     def __init__(self, cfg: ModelConfig, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         self.cfg, self.tp = cfg, tp
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, tp) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position, cfg.rope_theta, cfg.rope_scaling)
+        self.layers = nn.ModuleList(self.layer_class(cfg, i, tp) for i in range(cfg.num_layers))
+        self.norm = self.norm_class(cfg.hidden_size, cfg.rms_norm_eps)
+        self.build_rotary()
         self.lm_head = (None if cfg.tie_word_embeddings
                         else nn.Linear(cfg.hidden_size, cfg.vocab_size // tp.size, bias=False))
         self._head_fp32: Weight | None = None  # built from the head's weight on first use (fp32_head)
         self._decode_step: CpuDecodeStep | None = None
         self._decode_step_checked_for: AttentionBackend | None = None  # the backend it was built (or refused) for
 
+    def build_rotary(self, device: torch.device | str | None = None) -> None:
+        """The rotary tables (made again on the device once the model leaves the meta device)."""
+        cfg = self.cfg
+        rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position, cfg.rope_theta, cfg.rope_scaling)
+        self.rotary = rotary if device is None else rotary.to(device)
+
+    def layer_rotary(self, layer_id: int) -> RotaryEmbedding:
+        return self.rotary
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(ids)
+
     def use_ops(self, ops: TorchOps | TritonOps | CpuOps) -> None:
-        """Route RMSNorm, rotary and SiLU-and-mul through `ops` (C++ on the cpu backend, Triton kernels with the triton backend)."""
+        """Route norms, rotary and the MLPs' activations through `ops` (C++ on the cpu backend,
+        Triton kernels with the triton backend)."""
         for module in self.modules():
-            if isinstance(module, (RMSNorm, RotaryEmbedding, MLP)):
+            if hasattr(type(module), "ops"):
                 module.ops = ops
 
     def hidden_states(self, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
         attn.init_forward(batch)
-        x, residual = self.embed_tokens(batch.input_ids), None
+        x, residual = self.embed(batch.input_ids), None
         step = self._cpu_decode_step(attn) if batch.mode == ForwardMode.DECODE else None
         if step is not None:
             return step.hidden_states(x, batch)
-        for layer in self.layers:
-            x, residual = layer(x, residual, batch, self.rotary, attn)
+        for i, layer in enumerate(self.layers):
+            x, residual = layer(x, residual, batch, self.layer_rotary(i), attn)
         x, _ = self.norm(x, residual)
         return x
 
@@ -139,8 +164,9 @@ class CausalLM(nn.Module):
         head's GEMM gives a row the same bits in any batch (packed_linear.fp32_head)."""
         if self._head_fp32 is None:
             self._head_fp32 = fp32_head(self._head_weight())
-        local = head_logits(hidden, self._head_fp32)
-        return self.tp.all_gather_last_dim(local)
+        logits = self.tp.all_gather_last_dim(head_logits(hidden, self._head_fp32))
+        cap = self.cfg.final_logit_softcapping
+        return logits if not cap else torch.tanh(logits / cap) * cap
 
     def forward(self, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
         """fp32 logits at `batch.logits_indices`."""

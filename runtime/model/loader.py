@@ -8,12 +8,13 @@ import numpy as np
 import torch
 
 from tandem.runtime.model.config import SUPPORTED_ARCHS, ModelConfig
+from tandem.runtime.model.gemma3 import Gemma3ForCausalLM
 from tandem.runtime.model.llama import CausalLM
 from tandem.runtime.model.tensor_parallel import SINGLE, TensorParallel, check_divisible, shard_weights
 from tandem.runtime.model_files import cache_dir, file_cache_key, is_gguf
 
 _GGUF_ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-               "mistral": "MistralForCausalLM"}
+               "mistral": "MistralForCausalLM", "gemma3": "Gemma3ForCausalLM"}
 
 
 def load_config(model_path: str) -> ModelConfig:
@@ -30,10 +31,9 @@ def load_model(model_path: str, dtype: torch.dtype, device: torch.device | str =
     cfg = load_config(model_path)
     check_divisible(cfg, tp.size)
     with torch.device("meta"):
-        model = CausalLM(cfg, tp)
+        model = (Gemma3ForCausalLM if cfg.family == "gemma3" else CausalLM)(cfg, tp)
     _load_into(model, shard_weights(_fuse(load_hf_weights(model_path, cfg), cfg), cfg, tp), dtype, device, model_path)
-    model.rotary.__init__(cfg.head_dim, cfg.max_position, cfg.rope_theta, cfg.rope_scaling)  # rebuild buffer off meta
-    model.rotary.to(device)
+    model.build_rotary(device)  # its tables were made on the meta device
     return model.eval()
 
 
@@ -67,6 +67,8 @@ def _some(names: set[str]) -> str:
 
 def _checkpoint_name(name: str) -> str:
     """A fused name as the checkpoint spells it (_fuse in reverse), for errors."""
+    name = name.replace("experts.gate_up_proj", "experts.N.{gate,up}_proj.weight")
+    name = name.replace("experts.down_proj", "experts.N.down_proj.weight")
     name = name.replace("qkv_proj", "{q,k,v}_proj").replace("gate_up_proj", "{gate,up}_proj")
     name = name.replace("_proj_bias", "_proj.bias")
     return name if name.startswith("lm_head.") else f"model.{name}"
@@ -76,9 +78,10 @@ def _fuse(raw: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Ten
     """HF names (model.layers.N.self_attn.q_proj.weight, ...) -> tandem's fused names."""
     out: dict[str, torch.Tensor] = {}
     for name, tensor in raw.items():
-        name = name.removeprefix("model.")
-        out[name] = tensor
+        out[_mixtral_to_qwen_names(name.removeprefix("model."))] = tensor
     for i in range(cfg.num_layers):
+        if cfg.is_moe_layer(i):
+            _stack_experts(out, f"layers.{i}.mlp.experts", cfg.num_experts)
         attn, mlp = f"layers.{i}.self_attn", f"layers.{i}.mlp"
         for kind in ("weight", "bias"):
             parts = [out.pop(f"{attn}.{p}_proj.{kind}", None) for p in "qkv"]
@@ -95,6 +98,33 @@ def _fuse(raw: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Ten
     if cfg.tie_word_embeddings:
         out.pop("lm_head.weight", None)
     return out
+
+
+def _mixtral_to_qwen_names(name: str) -> str:
+    """Mixtral's block_sparse_moe.experts.N.w1/w3/w2 (gate, up, down) under Qwen3-MoE's names."""
+    if ".block_sparse_moe." not in name:
+        return name
+    name = name.replace(".block_sparse_moe.", ".mlp.")
+    for old, new in ((".w1.", ".gate_proj."), (".w3.", ".up_proj."), (".w2.", ".down_proj.")):
+        name = name.replace(old, new)
+    return name
+
+
+def _stack_experts(out: dict[str, torch.Tensor], prefix: str, num_experts: int) -> None:
+    """Expert e's gate/up/down weights -> `gate_up_proj` [E, 2I, H] ([gate; up] rows per expert) and
+    `down_proj` [E, H, I]. A checkpoint that holds them stacked already (transformers 5's layout)
+    keeps them; one that lacks an expert keeps what it has, for _load_into to name."""
+    parts = {proj: [out.pop(f"{prefix}.{e}.{proj}.weight", None) for e in range(num_experts)]
+             for proj in ("gate_proj", "up_proj", "down_proj")}
+    if all(t is not None for ts in parts.values() for t in ts):
+        gate_up = [torch.cat([gate, up]) for gate, up in zip(parts["gate_proj"], parts["up_proj"])]
+        out[f"{prefix}.gate_up_proj"] = torch.stack(gate_up)
+        out[f"{prefix}.down_proj"] = torch.stack(parts["down_proj"])
+        return
+    for proj, tensors in parts.items():
+        for e, t in enumerate(tensors):
+            if t is not None:
+                out[f"{prefix}.{e}.{proj}.weight"] = t
 
 
 def _hf_weights(folder: Path) -> dict[str, torch.Tensor]:
@@ -136,7 +166,11 @@ def _gguf_config(reader) -> ModelConfig:
     vocab = _field(reader, p + "vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
     names = {t.name for t in reader.tensors}
     eos = _field(reader, "tokenizer.ggml.eos_token_id")
-    return ModelConfig.from_hf_dict({
+    extra = {}
+    if arch_name == "gemma3":  # what transformers' GGUF reader takes; the rest are Gemma3TextConfig's defaults
+        extra = {"sliding_window": _field(reader, p + "attention.sliding_window"),
+                 "rope_scaling": _gguf_rope_scaling(reader, p)}
+    return ModelConfig.from_hf_dict(extra | {
         "architectures": [_GGUF_ARCHS[arch_name]],
         "vocab_size": vocab,
         "hidden_size": hidden,
@@ -153,12 +187,27 @@ def _gguf_config(reader) -> ModelConfig:
     })
 
 
+def _gguf_rope_scaling(reader, p: str) -> dict | None:
+    """llama.cpp's linear rope scaling (Gemma 3 4B and up scale their global layers by 8)."""
+    kind, factor = _field(reader, p + "rope.scaling.type"), _field(reader, p + "rope.scaling.factor")
+    if kind in (None, "none") or not factor or factor == 1.0:
+        return None
+    if kind != "linear":
+        raise ValueError(f"GGUF {p}rope.scaling.type {kind!r} is not supported for this architecture")
+    return {"rope_type": "linear", "factor": float(factor)}
+
+
 _GGUF_NAMES = {
     "token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head",
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+}
+# Gemma 3's four norms a layer: llama.cpp's ffn_norm is its pre-feedforward norm
+_GGUF_GEMMA3_NAMES = _GGUF_NAMES | {
+    "ffn_norm": "pre_feedforward_layernorm", "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
 }
 
 
@@ -183,23 +232,29 @@ def _gguf_weights(path: str, cfg: ModelConfig) -> dict[str, torch.Tensor]:
     from gguf.quants import dequantize
 
     reader = _gguf_reader(path)
-    llama_layout = _field(reader, "general.architecture") in ("llama", "mistral")
+    arch_name = _field(reader, "general.architecture")
+    llama_layout = arch_name in ("llama", "mistral")
+    # llama.cpp stores Gemma's norm weights as 1 + weight; transformers' reader subtracts the 1 again
+    gemma = arch_name == "gemma3"
+    names = _GGUF_GEMMA3_NAMES if gemma else _GGUF_NAMES
     weights: dict[str, torch.Tensor] = {}
     for t in reader.tensors:
         stem, _, kind = t.name.rpartition(".")
         part = stem.split(".", 2)[2] if stem.startswith("blk.") else stem
         if part == "rope_freqs":  # llama.cpp's Llama 3 rope factors: transformers' GGUF loader skips them too
             continue
-        if part not in _GGUF_NAMES:
+        if part not in names:
             raise ValueError(f"{path}: tensor {t.name!r} is not one tandem reads")
-        name = f"model.layers.{stem.split('.')[1]}.{_GGUF_NAMES[part]}.{kind}" if stem.startswith("blk.") \
-            else f"{_GGUF_NAMES[part]}.{kind}"
+        name = f"model.layers.{stem.split('.')[1]}.{names[part]}.{kind}" if stem.startswith("blk.") \
+            else f"{names[part]}.{kind}"
         array = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
         array = array.reshape([int(d) for d in reversed(t.shape)])  # ggml lists dims innermost first
         if llama_layout and stem.endswith("attn_q"):
             array = _unpermute_rope(array, cfg.num_heads)
         elif llama_layout and stem.endswith("attn_k"):
             array = _unpermute_rope(array, cfg.num_kv_heads)
+        elif gemma and part.endswith("norm"):
+            array = array - 1.0
         weights[name] = torch.from_numpy(np.ascontiguousarray(array))
     return weights
 

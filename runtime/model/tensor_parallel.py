@@ -6,7 +6,8 @@ on every rank. So qkv_proj and gate_up_proj are column-parallel (rows of the fus
 head / by half), o_proj and down_proj are row-parallel and followed by an all-reduce, the
 embedding is vocab-parallel (each rank looks up its own ids, an all-reduce fills the rest) and
 the LM head's logits are all-gathered, so every rank samples the same token from the same logits
-with the same seed and tokens never travel between ranks.
+with the same seed and tokens never travel between ranks. Mixture-of-experts layers split every
+expert by its intermediate width the same way (runtime/model/moe.py); the router is replicated.
 
 Heads are never split unevenly or replicated: a size that does not divide the query heads, the
 KV heads, the intermediate size and the vocabulary is refused, naming the counts.
@@ -56,6 +57,8 @@ SINGLE = TensorParallel()
 def check_divisible(cfg: ModelConfig, size: int) -> None:
     counts = {"query heads": cfg.num_heads, "KV heads": cfg.num_kv_heads,
               "intermediate size": cfg.intermediate_size, "vocabulary": cfg.vocab_size}
+    if cfg.num_experts:
+        counts["expert intermediate size"] = cfg.moe_intermediate_size
     bad = {name: n for name, n in counts.items() if n % size}
     if bad:
         have = ", ".join(f"{n} {name}" for name, n in counts.items())
@@ -76,7 +79,12 @@ def shard_weights(weights: dict[str, torch.Tensor], cfg: ModelConfig, tp: Tensor
 
     out: dict[str, torch.Tensor] = {}
     for name, t in weights.items():
-        if ".qkv_proj." in name:  # [q; k; v] rows: each split by heads
+        if name.endswith(".experts.gate_up_proj"):  # [E, 2I, H]: each expert's gate and up rows split
+            gate, up = t.chunk(2, dim=1)
+            out[name] = torch.cat([part(gate, 1), part(up, 1)], dim=1)
+        elif name.endswith(".experts.down_proj"):  # [E, H, I]: each expert's input columns split
+            out[name] = part(t, 2)
+        elif ".qkv_proj." in name:  # [q; k; v] rows: each split by heads
             q, k, v = t.split([q_rows, kv_rows, kv_rows], dim=0)
             out[name] = torch.cat([part(q), part(k), part(v)], dim=0)
         elif ".gate_up_proj." in name:  # [gate; up] rows: each split

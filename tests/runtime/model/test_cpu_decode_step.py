@@ -33,6 +33,7 @@ VARIANTS = {
     "qwen2": {"qkv_bias": True, "tie_word_embeddings": False},
     "qwen3": {"qk_norm": True},
     "llama_all_biases": {"qkv_bias": True, "o_bias": True, "mlp_bias": True},
+    "sliding_windows": {"layer_windows": (8, 0, 5)},  # per-layer windows shorter than most sequences
 }
 
 
