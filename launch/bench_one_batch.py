@@ -1,4 +1,5 @@
-"""`tandem bench one-batch`: prefill and decode latency of one static batch, no server (like SGLang's bench_one_batch)."""
+"""`tandem bench one-batch`: prefill and decode latency of one static batch, no server (like SGLang's bench_one_batch);
+with --transformers, transformers' generate on the same batches beside it."""
 from __future__ import annotations
 
 import argparse
@@ -12,10 +13,13 @@ from tandem.runtime.model.runner import ModelRunner
 from tandem.runtime.server_args import KV_CACHE_DTYPES, ServerArgs
 
 
-def run(runner: ModelRunner, batch_size: int, input_len: int, output_len: int, seed: int = 0) -> dict:
+def make_prompts(vocab: int, batch_size: int, input_len: int, seed: int = 0) -> list[list[int]]:
     rng = random.Random(seed)
-    vocab = runner.config.vocab_size
-    prompts = [[rng.randrange(17, vocab) for _ in range(input_len)] for _ in range(batch_size)]
+    return [[rng.randrange(17, vocab) for _ in range(input_len)] for _ in range(batch_size)]
+
+
+def run(runner: ModelRunner, batch_size: int, input_len: int, output_len: int, seed: int = 0) -> dict:
+    prompts = make_prompts(runner.config.vocab_size, batch_size, input_len, seed)
     res = BareLoop(runner).generate(prompts, output_len)
     decode_steps = max(output_len - 1, 1)
     return {
@@ -38,6 +42,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--attention-backend", default="auto")
     parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto", help="auto: the model dtype")
     parser.add_argument("--output-file", default=None, help="append one JSON line per batch size")
+    parser.add_argument("--transformers", action="store_true",
+                        help="also time transformers' generate on the same batches (same checkpoint and dtype)")
     args = parser.parse_args(argv)
     need = max(args.batch_size) * (args.input_len + args.output_len) + 64
     runner = ModelRunner(ServerArgs(model_path=args.model_path, dtype=args.dtype, max_total_tokens=need,
@@ -45,7 +51,20 @@ def main(argv: list[str] | None = None) -> int:
                                     kv_cache_dtype=args.kv_cache_dtype))
     run(runner, 1, min(args.input_len, 16), 2)  # warm-up
     rows = [run(runner, bs, args.input_len, args.output_len) for bs in args.batch_size]
-    if runner.device.type == "cpu":
+    if args.transformers:
+        from tandem.launch import bench_transformers
+
+        hf = bench_transformers.load_hf_model(args.model_path, str(runner.dtype).removeprefix("torch."))
+        for r in rows:
+            prompts = make_prompts(runner.config.vocab_size, r["batch_size"], args.input_len)
+            r["transformers"] = bench_transformers.one_batch(hf, prompts, args.output_len)
+            r["decode_over_transformers"] = round(r["decode_throughput_tok_s"] /
+                                                  r["transformers"]["decode_throughput_tok_s"], 2)
+            r["prefill_over_transformers"] = round(r["prefill_throughput_tok_s"] /
+                                                   r["transformers"]["prefill_throughput_tok_s"], 2)
+        del hf
+    # the GEMM bound times dense MLPs: a mixture of experts' is another shape (no bound printed)
+    if runner.device.type == "cpu" and not runner.config.num_experts:
         for r in rows:  # the machine's limit at this batch: the decode step's matmuls alone
             r["gemm_bound_decode_tok_s"] = round(gemm_bound.measure(runner.config, runner.dtype, r["batch_size"]).decode_tok_s, 1)
             r["decode_of_gemm_bound"] = round(r["decode_throughput_tok_s"] / r["gemm_bound_decode_tok_s"], 3)
@@ -58,6 +77,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{r['batch_size']:>6} {r['input_len']:>5} {r['output_len']:>5} {r['prefill_latency_s']:>10.4f} "
               f"{r['prefill_throughput_tok_s']:>14.1f} {r['median_decode_latency_s']:>14.5f} {r['decode_throughput_tok_s']:>13.1f} "
               f"{r.get('gemm_bound_decode_tok_s', '-'):>11} {format(r['decode_of_gemm_bound'], '.0%') if 'decode_of_gemm_bound' in r else '-':>9}")
+    for r in rows:
+        if "transformers" in r:
+            t = r["transformers"]
+            print(f"{'hf ' + str(r['batch_size']):>6} {r['input_len']:>5} {r['output_len']:>5} "
+                  f"{t['prefill_latency_s']:>10.4f} {t['prefill_throughput_tok_s']:>14.1f} "
+                  f"{t['median_decode_latency_s']:>14.5f} {t['decode_throughput_tok_s']:>13.1f}   "
+                  f"tandem / transformers at batch {r['batch_size']}: prefill {r['prefill_over_transformers']}x, "
+                  f"decode {r['decode_over_transformers']}x")
     if args.output_file:
         with open(args.output_file, "a") as f:
             for r in rows:

@@ -59,3 +59,42 @@ def run(model_path: str | None, dtype: str, batches: list[tuple[list[list[int]],
     del model
     gc.collect()
     return seconds, computed
+
+
+class _TokenClock:
+    """A generate() streamer that only notes when each put (the prompt, then each new token) arrives."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+
+    def put(self, value: torch.Tensor) -> None:
+        self.times.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+
+def one_batch(model, prompts: list[list[int]], output_len: int, repeats: int = 2) -> dict:
+    """`bench one-batch`'s figures for transformers on one static batch (left-padded), from one
+    generate() of output_len tokens, timed token by token: prefill latency until the first new
+    token, decode latency per step after it. The best of `repeats` runs, after a warm-up."""
+    pad_id = model.generation_config.pad_token_id or model.generation_config.eos_token_id or 0
+    pad_id = pad_id[0] if isinstance(pad_id, list) else int(pad_id)
+    ids, mask = left_pad(prompts, pad_id)
+    best: tuple[float, float] | None = None
+    with torch.inference_mode():
+        _generate(model, prompts[:1], 2, pad_id)  # warm-up
+        for _ in range(repeats):
+            clock = _TokenClock()
+            t0 = time.perf_counter()
+            model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=output_len,
+                           min_new_tokens=output_len, pad_token_id=pad_id, temperature=None, top_p=None, top_k=None,
+                           streamer=clock)
+            first, last = clock.times[-output_len], clock.times[-1]
+            run = (first - t0, (last - first) / max(output_len - 1, 1))
+            best = run if best is None or sum(run) < sum(best) else best
+    prefill_s, step_s = best
+    return {"prefill_latency_s": round(prefill_s, 4),
+            "prefill_throughput_tok_s": round(sum(map(len, prompts)) / prefill_s, 1),
+            "median_decode_latency_s": round(step_s, 5),
+            "decode_throughput_tok_s": round(len(prompts) / step_s, 1) if step_s else 0.0}
