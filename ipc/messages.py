@@ -35,6 +35,9 @@ __all__ = [
     "FlushCacheReply",
     "GetServerInfoReq",
     "GetServerInfoReply",
+    "WeightsReq",
+    "ControlReply",
+    "PauseReq",
     "ReadyMsg",
     "ChildError",
     "Message",
@@ -266,6 +269,52 @@ class GetServerInfoReply(_Msg, kw_only=True):
     info: dict[str, Any]  # JSON-able scheduler stats
 
 
+WEIGHT_DTYPES = ("float32", "float16", "bfloat16", "float64")  # what a trainer may broadcast
+
+
+class WeightsReq(_Msg, kw_only=True):
+    """Main -> scheduler: an operation on the served weights, SGLang's RL routes by `op`:
+    update_from_disk, update_from_tensor, update_from_distributed, init_group, destroy_group,
+    get_by_name. An update waits for the running requests to finish (new ones wait behind
+    it), unless `abort_all_requests`; then the radix cache is flushed (`flush_cache`)."""
+
+    req_id: int
+    op: str
+    model_path: str = ""  # update_from_disk
+    tensors: bytes = b""  # update_from_tensor: a safetensors file's bytes (no pickle crosses the wire)
+    names: list[str] = []  # update_from_distributed: what the trainer broadcasts, in order
+    dtypes: list[str] = []
+    shapes: list[list[int]] = []
+    group_name: str = "weight_update_group"
+    master_address: str = ""  # init_group: the trainer is rank 0 of the group and hosts its store
+    master_port: int = 0
+    rank_offset: int = 1  # this server's TP rank r is group rank rank_offset + r
+    world_size: int = 0
+    backend: str = ""  # "gloo" | "nccl"; empty: the device's
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    name: str = ""  # get_by_name
+    truncate_size: int = 100
+
+
+class ControlReply(_Msg, kw_only=True):
+    """Scheduler -> main: the answer to a WeightsReq or a PauseReq."""
+
+    req_id: int
+    success: bool
+    message: str = ""
+    num_paused_requests: int = 0  # requests aborted (abort_all_requests, pause abort) or paused
+    values: Any = None  # get_by_name: the weight's first truncate_size rows, as nested lists
+
+
+class PauseReq(_Msg, kw_only=True):
+    """Main -> scheduler: SGLang's pause_generation (mode abort | retract | in_place) or, with
+    mode "continue", continue_generation."""
+
+    req_id: int
+    mode: str
+
+
 class ReadyMsg(_Msg, kw_only=True):
     """Child -> main at startup, once it is ready for traffic.
 
@@ -298,6 +347,9 @@ Message = Union[
     FlushCacheReply,
     GetServerInfoReq,
     GetServerInfoReply,
+    WeightsReq,
+    ControlReply,
+    PauseReq,
     ReadyMsg,
     ChildError,
 ]

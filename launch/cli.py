@@ -18,6 +18,7 @@ _BENCHES = {
     "fuzz": ("tandem.launch.bench_fuzz", "hypothesis-generated requests against every route"),
     "grammar-load": ("tandem.launch.bench_grammar_load", "what huge grammar compiles cost everyone else"),
     "tp": ("tandem.launch.bench_tp", "the same offline workload at each --tp-size"),
+    "weights": ("tandem.launch.bench_weights", "what a weight update costs, split into its parts"),
     "moe": ("tandem.launch.bench_moe", "a mixture of experts' decode: the fused MoE op against a per-expert loop"),
 }
 _COMMANDS = {

@@ -21,6 +21,7 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 from tandem.runtime import sglang_flags
+from tandem.runtime.engine_rl import EngineRL
 from tandem.runtime.launcher import resolve_random_seed
 from tandem.runtime.model_files import local_checkpoints
 from tandem.runtime.frontend.info import model_info, server_info
@@ -100,7 +101,7 @@ def _server_args(model_path: str | None, kwargs: dict[str, Any]) -> ServerArgs:
     return ServerArgs(model_path=model_path, **kwargs)
 
 
-class Engine:
+class Engine(EngineRL):
     def __init__(self, model_path: str | None = None, **kwargs: Any) -> None:
         args = _server_args(model_path, kwargs)
         args = local_checkpoints(args)

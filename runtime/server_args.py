@@ -131,6 +131,9 @@ class ServerArgs:
     log_requests_level: int = 2
     random_seed: int | None = None  # None: drawn once per launch (launcher.resolve_random_seed), as SGLang's
     served_model_name: str | None = None  # the name /v1/models and /model_info report; None = the model path
+    # SGLang's: the version of the served weights in meta_info, /server_info and /model_info; a
+    # weight update that names a weight_version replaces it
+    weight_version: str = "default"
 
     def __post_init__(self) -> None:
         self._check_field_types()

@@ -7,7 +7,6 @@ import time
 from typing import Any
 
 from tandem.runtime.frontend.loads import loads_report, scheduler_load
-from tandem.runtime.frontend.request_groups import WEIGHT_VERSION
 from tandem.runtime.server_args import ServerArgs
 from tandem.runtime.frontend.tokenizer_manager import DEFAULT_MODEL_NAME, TokenizerManager
 
@@ -25,7 +24,7 @@ def model_info(tm: TokenizerManager) -> dict[str, Any]:
     args = tm.args
     return {"model_path": args.model_path or "SmolLM2-135M-Instruct (embedded)",
             "tokenizer_path": args.tokenizer_path or args.model_path, "is_generation": True,
-            "served_model_name": served_model_name(args), "weight_version": WEIGHT_VERSION, **tm.model_info}
+            "served_model_name": served_model_name(args), "weight_version": tm.weight_version, **tm.model_info}
 
 
 async def server_info(tm: TokenizerManager) -> dict[str, Any]:
@@ -40,7 +39,7 @@ async def server_info(tm: TokenizerManager) -> dict[str, Any]:
                                 **({"avg_spec_accept_length": info["avg_spec_accept_length"]}
                                    if "avg_spec_accept_length" in info else {})}]
     info["version"] = VERSION
-    info["weight_version"] = WEIGHT_VERSION  # SGLang's: the version of the weights served (none updated yet)
+    info["weight_version"] = tm.weight_version
     return info
 
 

@@ -12,7 +12,6 @@ from tandem.ipc.messages import FinishReason, ReqCounters, SpecCounts
 from tandem.runtime.sampling.logprob_format import LogprobFormatter
 from tandem.runtime.value_checks import ValidationError
 
-WEIGHT_VERSION = "default"  # SGLang's meta_info.weight_version before any weight update
 # SGLang's INCREMENTAL_STREAMING_META_INFO_KEYS: the meta_info lists an incremental chunk slices
 # (input logprobs, output_token_logprobs_length and hidden_states stay whole, as in SGLang's)
 INCREMENTAL_META_KEYS = ("output_token_logprobs", "output_top_logprobs", "output_token_ids_logprobs")
@@ -50,6 +49,7 @@ class ChoiceState:
     finished_at: float | None = None  # perf_counter when finish_reason arrived
     last_output: float | None = None  # perf_counter of the latest output (metrics)
     version: int = 0  # bumped on every update; streaming sends each version once
+    weight_version: str = "default"  # of the weights that made the latest output
     # --incremental-streaming-output: how much of the text, output_ids and each sliced meta_info
     # list earlier chunks carried
     streamed_chars: int = 0
@@ -86,7 +86,7 @@ class ChoiceState:
             "cached_tokens": self.counters.cached_tokens,
             "num_retractions": self.counters.retractions,
             "reasoning_tokens": self.counters.reasoning_tokens,
-            "weight_version": WEIGHT_VERSION,  # SGLang's; this server never updates its weights
+            "weight_version": self.weight_version,
         }
         if self.finished_at is not None:  # as SGLang's: a stream's earlier chunks have no latency yet
             meta["e2e_latency"] = round(self.finished_at - self.group.created, 6)

@@ -23,8 +23,9 @@ import numpy as np
 import zmq
 import zmq.asyncio
 
-from tandem.ipc.messages import (AbortReq, BatchStrOutput, ChildError, FinishReason, FlushCacheReply, FlushCacheReq,
-                                 GetServerInfoReply, GetServerInfoReq, ReadyMsg, TokenizedGenerateReq)
+from tandem.ipc.messages import (AbortReq, BatchStrOutput, ChildError, ControlReply, FinishReason, FlushCacheReply,
+                                 FlushCacheReq, GetServerInfoReply, GetServerInfoReq, PauseReq, ReadyMsg,
+                                 TokenizedGenerateReq, WeightsReq)
 from tandem.ipc.sockets import IPCAddresses, async_recv, bind_pull, connect_push, send
 from tandem.runtime.frontend.control_replies import ControlReplies
 from tandem.runtime.envs import envs
@@ -45,6 +46,8 @@ from tandem.runtime.value_checks import INT64_MAX, INT64_MIN
 logger = logging.getLogger("tandem.tokenizer_manager")
 DISCONNECT_POLL_S = 0.5
 CONTROL_TIMEOUT_S = 10.0
+# a weight update waits for the running requests and may read gigabytes; a trainer joins its group in its own time
+WEIGHTS_TIMEOUT_S = 900.0
 ABORT_GRACE_S = 5.0  # how long a shutdown waits for aborted requests to answer their clients
 SHUTTING_DOWN = "the server is shutting down"
 
@@ -73,6 +76,8 @@ class TokenizerManager:
         self.to_scheduler = connect_push(self.ctx, self.addrs.tokenizer_to_scheduler)
         self.procs: list[BaseProcess] = []
         self.model_info: dict[str, Any] = {}
+        self.weight_version = args.weight_version  # of the weights served now (the front end's copy is the one)
+        self.paused = False  # pause_generation until continue_generation
         self.groups: dict[str, RequestGroup] = {}  # live logical rid -> its group
         self.choices: dict[str, ChoiceState] = {}  # internal rid -> choice, until it finishes
         self._group_seq = 0
@@ -195,7 +200,8 @@ class TokenizerManager:
             choice = ChoiceState(rid=f"{group.prefix}{i}", group=group, index=len(call.choices) + len(group.choices),
                                  prompt_tokens=len(item.input_ids), formatter=self._formatter(item, i),
                                  hidden_states=[] if item.return_hidden_states else None,
-                                 prompt_token_ids=item.input_ids if item.return_prompt_token_ids else None)
+                                 prompt_token_ids=item.input_ids if item.return_prompt_token_ids else None,
+                                 weight_version=self.weight_version)
             group.choices.append(choice)
             self.choices[choice.rid] = choice
             send(self.to_scheduler, TokenizedGenerateReq(
@@ -370,6 +376,7 @@ class TokenizerManager:
                                        len(new_ids))
             if new_ids:
                 c.last_output = now
+                c.weight_version = self.weight_version
             c.text += msg.texts[i]
             c.output_ids.extend(new_ids)
             c.counters = msg.counters[i]
@@ -399,7 +406,7 @@ class TokenizerManager:
             msg = await async_recv(sock)
             if isinstance(msg, ChildError):
                 self.fail_all(f"{msg.role} failed: {msg.message}")
-            elif isinstance(msg, (FlushCacheReply, GetServerInfoReply)):
+            elif isinstance(msg, (FlushCacheReply, GetServerInfoReply, ControlReply)):
                 self._replies.deliver(msg)
 
     async def _control(self, make_request: Callable[[int], Any], timeout: float = CONTROL_TIMEOUT_S):
@@ -416,6 +423,21 @@ class TokenizerManager:
 
     async def flush_cache(self) -> FlushCacheReply:
         return await self._control(lambda req_id: FlushCacheReq(req_id=req_id))
+
+    async def weights(self, op: str, fields: dict[str, Any], weight_version: str | None = None) -> ControlReply:
+        """A weight operation (frontend/weights.py builds `fields`); a successful update that names a
+        weight_version makes it the served version."""
+        reply: ControlReply = await self._control(lambda req_id: WeightsReq(req_id=req_id, op=op, **fields),
+                                                  WEIGHTS_TIMEOUT_S)
+        if reply.success and weight_version is not None:
+            self.weight_version = weight_version
+        return reply
+
+    async def pause(self, mode: str) -> ControlReply:
+        """SGLang's pause_generation (abort | retract | in_place), or continue_generation ("continue")."""
+        reply: ControlReply = await self._control(lambda req_id: PauseReq(req_id=req_id, mode=mode))
+        self.paused = mode != "continue"
+        return reply
 
     async def server_info(self, timeout: float = CONTROL_TIMEOUT_S) -> dict[str, Any]:
         reply: GetServerInfoReply = await self._control(lambda req_id: GetServerInfoReq(req_id=req_id), timeout)

@@ -53,6 +53,7 @@ class SchedulerCore:
         self.stats = stats or StepStats()
         self.think_end_ids = think_end_ids  # "</think>" tokenized
         self._arrivals = 0
+        self.paused = False  # pause_generation: no step is planned until continue_generation
         self._seed_rng = random.Random(random_seed)  # seeds of seedless requests: alike on every TP rank
 
     # -- arrival -----------------------------------------------------------------------------------------
@@ -176,9 +177,38 @@ class SchedulerCore:
             self.finish(req, FinishReason(type="abort", status_code=503, err_type="ServiceUnavailable",
                                           message=f"request waited longer than --request-timeout ({timeout} s)"))
 
+    # -- pause and continue (SGLang's pause_generation / continue_generation) ---------------------------
+    def pause(self, mode: str) -> int:
+        """Stop planning steps. `abort` ends every request, `retract` puts the ones holding KV back
+        in the queue with their output kept, `in_place` leaves them as they are. Returns how many
+        requests the pause touched."""
+        if mode == "abort":
+            touched = len(self.abort([], abort_all=True, message="generation was paused (mode abort)"))
+        elif mode == "retract":
+            touched = self.retract_all()
+        else:
+            touched = self.planner.num_running
+        self.paused = True
+        return touched
+
+    def resume(self) -> None:
+        self.paused = False
+
+    def retract_all(self) -> int:
+        reqs = self.planner.retract_all()
+        for req in reqs:
+            req.phase = Phase.WAITING
+        return len(reqs)
+
+    def holds_kv(self) -> bool:
+        """Some request holds KV (running, or part-way through its prompt)."""
+        return bool(self.planner.running) or self.planner.chunked is not None
+
     # -- steps -------------------------------------------------------------------------------------------
     def plan(self) -> ScheduleBatch | None:
         """The next step, numbered for launch; the phases follow the planner's choices."""
+        if self.paused:
+            return None
         plan = self.planner.next_batch()
         for req in plan.retracted:
             req.phase = Phase.WAITING

@@ -16,8 +16,10 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -156,7 +158,7 @@ class ForwardWorker:
         self.stats = stats
         self._test_hang_s = envs.TEST_FORWARD_HANG.get()
         self._original_logprob = envs.RETURN_ORIGINAL_LOGPROB.get()
-        self._jobs: queue.Queue[tuple[ForwardJob, Future]] = queue.Queue()
+        self._jobs: queue.Queue[tuple[ForwardJob | Callable[[], Any], Future]] = queue.Queue()
         self._ready: Future = Future()
         self._thread = threading.Thread(target=self._loop, name="tandem-forward", daemon=True)
         self._thread.start()
@@ -165,6 +167,13 @@ class ForwardWorker:
     def submit(self, job: ForwardJob) -> Future:
         fut: Future = Future()
         self._jobs.put((job, fut))
+        return fut
+
+    def call(self, fn: Callable[[], Any]) -> Future:
+        """Run `fn` on the forward thread after the jobs before it (a weight update: it must not
+        overlap a step, and packing belongs to this thread's thread count)."""
+        fut: Future = Future()
+        self._jobs.put((fn, fut))
         return fut
 
     def _loop(self) -> None:
@@ -189,6 +198,12 @@ class ForwardWorker:
                 self.stats.intra_op_threads = threads
             if self._test_hang_s:
                 time.sleep(self._test_hang_s)
+            if callable(job):
+                try:
+                    fut.set_result(job())
+                except BaseException as exc:
+                    fut.set_exception(exc)
+                continue
             t0 = time.perf_counter()
             try:
                 fut.set_result(self.run(job))

@@ -73,6 +73,7 @@ class Planner:
         self._decode_steps = 0
         self.num_retractions = 0
         self._retracted: list[Req] = []  # requeued while planning this step (Plan.retracted)
+        self.hold_waiting = False  # a weight update waits for the running requests: admit no new one
 
     # -- queue bookkeeping ---------------------------------------------------------------------------
     def has_work(self) -> bool:
@@ -94,7 +95,7 @@ class Planner:
         return plan
 
     def _plan_prefill(self) -> ScheduleBatch | None:
-        if not self.waiting and self.chunked is None:
+        if (not self.waiting or self.hold_waiting) and self.chunked is None:
             return None
         budget, chunk = self.cfg.max_prefill_tokens, self.cfg.chunked_prefill_size
         adder = PrefillAdder(self.kv, min(budget, chunk) if chunk > 0 else budget, self.running)
@@ -253,6 +254,15 @@ class Planner:
         else:
             return Plan(None, [(reqs[0], _OOM)])
         return None
+
+    def retract_all(self) -> list[Req]:
+        """Every request holding KV back to the waiting queue, its output kept."""
+        reqs = self.running + ([self.chunked.req] if self.chunked is not None else [])
+        self.running, self.chunked = [], None
+        for req in reqs:
+            self._requeue(req)
+        self._retracted = []  # returned here, not in the next Plan
+        return reqs
 
     def _retract(self, req: Req, reqs: list[Req]) -> None:
         self.running.remove(req)

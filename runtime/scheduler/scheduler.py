@@ -16,8 +16,9 @@ import time
 import torch
 import zmq
 
-from tandem.ipc.messages import (AbortReq, ChildError, FlushCacheReply, FlushCacheReq,
-                                 GetServerInfoReply, GetServerInfoReq, Message, ReadyMsg, TokenizedGenerateReq)
+from tandem.ipc.messages import (AbortReq, ChildError, ControlReply, FlushCacheReply, FlushCacheReq,
+                                 GetServerInfoReply, GetServerInfoReq, Message, PauseReq, ReadyMsg,
+                                 TokenizedGenerateReq, WeightsReq)
 from tandem.ipc.sockets import IPCAddresses, bind_pull, connect_push, recv_all_nowait, send
 from tandem.runtime.envs import envs
 from tandem.runtime.grammar.backend import GrammarBackend
@@ -41,6 +42,7 @@ from tandem.runtime.scheduler.result_processor import FinishChecker
 from tandem.runtime.scheduler.stats import StepStats
 from tandem.runtime.scheduler.tp_sync import ControlSync, lockstep_settings
 from tandem.runtime.scheduler.watchdog import Watchdog
+from tandem.runtime.scheduler.weights_control import UPDATES, WeightsControl
 from tandem.runtime.reasoning import THINK_END
 from tandem.runtime.server_args import ServerArgs
 from tandem.runtime.speculative.drafter import Drafter, NgramDrafter
@@ -128,6 +130,9 @@ class Scheduler:
         self.core = SchedulerCore(planner, self.checker, streamer, grammar_queue, args.max_grammar_bytes,
                                   args.random_seed, self.stats, think_end_ids)
         self.watchdog = Watchdog(args.watchdog_timeout)
+        self.weights = WeightsControl(runner, self.worker)
+        self._weights_pending: list[WeightsReq] = []  # run once no step is in flight (and, updates, no KV held)
+        self._aborted_for: dict[int, int] = {}  # update req_id -> requests its abort_all_requests ended
         self._flush_pending: list[int] = []  # flush requests waiting for no step in flight
         self.ctx = zmq.Context(2)
         self.recv_sock = self.detok_sock = self.reply_sock = None
@@ -151,8 +156,9 @@ class Scheduler:
             idle = in_flight is None and not core.planner.has_work()
             if idle and busy:  # just went idle: nothing may be held now
                 self._check_memory()
+            waits = idle or (in_flight is None and core.paused)
             # grammars compiling: look again soon, without spinning
-            self._receive(block_ms=0 if not idle else GRAMMAR_POLL_MS if core.grammar_queue else 500)
+            self._receive(block_ms=0 if not waits else GRAMMAR_POLL_MS if core.grammar_queue else 500)
             if self.watch is not None and self.watch.parent_gone():
                 self.watch.exit_orphaned()  # never keep generating for a main process that is gone
             t0 = time.perf_counter()
@@ -171,6 +177,8 @@ class Scheduler:
                 in_flight = None
             if in_flight is None and self._flush_pending:
                 self._flush_cache()
+            if in_flight is None and self._weights_pending:
+                self._run_weights()
             self._stream()
             if batch is not None:  # CPU time of this iteration, not counting waits for the device
                 self.stats.record_step(time.perf_counter() - t0 - waited)
@@ -233,6 +241,38 @@ class Scheduler:
                 self._flush_pending.append(msg.req_id)  # done once no step is in flight
         elif isinstance(msg, GetServerInfoReq):
             self._reply(GetServerInfoReply(req_id=msg.req_id, info=self.server_info()))
+        elif isinstance(msg, WeightsReq):
+            if msg.op in UPDATES:
+                if msg.abort_all_requests:
+                    self._aborted_for[msg.req_id] = len(self.core.abort([], True, "the weights are being updated"))
+                self.core.planner.hold_waiting = True  # the running requests finish on the old weights
+            self._weights_pending.append(msg)
+        elif isinstance(msg, PauseReq):
+            if msg.mode == "continue":
+                self.core.resume()
+                touched = 0
+            else:
+                touched = self.core.pause(msg.mode)
+            self._reply(ControlReply(req_id=msg.req_id, success=True, num_paused_requests=touched))
+
+    def _run_weights(self) -> None:
+        """The pending weight operations, once no step is in flight. An update also waits until no
+        request holds KV computed with the old weights: running ones finish first (no new one is
+        admitted meanwhile), and ones paused in place are retracted to compute theirs again."""
+        core = self.core
+        if any(msg.op in UPDATES for msg in self._weights_pending) and core.holds_kv():
+            if not core.paused:
+                return
+            core.retract_all()
+        msgs, self._weights_pending = self._weights_pending, []
+        for msg in msgs:
+            reply = self.weights.run(msg)
+            if msg.op in UPDATES:
+                if reply.success:  # KV cached from the old weights would answer wrongly: always dropped
+                    self.kv.flush()
+                reply.num_paused_requests = self._aborted_for.pop(msg.req_id, 0)
+            self._reply(reply)
+        core.planner.hold_waiting = False
 
     def _flush_cache(self) -> None:
         req_ids, self._flush_pending = self._flush_pending, []
@@ -264,6 +304,7 @@ class Scheduler:
             "num_queue_reqs": self.core.num_queued,
             "num_grammar_queue_reqs": len(self.core.grammar_queue or ()),
             "overlap_schedule": self.overlap,
+            "paused": self.core.paused,
             "num_retractions": self.core.planner.num_retractions,
             "num_outputs_sent": self.num_outputs_sent,
             **({"tp_size": self.runner.tp.size, "tp_comm_s": round(self.runner.tp.comm_s, 4)}

@@ -20,22 +20,15 @@ from tandem.runtime.server import openai, openai_format, responses_api
 from tandem.runtime.reasoning import separate_reasoning, with_stream_reasoning
 from tandem.runtime.tools.parse_route import parse_function_call
 from tandem.runtime.frontend.info import VERSION, current_loads, health_generate, model_info, served_model_name, server_info
-from tandem.runtime.server.auth import ApiKeyMiddleware, is_admin
+from tandem.runtime.server.auth import ApiKeyMiddleware
+from tandem.runtime.server.http_common import control_request, error_response, json_response, read_json
+from tandem.runtime.server.rl_routes import add_rl_routes
 from tandem.runtime.frontend.tokenizer_manager import ChildStartError, TokenizerManager
 
 METRICS_SCHEDULER_WAIT_S = 2.0  # a scrape waits this long for the scheduler's gauges
 DP_RANK_HEADER = "X-Data-Parallel-Rank"  # SGLang's: pins a request to a DP rank, over the body's
 
 logger = logging.getLogger("tandem.http")
-
-
-def _json(content: Any, status: int = 200) -> Response:
-    return Response(orjson.dumps(content, option=orjson.OPT_SERIALIZE_NUMPY), status_code=status,
-                    media_type="application/json")
-
-
-def _error(status: int, message: str) -> Response:
-    return _json({"error": {"message": message, "code": status}}, status)
 
 
 def create_app(args: ServerArgs, on_child_death: Callable[[str], None] | None = None) -> FastAPI:
@@ -84,14 +77,14 @@ def create_app(args: ServerArgs, on_child_death: Callable[[str], None] | None = 
     @app.exception_handler(ValidationError)
     async def _bad_request(request: Request, exc: ValidationError) -> Response:
         if request.url.path.startswith("/v1/"):
-            return _json(openai_format.error_body(400, str(exc), exc.field), 400)
-        return _error(400, str(exc))
+            return json_response(openai_format.error_body(400, str(exc), exc.field), 400)
+        return error_response(400, str(exc))
 
     @app.exception_handler(RequestError)
     async def _request_error(request: Request, exc: RequestError) -> Response:
         if request.url.path.startswith("/v1/"):
-            return _json(openai_format.error_body(exc.status_code, exc.message), exc.status_code)
-        return _error(exc.status_code, exc.message)
+            return json_response(openai_format.error_body(exc.status_code, exc.message), exc.status_code)
+        return error_response(exc.status_code, exc.message)
 
     @app.exception_handler(ClientDisconnected)
     async def _client_gone(_: Request, exc: ClientDisconnected) -> Response:
@@ -108,8 +101,8 @@ def create_app(args: ServerArgs, on_child_death: Callable[[str], None] | None = 
         result = await tm.generate(body, request.is_disconnected)
         if isinstance(body, dict) and (body.get("return_logprob") or body.get("return_hidden_states")):
             # encoding a large logprob / hidden-state answer must not stall the event loop
-            return await asyncio.get_running_loop().run_in_executor(None, _json, result)
-        return _json(result)
+            return await asyncio.get_running_loop().run_in_executor(None, json_response, result)
+        return json_response(result)
 
     async def openai_call(request: Request, req: openai.OpenAIRequest) -> Response:
         tm = app.state.tm
@@ -128,8 +121,8 @@ def create_app(args: ServerArgs, on_child_death: Callable[[str], None] | None = 
         openai.decode_echo(req, tm.tokenizer)
         results = results if isinstance(results, list) else [results]
         if req.kind == "response":
-            return _json(responses_api.responses_response(req, results[0]))
-        return _json(openai_format.response(req, results, n))
+            return json_response(responses_api.responses_response(req, results[0]))
+        return json_response(openai_format.response(req, results, n))
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -156,18 +149,18 @@ def create_app(args: ServerArgs, on_child_death: Callable[[str], None] | None = 
         return await openai_call(request, req)
 
     async def tokenize_route(request: Request) -> Response:
-        return _json(await tokenize(app.state.tm, await read_json(request, args)))
+        return json_response(await tokenize(app.state.tm, await read_json(request, args)))
 
     async def detokenize_route(request: Request) -> Response:
-        return _json(await detokenize(app.state.tm, await read_json(request, args)))
+        return json_response(await detokenize(app.state.tm, await read_json(request, args)))
 
     @app.post("/separate_reasoning")
     async def separate_reasoning_route(request: Request) -> Response:
-        return _json(separate_reasoning(await read_json(request, args)))
+        return json_response(separate_reasoning(await read_json(request, args)))
 
     @app.post("/parse_function_call")
     async def parse_function_call_route(request: Request) -> Response:
-        return _json(parse_function_call(await read_json(request, args)))
+        return json_response(parse_function_call(await read_json(request, args)))
 
     for path in ("/tokenize", "/v1/tokenize"):  # SGLang answers both
         app.add_api_route(path, tokenize_route, methods=["POST"])
@@ -178,7 +171,7 @@ def create_app(args: ServerArgs, on_child_death: Callable[[str], None] | None = 
     async def health() -> Response:
         tm = getattr(app.state, "tm", None)
         if tm is None or (reason := tm.not_serving()) is not None:
-            return _error(503, "starting" if tm is None else reason)
+            return error_response(503, "starting" if tm is None else reason)
         return Response(status_code=200)
 
     @app.get("/ready")
@@ -187,20 +180,23 @@ def create_app(args: ServerArgs, on_child_death: Callable[[str], None] | None = 
         starting, draining after SIGTERM, after a child died, or while generation is paused."""
         tm = getattr(app.state, "tm", None)
         if tm is None:
-            return _error(503, "starting")
+            return error_response(503, "starting")
         if (reason := tm.not_serving()) is not None:
-            return _error(503, reason)
+            return error_response(503, reason)
         if getattr(tm, "paused", False):  # pause_generation; continue_generation clears it
-            return _error(503, "generation is paused (pause_generation); continue_generation resumes it")
-        return _json({"status": "ready"})
+            return error_response(503, "generation is paused (pause_generation); continue_generation resumes it")
+        return json_response({"status": "ready"})
 
     @app.get("/health_generate")
     async def health_generate_route() -> Response:
-        """A one-token generation through every process; 503 when it does not finish in time."""
+        """A one-token generation through every process; 503 when it does not finish in time, or
+        at once while generation is paused (pause_generation: it would wait for continue)."""
+        if app.state.tm.paused:
+            return error_response(503, "generation is paused (pause_generation); continue_generation resumes it")
         try:
             await health_generate(app.state.tm, args.health_generate_timeout)
         except asyncio.TimeoutError:
-            return _error(503, f"a 1-token generation did not finish within {args.health_generate_timeout:g} s")
+            return error_response(503, f"a 1-token generation did not finish within {args.health_generate_timeout:g} s")
         return Response(status_code=200)
 
     def served_name() -> str:
@@ -229,8 +225,8 @@ def create_app(args: ServerArgs, on_child_death: Callable[[str], None] | None = 
     @app.get("/v1/models/{model:path}")
     async def retrieve_model(model: str) -> Response:
         if model != served_name():
-            return _json(openai_format.error_body(404, f"the model {model!r} does not exist", "model"), 404)
-        return _json(model_card())
+            return json_response(openai_format.error_body(404, f"the model {model!r} does not exist", "model"), 404)
+        return json_response(model_card())
 
     @app.get("/v1/loads")
     async def v1_loads(request: Request) -> dict[str, Any]:
@@ -252,7 +248,9 @@ def create_app(args: ServerArgs, on_child_death: Callable[[str], None] | None = 
         reply = await app.state.tm.flush_cache()
         if reply.success:
             return PlainTextResponse("Cache flushed.\n")
-        return _error(400, f"cache not flushed: {reply.message}")
+        return error_response(400, f"cache not flushed: {reply.message}")
+
+    add_rl_routes(app, args)
 
     @app.post("/abort_request")
     async def abort_request(request: Request) -> Response:
@@ -278,7 +276,7 @@ def create_app(args: ServerArgs, on_child_death: Callable[[str], None] | None = 
         as SGLang's never waits on its scheduler)."""
         tm = getattr(app.state, "tm", None)
         if tm is None:  # a scraper may come before the model has loaded
-            return _error(503, "starting")
+            return error_response(503, "starting")
         try:
             tm.metrics.update_from_scheduler(await tm.server_info(timeout=METRICS_SCHEDULER_WAIT_S))
         except RequestError:
@@ -309,47 +307,6 @@ def with_header_dp_rank(body: Any, rank: int | None) -> Any:
     if rank is None or not isinstance(body, dict):
         return body
     return {**{k: v for k, v in body.items() if k != "data_parallel_rank"}, "routed_dp_rank": rank}
-
-
-def control_request(request: Request, args: ServerArgs, needs_admin: bool, json_body: bool = True) -> None:
-    """Control routes: no browser's cross-site request (a route with a JSON body takes only
-    that content type, which no cross-site form can send; a bodiless one, SGLang's
-    /flush_cache, refuses what the browser marks as cross-site) and, for what touches every
-    request, the admin key."""
-    if json_body:
-        if request.headers.get("content-type", "").split(";")[0].strip().lower() != "application/json":
-            raise RequestError(415, f"{request.url.path} needs Content-Type: application/json")
-    elif request.headers.get("sec-fetch-site", "same-origin") not in ("same-origin", "none") \
-            or "origin" in request.headers:  # browsers send these; gateways and scripts do not
-        raise RequestError(403, f"{request.url.path} refuses a browser's cross-site request")
-    if needs_admin and not is_admin(request.headers, args.api_key, args.admin_api_key):
-        raise RequestError(403, f"{request.url.path} needs the admin API key (--admin-api-key)")
-
-async def read_json(request: Request, args: ServerArgs) -> Any:
-    """The JSON body, read within --http-read-timeout and never past --max-request-bytes."""
-    cap = args.max_request_bytes
-    declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > cap:
-        raise ValidationError("body", f"is {declared} bytes, more than --max-request-bytes ({cap})")
-    try:
-        body = await asyncio.wait_for(_read_capped(request, cap), args.http_read_timeout)
-    except asyncio.TimeoutError:
-        raise RequestError(408, f"the request body did not arrive within --http-read-timeout "
-                                f"({args.http_read_timeout:g} s)") from None
-    try:
-        return orjson.loads(body)
-    except orjson.JSONDecodeError as exc:
-        raise ValidationError("body", f"is not valid JSON: {exc}") from None
-
-
-async def _read_capped(request: Request, cap: int) -> bytes:
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > cap:
-            raise ValidationError("body", f"is more than --max-request-bytes ({cap}) bytes")
-        chunks.append(chunk)
-    return b"".join(chunks)
 
 
 class _CallResponse(StreamingResponse):

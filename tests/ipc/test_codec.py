@@ -75,6 +75,10 @@ def sample_messages() -> dict[str, m.Message]:
         m.FlushCacheReply(req_id=7, success=False, message="requests are running"),
         m.GetServerInfoReq(req_id=8),
         m.GetServerInfoReply(req_id=8, info={"num_running_reqs": 2, "token_usage": 0.5, "ok": True}),
+        m.WeightsReq(req_id=9, op="update_from_distributed", names=["w"], dtypes=["bfloat16"], shapes=[[2, 3]],
+                     tensors=b"\x00safetensors"),
+        m.ControlReply(req_id=9, success=True, message="1 weights updated", values=[[0.5, -1.0]]),
+        m.PauseReq(req_id=10, mode="retract"),
         m.ReadyMsg(
             role="scheduler",
             pid=4242,
@@ -262,6 +266,16 @@ def test_unknown_ext_code() -> None:
 # Wire bytes pinned per message type (hex of encode(sample_messages()[tag])). A failure here
 # means the wire format changed: fine if intended (regenerate), a bug otherwise.
 GOLDEN_HEX: dict[str, str] = {
+    "WeightsReq": (
+        "de0007a474797065aa57656967687473526571a67265715f696409a26f70b77570646174655f66726f6d5f64"
+        "69737472696275746564a774656e736f7273c40c007361666574656e736f7273a56e616d657391a177a66474"
+        "7970657391a862666c6f61743136a673686170657391920203"
+    ),
+    "ControlReply": (
+        "85a474797065ac436f6e74726f6c5265706c79a67265715f696409a773756363657373c3a76d657373616765"
+        "b13120776569676874732075706461746564a676616c7565739192cb3fe0000000000000cbbff0000000000000"
+    ),
+    "PauseReq": "83a474797065a85061757365526571a67265715f69640aa46d6f6465a772657472616374",
     "AbortReq": (
         "82a474797065a841626f7274526571ae67726f75705f707265666978657392b13031323334353637"
         "38396162636465665fb1666564636261393837363534333231305f"

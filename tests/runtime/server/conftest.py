@@ -90,6 +90,8 @@ def servers(tmp_path_factory, tiny_model_dir):
                 # tool calling: a tiny Qwen2 with a Qwen2.5-style tools template and the qwen25 parser
                 "tiny_tools": (["--model-path", tiny_model_dir("qwen2"), *TINY_ARGS, "--tool-call-parser", "qwen25",
                                 "--chat-template", TOOLS_TEMPLATE, "--constrained-json-disable-any-whitespace"], None),
+                # weight updates and pause change the server for whoever comes next: one of their own
+                "tiny_rl": (["--model-path", tiny, *TINY_ARGS, "--weight-version", "v0"], None),
                 "smol_ngram": (["--max-total-tokens", "20000", "--max-running-requests", "32", *NGRAM], None),
                 # STANDALONE: the draft is the tiny model cut to its first layer (SmolLM2: first 6 of 30)
                 "tiny_standalone": (["--model-path", tiny, *TINY_ARGS, *standalone(tiny, 1)],

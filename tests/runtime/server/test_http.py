@@ -62,7 +62,7 @@ def _request(path: str, headers: dict[str, str]) -> Any:
 ])
 def test_control_routes_refuse_cross_site_requests_and_non_admin_keys(headers, json_body, needs_admin, status):
     from tandem.runtime.frontend.request_groups import RequestError
-    from tandem.runtime.server.http import control_request
+    from tandem.runtime.server.http_common import control_request
     from tandem.runtime.server_args import ServerArgs
 
     args = ServerArgs(api_key="user", admin_api_key="admin")

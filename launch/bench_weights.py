@@ -1,0 +1,140 @@
+"""What a weight update costs: update_weights_from_disk and update_weights_from_distributed on a
+served model, end to end through the Engine and split into its parts (read or transfer, check,
+copy + repack), against the time to read the bytes moved once from memory.
+
+    tandem bench weights [--model-path PATH] [--dtype bfloat16] [--repeats 3] [--output-file out.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+import threading
+import time
+
+import torch
+
+from tandem.runtime.model_files import default_model_path
+from tandem.runtime.model import weight_update
+from tandem.runtime.model.loader import load_config, load_hf_weights, load_model
+from tandem.runtime.model.tensor_parallel import SINGLE
+from tandem.runtime.model.weight_sync import broadcast, init_weights_group
+
+
+def _best(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def memory_bandwidth(n_bytes: int = 1 << 30) -> float:
+    """Bytes per second of one streaming copy (read + write counted once each, as a read-once bound)."""
+    src = torch.empty(n_bytes // 4, dtype=torch.float32).fill_(1.0)
+    dst = torch.empty_like(src)
+    seconds = _best(lambda: dst.copy_(src), 5)
+    return 2 * n_bytes / seconds
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def parts(model_path: str, dtype: torch.dtype, repeats: int) -> dict:
+    """In-process: the phases of an update into a packed model, as the scheduler runs them."""
+    cfg = load_config(model_path)
+    model = load_model(model_path, dtype)
+    model.pack_weights()
+    weights = load_hf_weights(model_path, cfg)  # once: GGUF's dequantized cache is written here
+    served = {n: t.to(dtype) for n, t in weights.items()}
+    bytes_moved = sum(t.numel() * t.element_size() for t in served.values())
+    read = _best(lambda: load_hf_weights(model_path, cfg), repeats)
+    check = _best(lambda: weight_update.check(model, cfg, SINGLE, served.items()), repeats)
+    checked = weight_update.check(model, cfg, SINGLE, served.items())
+    apply = _best(lambda: weight_update.apply(model, checked), repeats)
+    transfer = _best(lambda: _loopback(served), repeats)
+    return {"bytes": bytes_moved, "read_from_disk_s": read, "transfer_gloo_s": transfer, "check_s": check,
+            "copy_and_repack_s": apply}
+
+
+def _loopback(tensors: dict[str, torch.Tensor]) -> None:
+    """Every tensor broadcast over a two-rank gloo group on loopback, as a trainer sends them."""
+    port, groups = _free_port(), {}
+    joins = [threading.Thread(target=lambda r=r: groups.update({r: init_weights_group("127.0.0.1", port, r, 2, "b")}))
+             for r in (0, 1)]
+    for t in joins:
+        t.start()
+    for t in joins:
+        t.join()
+    received = {n: torch.empty_like(t) for n, t in tensors.items()}
+    recv = threading.Thread(target=lambda: [broadcast(groups[1], received[n]) for n in tensors])
+    recv.start()
+    for t in tensors.values():
+        broadcast(groups[0], t)
+    recv.join()
+
+
+def end_to_end(model_path: str, dtype: str, repeats: int) -> dict:
+    """Through the Engine: the whole call, scheduler, forward thread and cache flush included."""
+    from tandem.runtime.engine import Engine
+
+    cfg = load_config(model_path)
+    weights = load_hf_weights(model_path, cfg)
+    with Engine(model_path, dtype=dtype, log_level="warning") as engine:
+        disk = _best(lambda: engine.update_weights_from_disk(model_path), repeats)
+        port, trainer = _free_port(), {}
+        joining = threading.Thread(target=lambda: trainer.update(g=init_weights_group("127.0.0.1", port, 0, 2, "e")))
+        joining.start()
+        engine.init_weights_update_group("127.0.0.1", port, rank_offset=1, world_size=2, group_name="e")
+        joining.join()
+        names = list(weights)
+
+        def distributed() -> None:
+            sender = threading.Thread(target=lambda: [broadcast(trainer["g"], weights[n]) for n in names])
+            sender.start()
+            ok, message = engine.update_weights_from_distributed(names, [str(weights[n].dtype) for n in names],
+                                                                 [list(weights[n].shape) for n in names], "e")
+            sender.join()
+            assert ok, message
+        dist_s = _best(distributed, repeats)
+    return {"engine_update_from_disk_s": disk, "engine_update_from_distributed_s": dist_s}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="tandem bench weights", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model-path", default=None, help="an HF folder or GGUF file (default: SmolLM2-135M)")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--output-file", default=None)
+    args = parser.parse_args(argv)
+    model_path = args.model_path or default_model_path()
+    result = {"model": model_path, "dtype": args.dtype, "bandwidth_gb_s": memory_bandwidth() / 1e9,
+              **parts(model_path, getattr(torch, args.dtype), args.repeats),
+              **end_to_end(model_path, args.dtype, args.repeats)}
+    read_once = result["bytes"] / (result["bandwidth_gb_s"] * 1e9)
+    result["read_once_s"] = read_once
+    rows = [("bytes moved", f"{result['bytes'] / 1e6:.1f} MB"),
+            ("memory bandwidth (copy)", f"{result['bandwidth_gb_s']:.1f} GB/s"),
+            ("read the bytes once", f"{read_once * 1e3:.1f} ms"),
+            ("read from disk", f"{result['read_from_disk_s'] * 1e3:.1f} ms"),
+            ("transfer over gloo (loopback)", f"{result['transfer_gloo_s'] * 1e3:.1f} ms"),
+            ("check", f"{result['check_s'] * 1e3:.1f} ms"),
+            ("copy + repack", f"{result['copy_and_repack_s'] * 1e3:.1f} ms"),
+            ("Engine update_weights_from_disk", f"{result['engine_update_from_disk_s'] * 1e3:.1f} ms"),
+            ("Engine update_weights_from_distributed", f"{result['engine_update_from_distributed_s'] * 1e3:.1f} ms")]
+    width = max(len(name) for name, _ in rows)
+    for name, value in rows:
+        print(f"{name:<{width}}  {value:>12}")
+    print(json.dumps(result))
+    if args.output_file:
+        with open(args.output_file, "w") as f:
+            json.dump(result, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,101 @@
+"""WeightsControl: the scheduler's side of SGLang's weight routes (WeightsReq), on every TP rank.
+
+Each operation runs on the forward thread between steps (ForwardWorker.call): the scheduler
+calls `run` only once no step is in flight and, for an update, no request holds KV computed
+with the old weights. An update reads every tensor first (from disk, from the request's
+safetensors bytes, or from the trainer's broadcasts, which must all be received whatever
+fails), checks them all (weight_update.check), then writes them; a refused update changes
+nothing.
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import torch
+
+from tandem.ipc.messages import WeightsReq, ControlReply
+from tandem.runtime.model import weight_update
+from tandem.runtime.model.loader import load_config, load_hf_weights
+from tandem.runtime.model.runner import ModelRunner
+from tandem.runtime.model.weight_sync import WeightsGroup, broadcast, init_weights_group, parse_dtype
+from tandem.runtime.scheduler.forward_worker import ForwardWorker
+
+logger = logging.getLogger("tandem.scheduler")
+UPDATES = ("update_from_disk", "update_from_tensor", "update_from_distributed")
+
+
+class WeightsControl:
+    def __init__(self, runner: ModelRunner, worker: ForwardWorker) -> None:
+        self.runner = runner
+        self.worker = worker
+        self.groups: dict[str, WeightsGroup] = {}  # group_name -> process group with a trainer
+
+    def run(self, msg: WeightsReq) -> ControlReply:
+        handler: Callable[[WeightsReq], ControlReply] = getattr(self, f"_{msg.op}")
+        try:
+            return self.worker.call(lambda: handler(msg)).result()
+        except Exception as exc:  # a bad path, an unreachable trainer: the server serves on
+            logger.warning("%s refused: %s", msg.op, exc, exc_info=not isinstance(exc, (ValueError, OSError)))
+            return ControlReply(req_id=msg.req_id, success=False, message=f"{msg.op}: {exc}")
+
+    # -- updates: read everything, check everything, then write ----------------------------------------
+    def _update_from_disk(self, msg: WeightsReq) -> ControlReply:
+        cfg = load_config(msg.model_path)
+        if cfg.arch != self.runner.config.arch:
+            raise ValueError(f"{msg.model_path} is a {cfg.arch}; the server serves a {self.runner.config.arch}")
+        return self._apply(msg, load_hf_weights(msg.model_path, cfg).items())
+
+    def _update_from_tensor(self, msg: WeightsReq) -> ControlReply:
+        from safetensors.torch import load
+
+        try:
+            tensors = load(msg.tensors)
+        except Exception as exc:  # safetensors' own errors do not say what was being read
+            raise ValueError(f"serialized_named_tensors is not a safetensors file ({exc})") from exc
+        return self._apply(msg, tensors.items())
+
+    def _update_from_distributed(self, msg: WeightsReq) -> ControlReply:
+        group = self.groups.get(msg.group_name)
+        if group is None:
+            raise ValueError(f"no weights update group {msg.group_name!r}: call init_weights_update_group first")
+        received = []
+        for name, dtype, shape in zip(msg.names, msg.dtypes, msg.shapes):  # the trainer sends them all
+            tensor = torch.empty(shape, dtype=parse_dtype(dtype), device=self.runner.device)
+            broadcast(group, tensor)
+            received.append((name, tensor))
+        return self._apply(msg, received)
+
+    def _apply(self, msg: WeightsReq, tensors) -> ControlReply:
+        model, r = self.runner.model, self.runner
+        changed = weight_update.apply(model, weight_update.check(model, r.config, r.tp, tensors))
+        logger.info("%s: %d weights updated", msg.op, changed)
+        return ControlReply(req_id=msg.req_id, success=True, message=f"{changed} weights updated")
+
+    # -- the trainer's group ---------------------------------------------------------------------------
+    def _init_group(self, msg: WeightsReq) -> ControlReply:
+        if msg.group_name in self.groups:
+            raise ValueError(f"weights update group {msg.group_name!r} exists already")
+        backend = msg.backend or ("nccl" if self.runner.device.type == "cuda" else "gloo")
+        rank = msg.rank_offset + self.runner.tp.rank
+        self.groups[msg.group_name] = init_weights_group(msg.master_address, msg.master_port, rank, msg.world_size,
+                                                         msg.group_name, backend)
+        return ControlReply(req_id=msg.req_id, success=True, message=f"joined {msg.group_name!r} as rank {rank}")
+
+    def _destroy_group(self, msg: WeightsReq) -> ControlReply:
+        if self.groups.pop(msg.group_name, None) is None:
+            raise ValueError(f"no weights update group {msg.group_name!r}")
+        return ControlReply(req_id=msg.req_id, success=True, message=f"left {msg.group_name!r}")
+
+    # -- reading ---------------------------------------------------------------------------------------
+    def _get_by_name(self, msg: WeightsReq) -> ControlReply:
+        """The named weight as the checkpoint holds it (a q_proj is its rows of the fused qkv)."""
+        r = self.runner
+        if r.tp.size > 1:
+            raise ValueError("get_weights_by_name reads one rank's shard; it is not served under --tp-size > 1")
+        target = weight_update.locate(msg.name, r.config, r.tp)
+        if target is None or target.param not in weight_update.shapes(r.model):
+            raise ValueError(f"{msg.name}: the model has no such weight")
+        value = weight_update.read(r.model, target.param)[target.index]
+        return ControlReply(req_id=msg.req_id, success=True, values=value[:msg.truncate_size].float().tolist())
+
