@@ -29,11 +29,13 @@ import os
 import random
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from tandem.launch.bench_progress import Progress, emit
 from tandem.launch.bench_serving_ab import side_order
 from tandem.runtime.server_args import KV_CACHE_DTYPES
 
@@ -294,16 +296,21 @@ def _times(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}x"
 
 
-def format_table(res: dict[str, SystemResult], report: dict[str, Any]) -> str:
+TABLE_HEADER = f"{'system':<24} {'tok/s':>10} {'seconds':>9} {'useful':>7} {'device idle':>12} {'of bound':>9}"
+
+
+def table_row(r: SystemResult, bound: SystemResult | None) -> str:
+    useful = r.output_tokens / r.computed_tokens if r.computed_tokens else None
+    idle = None if r.idle_fraction is None else 100 * r.idle_fraction
+    of_bound = r.tok_s / bound.tok_s if bound else None
+    return (f"{r.name:<24} {r.tok_s:>10.1f} {r.seconds:>9.2f} {_fmt(useful, '.0%'):>7} "
+            f"{_fmt(idle, '.1f') + ('%' if idle is not None else ''):>12} {_fmt(of_bound, '.0%'):>9}")
+
+
+def table_summary(res: dict[str, SystemResult], report: dict[str, Any]) -> list[str]:
+    """The lines under the rows: the bound's shape and the ratios, known once every system ran."""
     bound = res.get("gemm_bound")
-    lines = [f"{'system':<24} {'tok/s':>10} {'seconds':>9} {'useful':>7} {'device idle':>12} {'of bound':>9}"]
-    for r in res.values():
-        useful = r.output_tokens / r.computed_tokens if r.computed_tokens else None
-        idle = None if r.idle_fraction is None else 100 * r.idle_fraction
-        of_bound = r.tok_s / bound.tok_s if bound else None
-        lines.append(f"{r.name:<24} {r.tok_s:>10.1f} {r.seconds:>9.2f} {_fmt(useful, '.0%'):>7} "
-                     f"{_fmt(idle, '.1f') + ('%' if idle is not None else ''):>12} {_fmt(of_bound, '.0%'):>9}")
-    lines.append("")
+    lines = [""]
     if bound:
         lines.append(f"(GEMM-only bound: the model's matmuls alone on this CPU, {report['dtype']}, decode at batch "
                      f"{bound.info['decode_batch']}: {bound.info['decode_tok_s']} tok/s)")
@@ -318,7 +325,7 @@ def format_table(res: dict[str, SystemResult], report: dict[str, Any]) -> str:
         lines.append(f"json_schema / unconstrained (same output lengths)   "
                      f"{_times(report['guided_over_unconstrained'])}   grammar mask "
                      f"{_fmt(report.get('guided_grammar_mask_us_per_row'), '.1f')} us per row per step")
-    return "\n".join(lines)
+    return lines
 
 
 # ---------------------------------------------------------------- CLI
@@ -392,6 +399,54 @@ def model_vocab(model_path: str | None) -> int:
     return load_config(resolve_model_path(model_path)).vocab_size
 
 
+def _measure_all(args: argparse.Namespace, wl: Workload,
+                 progress: Progress) -> tuple[dict[str, SystemResult], list[float]]:
+    """Every system in turn, each row printed as soon as it is final. The GEMM bound goes first so
+    every row can say how close to it it came."""
+    res: dict[str, SystemResult] = {}
+    emit(TABLE_HEADER)
+
+    def measured(key: str, what: str, run: Callable[[], SystemResult]) -> SystemResult:
+        with progress.step(what):
+            res[key] = run()
+        emit(table_row(res[key], res.get("gemm_bound")))
+        return res[key]
+
+    measured("gemm_bound", "GEMM bound", lambda: gemm_bound(args, wl))
+    # alternating off/on, the best of --repeats each: on 2 shared cores one run varies by ~5-10%,
+    # as much as the difference overlap makes; each on/off pair also gives a ratio of two runs
+    # minutes apart at most, and their median is the overlap figure least moved by that drift.
+    # Pairs take turns at going first (off-on, on-off, ...) so a machine that slows or speeds up
+    # over the bench does not always favour the same side. Their rows (the best of each) follow.
+    best: dict[str, SystemResult] = {}
+    overlap_pairs = []
+    for i in range(args.repeats):
+        pair = {}
+        for key in side_order(["no_overlap", "overlap"], i):
+            with progress.step(f"tandem {key.replace('_', ' ')} ({i + 1}/{args.repeats})"):
+                pair[key] = run_engine(args, wl, overlap=key == "overlap")
+        overlap_pairs.append(pair["no_overlap"].seconds / pair["overlap"].seconds)
+        for key, run in pair.items():
+            if key not in best or run.seconds < best[key].seconds:
+                best[key] = run
+    for key in ("overlap", "no_overlap"):
+        res[key] = best[key]
+        emit(table_row(best[key], res["gemm_bound"]))
+    measured("bare", "bare loop", lambda: run_bare(args, wl))
+    if "transformers" in args.peers:
+        measured("transformers", "transformers", lambda: run_transformers(args, wl))
+    if "ctranslate2" in args.peers:
+        for compute_type in ("float32", "int8"):  # fp32 beside tandem's fp32; int8 for reference
+            measured(f"ctranslate2_{compute_type}", f"ctranslate2 {compute_type}",
+                     lambda: run_ctranslate2(args, wl, compute_type))
+    if args.json_schema:
+        with open(args.json_schema, encoding="utf-8") as f, progress.step("json_schema"):
+            res["guided"], res["guided_baseline"], _ = run_guided(args, wl, f.read())
+        for key in ("guided", "guided_baseline"):
+            emit(table_row(res[key], res["gemm_bound"]))
+    return res, overlap_pairs
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.speculative_algorithm:
@@ -408,33 +463,13 @@ def main(argv: list[str] | None = None) -> int:
                        args.output_len)
     print(f"#seqs: {len(wl.prompts)}  #input tokens: {sum(map(len, wl.prompts))}  "
           f"#output tokens: {wl.output_tokens}  dtype: {args.dtype}  KV cache: {args.kv_cache_dtype}", flush=True)
-    res: dict[str, SystemResult] = {}
-    # alternating off/on, the best of --repeats each: on 2 shared cores one run varies by ~5-10%,
-    # as much as the difference overlap makes; each on/off pair also gives a ratio of two runs
-    # minutes apart at most, and their median is the overlap figure least moved by that drift.
-    # Pairs take turns at going first (off-on, on-off, ...) so a machine that slows or speeds up
-    # over the bench does not always favour the same side.
-    overlap_pairs = []
-    for i in range(args.repeats):
-        pair = {key: run_engine(args, wl, overlap=key == "overlap")
-                for key in side_order(["no_overlap", "overlap"], i)}
-        overlap_pairs.append(pair["no_overlap"].seconds / pair["overlap"].seconds)
-        for key, run in pair.items():
-            if key not in res or run.seconds < res[key].seconds:
-                res[key] = run
-    res = {"overlap": res["overlap"], "no_overlap": res["no_overlap"]}
-    res["bare"] = run_bare(args, wl)
-    if "transformers" in args.peers:
-        res["transformers"] = run_transformers(args, wl)
-    if "ctranslate2" in args.peers:
-        for compute_type in ("float32", "int8"):  # fp32 beside tandem's fp32; int8 for reference
-            res[f"ctranslate2_{compute_type}"] = run_ctranslate2(args, wl, compute_type)
-    res["gemm_bound"] = gemm_bound(args, wl)
-    if args.json_schema:
-        with open(args.json_schema, encoding="utf-8") as f:
-            res["guided"], res["guided_baseline"], _ = run_guided(args, wl, f.read())
+    runs = (2 * args.repeats + 1 + ("transformers" in args.peers) + 2 * ("ctranslate2" in args.peers) + 1
+            + bool(args.json_schema))
+    with Progress(runs, "bench offline") as progress:
+        res, overlap_pairs = _measure_all(args, wl, progress)
     report = build_report(args, wl, res, overlap_pairs)
-    print(format_table(res, report), flush=True)
+    for line in table_summary(res, report):
+        emit(line)
     if args.output_file:
         with open(args.output_file, "w", encoding="utf-8") as f:
             json.dump(report, f, indent=2)

@@ -7,6 +7,7 @@ import json
 import random
 
 from tandem.launch.bench_offline import machine_info
+from tandem.launch.bench_progress import Progress, emit
 from tandem.launch import gemm_bound
 from tandem.launch.bare_loop import BareLoop
 from tandem.runtime.model.runner import ModelRunner
@@ -32,6 +33,26 @@ def run(runner: ModelRunner, batch_size: int, input_len: int, output_len: int, s
     }
 
 
+TABLE_HEADER = (f"{'batch':>6} {'in':>5} {'out':>5} {'prefill s':>10} {'prefill tok/s':>14} {'decode s/step':>14} "
+                f"{'decode tok/s':>13} {'GEMM bound':>11} {'of bound':>9}")
+
+
+def table_row(r: dict) -> str:
+    of_bound = format(r["decode_of_gemm_bound"], ".0%") if "decode_of_gemm_bound" in r else "-"
+    return (f"{r['batch_size']:>6} {r['input_len']:>5} {r['output_len']:>5} {r['prefill_latency_s']:>10.4f} "
+            f"{r['prefill_throughput_tok_s']:>14.1f} {r['median_decode_latency_s']:>14.5f} "
+            f"{r['decode_throughput_tok_s']:>13.1f} {r.get('gemm_bound_decode_tok_s', '-'):>11} {of_bound:>9}")
+
+
+def transformers_row(r: dict) -> str:
+    t = r["transformers"]
+    return (f"{'hf ' + str(r['batch_size']):>6} {r['input_len']:>5} {r['output_len']:>5} "
+            f"{t['prefill_latency_s']:>10.4f} {t['prefill_throughput_tok_s']:>14.1f} "
+            f"{t['median_decode_latency_s']:>14.5f} {t['decode_throughput_tok_s']:>13.1f}   "
+            f"tandem / transformers at batch {r['batch_size']}: prefill {r['prefill_over_transformers']}x, "
+            f"decode {r['decode_over_transformers']}x")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tandem bench one-batch", description=__doc__)
     parser.add_argument("--model-path", default=None)
@@ -50,41 +71,36 @@ def main(argv: list[str] | None = None) -> int:
                                     max_running_requests=max(args.batch_size), attention_backend=args.attention_backend,
                                     kv_cache_dtype=args.kv_cache_dtype))
     run(runner, 1, min(args.input_len, 16), 2)  # warm-up
-    rows = [run(runner, bs, args.input_len, args.output_len) for bs in args.batch_size]
-    if args.transformers:
-        from tandem.launch import bench_transformers
-
-        hf = bench_transformers.load_hf_model(args.model_path, str(runner.dtype).removeprefix("torch."))
-        for r in rows:
-            prompts = make_prompts(runner.config.vocab_size, r["batch_size"], args.input_len)
-            r["transformers"] = bench_transformers.one_batch(hf, prompts, args.output_len)
-            r["decode_over_transformers"] = round(r["decode_throughput_tok_s"] /
-                                                  r["transformers"]["decode_throughput_tok_s"], 2)
-            r["prefill_over_transformers"] = round(r["prefill_throughput_tok_s"] /
-                                                   r["transformers"]["prefill_throughput_tok_s"], 2)
-        del hf
-    # the GEMM bound times dense MLPs: a mixture of experts' is another shape (no bound printed)
-    if runner.device.type == "cpu" and not runner.config.num_experts:
-        for r in rows:  # the machine's limit at this batch: the decode step's matmuls alone
-            r["gemm_bound_decode_tok_s"] = round(gemm_bound.measure(runner.config, runner.dtype, r["batch_size"]).decode_tok_s, 1)
-            r["decode_of_gemm_bound"] = round(r["decode_throughput_tok_s"] / r["gemm_bound_decode_tok_s"], 3)
     print(f"model: {runner.model_path}  dtype: {runner.dtype}  KV: {runner.kv_dtype}  device: {runner.device}  "
-          f"cpu: {machine_info()['cpu_model']}")
-    header = (f"{'batch':>6} {'in':>5} {'out':>5} {'prefill s':>10} {'prefill tok/s':>14} {'decode s/step':>14} "
-              f"{'decode tok/s':>13} {'GEMM bound':>11} {'of bound':>9}")
-    print(header)
-    for r in rows:
-        print(f"{r['batch_size']:>6} {r['input_len']:>5} {r['output_len']:>5} {r['prefill_latency_s']:>10.4f} "
-              f"{r['prefill_throughput_tok_s']:>14.1f} {r['median_decode_latency_s']:>14.5f} {r['decode_throughput_tok_s']:>13.1f} "
-              f"{r.get('gemm_bound_decode_tok_s', '-'):>11} {format(r['decode_of_gemm_bound'], '.0%') if 'decode_of_gemm_bound' in r else '-':>9}")
-    for r in rows:
-        if "transformers" in r:
-            t = r["transformers"]
-            print(f"{'hf ' + str(r['batch_size']):>6} {r['input_len']:>5} {r['output_len']:>5} "
-                  f"{t['prefill_latency_s']:>10.4f} {t['prefill_throughput_tok_s']:>14.1f} "
-                  f"{t['median_decode_latency_s']:>14.5f} {t['decode_throughput_tok_s']:>13.1f}   "
-                  f"tandem / transformers at batch {r['batch_size']}: prefill {r['prefill_over_transformers']}x, "
-                  f"decode {r['decode_over_transformers']}x")
+          f"cpu: {machine_info()['cpu_model']}", flush=True)
+    emit(TABLE_HEADER)
+    rows: list[dict] = []
+    # the GEMM bound times dense MLPs: a mixture of experts' is another shape (no bound printed)
+    bound = runner.device.type == "cpu" and not runner.config.num_experts
+    runs = len(args.batch_size) * (1 + args.transformers)
+    with Progress(runs, "bench one-batch") as progress:
+        for bs in args.batch_size:  # each row as soon as it is measured
+            with progress.step(f"batch {bs}"):
+                r = run(runner, bs, args.input_len, args.output_len)
+                if bound:  # the machine's limit at this batch: the decode step's matmuls alone
+                    r["gemm_bound_decode_tok_s"] = round(gemm_bound.measure(runner.config, runner.dtype, bs).decode_tok_s, 1)
+                    r["decode_of_gemm_bound"] = round(r["decode_throughput_tok_s"] / r["gemm_bound_decode_tok_s"], 3)
+            rows.append(r)
+            emit(table_row(r))
+        if args.transformers:
+            from tandem.launch import bench_transformers
+
+            hf = bench_transformers.load_hf_model(args.model_path, str(runner.dtype).removeprefix("torch."))
+            for r in rows:
+                with progress.step(f"transformers batch {r['batch_size']}"):
+                    prompts = make_prompts(runner.config.vocab_size, r["batch_size"], args.input_len)
+                    r["transformers"] = bench_transformers.one_batch(hf, prompts, args.output_len)
+                r["decode_over_transformers"] = round(r["decode_throughput_tok_s"] /
+                                                      r["transformers"]["decode_throughput_tok_s"], 2)
+                r["prefill_over_transformers"] = round(r["prefill_throughput_tok_s"] /
+                                                       r["transformers"]["prefill_throughput_tok_s"], 2)
+                emit(transformers_row(r))
+            del hf
     if args.output_file:
         with open(args.output_file, "a") as f:
             for r in rows:

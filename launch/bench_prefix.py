@@ -18,10 +18,14 @@ import random
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tandem.launch.bench_offline import FIRST_ORDINARY_ID, machine_info, model_vocab
+from tandem.launch.bench_progress import bar, emit
 from tandem.runtime.frontend.request_groups import stream_error
+
+if TYPE_CHECKING:
+    from tqdm import tqdm
 
 KV_SLACK_TOKENS = 1024
 
@@ -103,7 +107,8 @@ def run_wave(engine, prompts: list[list[int]], output_len: int) -> list[ReqTimin
             for i in range(len(prompts))]
 
 
-def run_mode(args: argparse.Namespace, groups: list[list[list[int]]], radix: bool) -> ModeResult:
+def run_mode(args: argparse.Namespace, groups: list[list[list[int]]], radix: bool,
+             progress: tqdm | None = None) -> ModeResult:
     from tandem.runtime.engine import Engine
 
     waves = [[p for g in groups for p in g]] if args.burst else groups
@@ -116,6 +121,8 @@ def run_mode(args: argparse.Namespace, groups: list[list[list[int]]], radix: boo
         t0 = time.perf_counter()
         for wave in waves:
             timings += run_wave(engine, wave, args.output_len)
+            if progress is not None:
+                progress.update(1)
         seconds = time.perf_counter() - t0
     return ModeResult("radix cache on" if radix else "radix cache off", timings, seconds)
 
@@ -148,17 +155,19 @@ def build_report(args: argparse.Namespace, on: ModeResult, off: ModeResult) -> d
     return {**report, **machine_info()}
 
 
-def format_table(on: ModeResult, off: ModeResult, report: dict[str, Any]) -> str:
-    lines = [f"{'mode':<18} {'TTFT mean ms':>13} {'TTFT median ms':>15} {'tok/s':>10} {'out tok/s':>10} "
-             f"{'hit rate':>9} {'seconds':>8}"]
-    for r in (on, off):
-        lines.append(f"{r.name:<18} {r.ttft_mean_ms:>13.1f} {r.ttft_median_ms:>15.1f} {r.total_tok_s:>10.1f} "
-                     f"{r.output_tok_s:>10.1f} {r.cache_hit_rate:>9.1%} {r.seconds:>8.2f}")
-    lines.append("")
-    lines.append(f"TTFT speedup (off / on)       {report['ttft_speedup']:.2f}x mean, "
-                 f"{report['ttft_median_speedup']:.2f}x median")
-    lines.append(f"throughput ratio (on / off)   {report['throughput_ratio']:.2f}x")
-    return "\n".join(lines)
+TABLE_HEADER = (f"{'mode':<18} {'TTFT mean ms':>13} {'TTFT median ms':>15} {'tok/s':>10} {'out tok/s':>10} "
+                f"{'hit rate':>9} {'seconds':>8}")
+
+
+def table_row(r: ModeResult) -> str:
+    return (f"{r.name:<18} {r.ttft_mean_ms:>13.1f} {r.ttft_median_ms:>15.1f} {r.total_tok_s:>10.1f} "
+            f"{r.output_tok_s:>10.1f} {r.cache_hit_rate:>9.1%} {r.seconds:>8.2f}")
+
+
+def table_summary(report: dict[str, Any]) -> list[str]:
+    return ["", f"TTFT speedup (off / on)       {report['ttft_speedup']:.2f}x mean, "
+                f"{report['ttft_median_speedup']:.2f}x median",
+            f"throughput ratio (on / off)   {report['throughput_ratio']:.2f}x"]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -195,10 +204,18 @@ def main(argv: list[str] | None = None) -> int:
     print(f"#groups: {args.num_groups} x {args.prompts_per_group} prompts, prefix {args.prefix_len} + question "
           f"{args.question_len} tokens, output {args.output_len}, {'burst' if args.burst else 'group by group'}",
           flush=True)
-    on = run_mode(args, groups, radix=True)
-    off = run_mode(args, groups, radix=False)
+    emit(TABLE_HEADER)
+    waves = 1 if args.burst else args.num_groups
+    with bar(2 * waves, "bench prefix", unit="wave") as progress:  # each mode's row as soon as it ran
+        modes = []
+        for radix in (True, False):
+            progress.set_postfix_str(f"radix cache {'on' if radix else 'off'}")
+            modes.append(run_mode(args, groups, radix, progress))
+            emit(table_row(modes[-1]))
+    on, off = modes
     report = build_report(args, on, off)
-    print(format_table(on, off, report), flush=True)
+    for line in table_summary(report):
+        emit(line)
     if args.output_file:
         with open(args.output_file, "w", encoding="utf-8") as f:
             json.dump(report, f, indent=2)

@@ -25,6 +25,7 @@ import numpy as np
 import orjson
 
 from tandem.launch.bench_datasets import DatasetRow, get_dataset, load_tokenizer
+from tandem.launch.bench_progress import bar
 from tandem.launch.bench_serving_ab import Measure, check_comparison, compare_overlap, compare_via_gateway, flush_cache
 from tandem.launch.managed_server import BenchError, start_server
 from tandem.launch.bench_metrics import (
@@ -150,9 +151,8 @@ async def _arrivals(rows: list[DatasetRow], rate: float, seed: int) -> Any:
 
 
 def _progress_bar(total: int, args: Any) -> Any:
-    from tqdm import tqdm
-
-    return tqdm(total=total, disable=args.disable_tqdm or not sys.stderr.isatty())
+    """Requests done, on stderr where it is a terminal (launch/bench_progress.py)."""
+    return bar(total, "requests", unit="req", disable=args.disable_tqdm)
 
 
 async def _warmup(session: aiohttp.ClientSession, api_url: str, row: DatasetRow, args: Any, send: Any) -> None:

@@ -10,6 +10,7 @@ import json
 from typing import Any
 
 from tandem.launch.bench_offline import Workload, machine_info, make_workload, timed_engine_run
+from tandem.launch.bench_progress import Progress, emit
 from tandem.runtime.model.config import ModelConfig
 
 
@@ -25,13 +26,12 @@ def run_tp(args: argparse.Namespace, tp_size: int, wl: Workload) -> dict[str, An
             "comm_share": round(comm_s / run.seconds, 4)}
 
 
-def format_table(rows: list[dict[str, Any]]) -> str:
-    base = rows[0]["tok_s"]
-    lines = [f"{'tp':>3} {'tok/s':>9} {'seconds':>9} {'steps':>6} {'comm ms/step':>13} {'comm share':>11} {'vs first':>9}"]
-    for r in rows:
-        lines.append(f"{r['tp_size']:>3} {r['tok_s']:>9.1f} {r['seconds']:>9.2f} {r['steps']:>6} "
-                     f"{r['comm_ms_per_step']:>13.3f} {100 * r['comm_share']:>10.1f}% {r['tok_s'] / base:>8.2f}x")
-    return "\n".join(lines)
+TABLE_HEADER = f"{'tp':>3} {'tok/s':>9} {'seconds':>9} {'steps':>6} {'comm ms/step':>13} {'comm share':>11} {'vs first':>9}"
+
+
+def table_row(r: dict[str, Any], base_tok_s: float) -> str:
+    return (f"{r['tp_size']:>3} {r['tok_s']:>9.1f} {r['seconds']:>9.2f} {r['steps']:>6} "
+            f"{r['comm_ms_per_step']:>13.3f} {100 * r['comm_share']:>10.1f}% {r['tok_s'] / base_tok_s:>8.2f}x")
 
 
 def check_tp_sizes(parser: argparse.ArgumentParser, args: argparse.Namespace) -> ModelConfig:
@@ -68,8 +68,13 @@ def main(argv: list[str] | None = None) -> int:
     cfg = check_tp_sizes(parser, args)
     wl = make_workload(args.num_seqs, args.min_len, args.max_len, cfg.vocab_size, args.seed, args.output_len)
     print(f"#seqs: {args.num_seqs}  #output tokens: {wl.output_tokens}  dtype: {args.dtype}  {machine_info()}")
-    rows = [run_tp(args, tp, wl) for tp in args.tp_sizes]
-    print(format_table(rows))
+    rows: list[dict[str, Any]] = []
+    emit(TABLE_HEADER)
+    with Progress(len(args.tp_sizes), "bench tp") as progress:
+        for tp in args.tp_sizes:  # each row as soon as its size ran
+            with progress.step(f"tp {tp}"):
+                rows.append(run_tp(args, tp, wl))
+            emit(table_row(rows[-1], rows[0]["tok_s"]))
     if args.output_file:
         with open(args.output_file, "w") as f:
             json.dump({"machine": machine_info(), "rows": rows}, f, indent=2)
