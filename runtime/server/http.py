@@ -183,7 +183,7 @@ def create_app(args: ServerArgs, on_child_death: Callable[[str], None] | None = 
             return error_response(503, "starting")
         if (reason := tm.not_serving()) is not None:
             return error_response(503, reason)
-        if getattr(tm, "paused", False):  # pause_generation; continue_generation clears it
+        if tm.paused:  # pause_generation; continue_generation clears it
             return error_response(503, "generation is paused (pause_generation); continue_generation resumes it")
         return json_response({"status": "ready"})
 

@@ -47,3 +47,15 @@ def test_a_started_server_is_ready(servers):
     resp = servers("tiny").get("/ready")
     assert resp.status_code == 200 and resp.json() == {"status": "ready"}, resp.text
 
+
+
+def test_a_paused_server_is_not_ready_until_continue(servers):
+    server = servers("tiny_rl")  # pause changes the server for whoever comes next: the RL tests' own
+    try:
+        assert server.post("/pause_generation", {"mode": "in_place"}).status_code == 200
+        resp = server.get("/ready")
+        assert resp.status_code == 503 and "paused" in resp.json()["error"]["message"], resp.text
+        assert server.get("/health").status_code == 200  # alive, only not taking new work now
+    finally:
+        assert server.post("/continue_generation").status_code == 200
+    assert server.get("/ready").status_code == 200
