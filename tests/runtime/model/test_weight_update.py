@@ -12,7 +12,7 @@ from tandem.runtime.model.loader import load_config, load_hf_weights, load_model
 from tandem.runtime.model.packed_linear import PackedLinear
 from tandem.runtime.model.tensor_parallel import SINGLE
 
-ARCHS = ["qwen2"]  # (qwen2: biases on q, k and v)
+ARCHS = ["qwen2", "qwen3_moe"]  # biases on q, k and v; stacked experts
 
 
 @pytest.fixture(scope="module")
