@@ -12,7 +12,8 @@ Then it checks what a long-running server must keep true:
   warm-up: allocator arenas and oneDNN kernels for each new batch shape; a leak keeps growing);
 - nothing outlives the server: no process, no IPC directory.
 
-Prints a table and writes JSON; exits 1 when a check fails.
+Prints a table and writes JSON; exits 1 when a check fails. `--plot FILE.png` draws each
+process's RSS and every answered request's latency over the run.
 """
 from __future__ import annotations
 
@@ -46,6 +47,7 @@ class SoakConfig:
     seed: int
     max_rss_drift: float
     server_args: str
+    plot: str | None = None  # a PNG of RSS and latency over time
 
 
 @dataclass
@@ -54,6 +56,7 @@ class Tally:
     problems: list[str] = field(default_factory=list)  # lost, hung and 5xx, with a short description
     tokens: int = 0
     seconds: list[float] = field(default_factory=list)  # call to answer, of each request answered in full
+    answered_at: list[float] = field(default_factory=list)  # when each of those answers came (monotonic)
 
     def latency(self) -> dict[str, float]:
         """p50 / p99 / max seconds of the answered requests: a starved or crawling request shows
@@ -130,7 +133,9 @@ async def _one(session: aiohttp.ClientSession, url: str, rng: random.Random, rid
         tally.add("connection error", f"{rid}: {exc!r}")
         return
     if status == 200:
-        tally.seconds.append(time.monotonic() - t0)
+        now = time.monotonic()
+        tally.seconds.append(now - t0)
+        tally.answered_at.append(now)
     _account(rid, status, results, tally)
 
 
@@ -156,8 +161,16 @@ def _account(rid: str, status: int, results: list[dict], tally: Tally) -> None:
         tally.tokens += sum(len(r["output_ids"]) for r in results)
 
 
-async def _drive(url: str, cfg: SoakConfig, pids: dict[str, int]) -> tuple[Tally, dict[str, list[int]], float]:
-    tally, rss = Tally(), {name: [] for name in pids}
+@dataclass
+class RssSamples:
+    t0: float  # when the traffic started (monotonic)
+    values: dict[str, list[int]]  # bytes, each process's samples in order
+    times: dict[str, list[float]]  # seconds since t0 of each sample
+
+
+async def _drive(url: str, cfg: SoakConfig, pids: dict[str, int]) -> tuple[Tally, RssSamples, float]:
+    tally = Tally()
+    rss = RssSamples(time.monotonic(), {name: [] for name in pids}, {name: [] for name in pids})
     deadline = time.monotonic() + cfg.minutes * 60
     counter = iter(range(10**9))
     timeout = aiohttp.ClientTimeout(total=None, sock_read=REQUEST_TIMEOUT_S)
@@ -171,13 +184,13 @@ async def _drive(url: str, cfg: SoakConfig, pids: dict[str, int]) -> tuple[Tally
         while time.monotonic() < deadline:
             for name, pid in pids.items():
                 if (value := rss_bytes(pid)) is not None:
-                    rss[name].append(value)
+                    rss.values[name].append(value)
+                    rss.times[name].append(time.monotonic() - rss.t0)
             await asyncio.sleep(RSS_SAMPLE_S)
 
-    t0 = time.monotonic()
     async with aiohttp.ClientSession(timeout=timeout) as session:
         await asyncio.gather(sample_rss(), *(worker(cfg.seed * 1000 + i) for i in range(cfg.concurrency)))
-    return tally, rss, time.monotonic() - t0
+    return tally, rss, time.monotonic() - rss.t0
 
 
 def _quarter_means(samples: list[int]) -> list[float]:
@@ -205,9 +218,12 @@ def run(cfg: SoakConfig) -> dict[str, Any]:
     with start_server(cfg.server_args, env=env) as (url, proc):
         info = _get_json(f"{url}/get_server_info")
         pids = {"main": proc.pid, "scheduler": info["scheduler_pid"], "detokenizer": info["detokenizer_pid"]}
-        tally, rss, seconds = asyncio.run(_drive(url, cfg, pids))
+        tally, rss_samples, seconds = asyncio.run(_drive(url, cfg, pids))
         leaks = leak_check(url)
         exit_status = stop_server(proc)
+    if cfg.plot:
+        plot_soak(cfg.plot, tally, rss_samples)
+    rss = rss_samples.values
     leftovers = [name for name, pid in pids.items() if alive(pid)] + ipc_dirs(pids["main"])
     drift = {name: round(_drift(samples), 3) for name, samples in rss.items()}
     checks = {
@@ -223,7 +239,41 @@ def run(cfg: SoakConfig) -> dict[str, Any]:
             "rss_mb_first_last": {n: [round(s[0] / 2**20, 1), round(s[-1] / 2**20, 1)] for n, s in rss.items() if s},
             "rss_mb_by_quarter": {n: _quarters(s) for n, s in rss.items() if len(s) >= 4},
             "rss_drift": drift, "leftovers": leftovers, "exit_status": exit_status, "checks": checks,
-            "ok": all(checks.values())}
+            "plot": cfg.plot, "ok": all(checks.values())}
+
+
+def plot_soak(path: str, tally: Tally, rss: RssSamples) -> None:
+    """Two panels over the run's time: each process's RSS, and each answered request's latency
+    (call to answer, at the time it was answered) with the p50 and p99 of each time bin."""
+    import matplotlib  # lazy: plotting is optional and matplotlib is slow to import
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(11, 8), sharex=True)
+    for name, values in rss.values.items():
+        top.plot(rss.times[name], [v / 2**20 for v in values], marker=".", label=name)
+    top.set(title="RSS by process", ylabel="MB")
+    top.legend(loc="upper left")
+    top.grid(alpha=0.3)
+    when = [t - rss.t0 for t in tally.answered_at]
+    bottom.scatter(when, tally.seconds, s=6, alpha=0.35, label="a request")
+    if when:
+        width = max(max(when) / 30, RSS_SAMPLE_S)
+        bins: dict[int, list[float]] = {}
+        for t, s in zip(when, tally.seconds):
+            bins.setdefault(int(t // width), []).append(s)
+        mids = [(b + 0.5) * width for b in sorted(bins)]
+        for q, style in ((0.5, "-"), (0.99, "--")):
+            picks = [sorted(v)[min(len(v) - 1, int(q * len(v)))] for _, v in sorted(bins.items())]
+            bottom.plot(mids, picks, style, color="black", label=f"p{round(q * 100)} per {width:.0f} s")
+    bottom.set(title="Latency of answered requests (call to answer)", xlabel="time since start (s)",
+               ylabel="seconds")
+    bottom.legend(loc="upper left")
+    bottom.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
 
 
 def _get_json(url: str) -> Any:
@@ -243,6 +293,8 @@ def print_report(result: dict[str, Any]) -> None:
     print(f"\n{'process':<14}{'RSS first MB':>14}{'RSS last MB':>13}{'drift':>8}")
     for name, (first, last) in result["rss_mb_first_last"].items():
         print(f"{name:<14}{first:>14}{last:>13}{result['rss_drift'][name]:>8}")
+    if result["plot"]:
+        print(f"\nRSS and latency over time: {result['plot']}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -256,9 +308,10 @@ def main(argv: list[str] | None = None) -> int:
                    "--enable-priority-scheduling --chunked-prefill-size 256",
                    help="passed to the launched server (forced retraction is always on)")
     p.add_argument("--output-file", default=None)
+    p.add_argument("--plot", default=None, metavar="FILE.png", help="draw RSS and latency over time (matplotlib)")
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
     return run_checked(lambda server_args: run(SoakConfig(args.minutes, args.concurrency, args.seed,
-                                                          args.max_rss_drift, server_args)),
+                                                          args.max_rss_drift, server_args, args.plot)),
                        print_report, "problems", args.server_args, args.model_path, args.output_file)
 
 

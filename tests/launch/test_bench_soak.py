@@ -5,18 +5,25 @@ from __future__ import annotations
 import orjson
 import pytest
 
-from tandem.launch.bench_soak import _drift, _quarters, main
+from tandem.launch.bench_soak import RssSamples, Tally, _drift, _quarters, main, plot_soak
 
 pytestmark = pytest.mark.timeout(400)
 
 
+def _png_size(path) -> tuple[int, int]:
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n", "not a PNG"
+    return int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
+
+
 def test_soak_one_minute(tiny_model_dir, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # away from the repo root: its kernels/ folder shadows the PyPI `kernels`
-    out = tmp_path / "soak.json"
+    out, plot = tmp_path / "soak.json", tmp_path / "soak.png"
     status = main(["--minutes", "1", "--concurrency", "12", "--model-path", tiny_model_dir("llama"),
-                   "--output-file", str(out)])
+                   "--output-file", str(out), "--plot", str(plot)])
     result = orjson.loads(out.read_bytes())
     assert status == 0, result
+    assert result["plot"] == str(plot) and _png_size(plot) == (1100, 800)  # RSS and latency over the run
     assert result["ok"] and all(result["checks"].values())
     outcomes = result["outcomes"]
     assert outcomes.get("finished", 0) > 0 and outcomes.get("aborted", 0) > 0 and outcomes.get("disconnected", 0) > 0
@@ -42,3 +49,14 @@ def test_the_printed_drift_and_the_json_quarters_use_the_same_windows():
     rising = [(100 + 10 * i) * 2**20 for i in range(11)]
     quarters = _quarters(rising)
     assert _drift(rising) == pytest.approx(quarters[3] / quarters[1])
+
+
+def test_the_plot_draws_rss_and_latency_over_time(tmp_path):
+    """The figure alone, from made-up samples: a process missing samples and no answers at all
+    both still draw."""
+    tally = Tally(seconds=[0.2, 0.4, 3.0, 0.3], answered_at=[101.0, 102.5, 130.0, 150.0])
+    rss = RssSamples(100.0, {"main": [300 * 2**20, 310 * 2**20, 305 * 2**20], "scheduler": [700 * 2**20]},
+                     {"main": [0.0, 2.0, 4.0], "scheduler": [0.0]})
+    for name, t in (("soak.png", tally), ("none.png", Tally())):
+        plot_soak(str(tmp_path / name), t, rss)
+        assert _png_size(tmp_path / name) == (1100, 800)
