@@ -1,4 +1,4 @@
-// The AVX-512 path of decode attention (decode_attention_cpu.cpp), for head dims of 64 and 128.
+// The AVX-512 path of decode attention (decode_attention_cpu.cpp), for head dims of 64, 128 and 256.
 // Per sequence: its scores 16 keys at a time, softmax, then weighted V with the sums in registers;
 // while one sequence computes from cache, the next one's K and V are prefetched.
 #pragma once

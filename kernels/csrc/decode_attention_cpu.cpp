@@ -4,7 +4,8 @@
 //
 // Three paths, tested against the same float64 reference: bf16 on AMX for head dims of 64 and 128
 // (attention_amx.h: an extend's tokens of one request computed together, in decode's arithmetic),
-// an AVX-512 one for the other dtypes at those head dims (decode_attention_avx512.h), and a
+// an AVX-512 one for the other dtypes at those head dims and for every dtype at 256 (Gemma 3's;
+// decode_attention_avx512.h), and a
 // portable one (below) for everything else and CPUs without AVX-512. The pool holds q's dtype or fp8 (e5m2 or e4m3,
 // --kv-cache-dtype), widened to float32 as it is read.
 // Given the step's new K/V and their slots, the op first stores them (as KVPool.set_kv would),
@@ -155,6 +156,8 @@ void run(const at::Tensor& q, at::Tensor& k_buffer, at::Tensor& v_buffer, const 
 #if defined(__AVX512F__)
   if (d == 64) return std::apply([&](auto... a) { tandem_cpu::attn::decode_attention_avx512<q_t, kv_t, 64>(a..., s); }, args);
   if (d == 128) return std::apply([&](auto... a) { tandem_cpu::attn::decode_attention_avx512<q_t, kv_t, 128>(a..., s); }, args);
+  // Gemma 3's head dim (one V accumulator set at a time: kHeads is 1 there)
+  if (d == 256) return std::apply([&](auto... a) { tandem_cpu::attn::decode_attention_avx512<q_t, kv_t, 256>(a..., s); }, args);
 #endif
   if (d == 64) return std::apply([&](auto... a) { decode_attention_portable<q_t, kv_t, 64>(a..., d, s); }, args);
   if (d == 128) return std::apply([&](auto... a) { decode_attention_portable<q_t, kv_t, 128>(a..., d, s); }, args);

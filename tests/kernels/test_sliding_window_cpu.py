@@ -67,6 +67,14 @@ def test_a_window_query_attends_to_its_window_only(ops, dtype, tol, hq, hkv, d, 
     assert (out.double() - ref).abs().max().item() < tol
 
 
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2), (torch.float16, 2e-3)])
+def test_head_dim_256_without_a_window(ops, dtype, tol):
+    """Gemma 3's head dim takes the AVX-512 path (where the CPU has it) with or without a window."""
+    q, k, v, r2t, rows, seq_lens = _case(dtype, 4, 1, 256, [1, 30, 77], window=10 ** 6)
+    out = ops.decode_attention(q, k, v, r2t, rows, seq_lens, 1 / 16)
+    assert (out.double() - _reference(q, k, v, r2t, rows, seq_lens, 1 / 16, 10 ** 6)).abs().max().item() < tol
+
+
 def test_a_window_past_the_length_is_every_key(ops):
     q, k, v, r2t, rows, seq_lens = _case(torch.float32, 4, 2, 64, [3, 20], window=1000)
     assert torch.equal(ops.decode_attention(q, k, v, r2t, rows, seq_lens, 0.125, window=1000),
