@@ -275,7 +275,7 @@ WEIGHT_DTYPES = ("float32", "float16", "bfloat16", "float64")  # what a trainer 
 class WeightsReq(_Msg, kw_only=True):
     """Main -> scheduler: an operation on the served weights, SGLang's RL routes by `op`:
     update_from_disk, update_from_tensor, update_from_distributed, init_group, destroy_group,
-    get_by_name. An update waits for the running requests to finish (new ones wait behind
+    get_by_name, release_memory, resume_memory. An update waits for the running requests to finish (new ones wait behind
     it), unless `abort_all_requests`; then the radix cache is flushed (`flush_cache`)."""
 
     req_id: int
@@ -295,6 +295,7 @@ class WeightsReq(_Msg, kw_only=True):
     abort_all_requests: bool = False
     name: str = ""  # get_by_name
     truncate_size: int = 100
+    tags: list[str] = []  # release_memory / resume_memory: "kv_cache", "weights"
 
 
 class ControlReply(_Msg, kw_only=True):

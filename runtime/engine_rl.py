@@ -71,6 +71,17 @@ class EngineRL:
     def update_weight_version(self, new_version: str) -> None:
         self._live().weight_version = new_version  # type: ignore[attr-defined]
 
+    def release_memory_occupation(self, tags: list[str] | None = None) -> tuple[bool, str]:
+        """Free the KV pool and/or the weights ("kv_cache", "weights"; default both) while no request
+        holds KV; nothing generates until resume_memory_occupation."""
+        return self._update("release_memory", {"tags": tags})
+
+    def resume_memory_occupation(self, tags: list[str] | None = None) -> tuple[bool, str]:
+        """Bring them back: the KV pool zeroed, the weights read again from the model path last
+        loaded from disk (push weights sent over a group or as tensors again, as SGLang without
+        --enable-weights-cpu-backup)."""
+        return self._update("resume_memory", {"tags": tags})
+
     def pause_generation(self, mode: str = "abort") -> int:
         """Returns how many requests the pause touched (aborted, retracted or held)."""
         return self._run(self._live().pause(pause_mode({"mode": mode}))).num_paused_requests  # type: ignore[attr-defined]

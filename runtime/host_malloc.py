@@ -51,3 +51,13 @@ def keep_freed_heap() -> bool:
         logger.warning("glibc refused a malloc setting: large CPU activations may page-fault every step")
     _applied = ok
     return ok
+
+
+def release_freed_heap() -> None:
+    """Give the heap's free pages back to the kernel now (release_memory_occupation: the process
+    is below its peak on purpose, which keep_freed_heap's thresholds would otherwise hide)."""
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+        except (OSError, AttributeError):  # another libc: its own policy
+            pass

@@ -108,8 +108,22 @@ class KVPool:
                  dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
         self.size = size
         self.dtype = dtype
-        shape = (size + 1, num_kv_heads, head_dim)
-        if torch.device(device).type == "cpu":
+        self._layout = (num_layers, (size + 1, num_kv_heads, head_dim), torch.device(device))
+        self.resume()
+
+    @property
+    def released(self) -> bool:
+        return not self.k_buffer
+
+    def release(self) -> None:
+        """Drop the buffers (release_memory_occupation); what they held is gone."""
+        self.k_buffer, self.v_buffer = [], []
+
+    def resume(self) -> None:
+        """(Re)allocate the buffers, zeroed."""
+        num_layers, shape, device = self._layout
+        dtype = self.dtype
+        if device.type == "cpu":
             # one allocation on huge pages: decode attention streams the whole pool every step,
             # and with 4 KiB pages an eighth of its time went to TLB misses and restarted prefetch
             layer_elems = shape[0] * shape[1] * shape[2]

@@ -25,7 +25,10 @@ FIELDS = {
     "init_group": ("master_address", "master_port", "rank_offset", "world_size", "group_name", "backend"),
     "destroy_group": ("group_name",),
     "get_by_name": ("name", "truncate_size"),
+    "release_memory": ("tags",),
+    "resume_memory": ("tags",),
 }
+MEMORY_TAGS = ("kv_cache", "weights")
 PAUSE_MODES = ("abort", "retract", "in_place")
 
 
@@ -53,6 +56,11 @@ def weights_request(op: str, body: Any) -> tuple[dict[str, Any], str | None]:
         if backend not in ("", "gloo", "nccl"):
             raise ValidationError("backend", f"must be \"gloo\" or \"nccl\", got {backend!r}")
         fields["backend"] = backend
+    elif op in ("release_memory", "resume_memory"):
+        tags = body.get("tags") or list(MEMORY_TAGS)  # SGLang's default: everything
+        if not isinstance(tags, list) or not all(t in MEMORY_TAGS for t in tags):
+            raise ValidationError("tags", f"must be a list of {', '.join(MEMORY_TAGS)}, got {tags!r}")
+        fields["tags"] = tags
     elif op == "get_by_name":
         fields.update(name=_str(body, "name"), truncate_size=_int(body, "truncate_size", 1, default=100))
     if "group_name" in FIELDS[op]:

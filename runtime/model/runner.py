@@ -83,6 +83,34 @@ class ModelRunner:
             logger.info("%d linear weights packed for the CPU GEMM (%s, %d threads)", packed, layout,
                         torch.get_num_threads())
 
+    # -- release_memory_occupation / resume_memory_occupation (tags "kv_cache", "weights") -------------
+    def release_memory(self, tags: list[str]) -> None:
+        """Drop the KV pools and/or the target model's weights. Call it on the forward thread with
+        no request holding KV; nothing may run until `resume_memory` brings them back."""
+        if "kv_cache" in tags:
+            for pool in (self.kv_pool, getattr(self, "draft_kv_pool", None)):
+                if pool is not None:
+                    pool.release()
+        if "weights" in tags:
+            self.model = None  # type: ignore[assignment]
+
+    def resume_memory(self, tags: list[str]) -> None:
+        """Reallocate what `release_memory` dropped: the KV pools zeroed, the weights read again from
+        the model path and packed (weights pushed since the last load from disk are not kept)."""
+        if "kv_cache" in tags:
+            for pool in (self.kv_pool, getattr(self, "draft_kv_pool", None)):
+                if pool is not None and pool.released:
+                    pool.resume()
+        if "weights" in tags and self.model is None:
+            self.model = load_model(self.model_path, self.dtype, self.device, self.tp)
+            self.model.use_ops(create_ops(self.args.resolved_attention_backend()))
+            self.pack_weights()
+
+    @property
+    def memory_released(self) -> list[str]:
+        """The tags whose memory is released now."""
+        return [tag for tag, gone in (("kv_cache", self.kv_pool.released), ("weights", self.model is None)) if gone]
+
     def _pick_dtype(self) -> torch.dtype:
         if self.args.dtype != "auto" or self.device.type != "cpu":
             return _DTYPES[self.args.resolved_dtype()]

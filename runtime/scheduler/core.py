@@ -54,6 +54,7 @@ class SchedulerCore:
         self.think_end_ids = think_end_ids  # "</think>" tokenized
         self._arrivals = 0
         self.paused = False  # pause_generation: no step is planned until continue_generation
+        self.memory_released = False  # release_memory_occupation: no step until it is resumed
         self._seed_rng = random.Random(random_seed)  # seeds of seedless requests: alike on every TP rank
 
     # -- arrival -----------------------------------------------------------------------------------------
@@ -207,7 +208,7 @@ class SchedulerCore:
     # -- steps -------------------------------------------------------------------------------------------
     def plan(self) -> ScheduleBatch | None:
         """The next step, numbered for launch; the phases follow the planner's choices."""
-        if self.paused:
+        if self.paused or self.memory_released:
             return None
         plan = self.planner.next_batch()
         for req in plan.retracted:

@@ -156,7 +156,7 @@ class Scheduler:
             idle = in_flight is None and not core.planner.has_work()
             if idle and busy:  # just went idle: nothing may be held now
                 self._check_memory()
-            waits = idle or (in_flight is None and core.paused)
+            waits = idle or (in_flight is None and (core.paused or core.memory_released))
             # grammars compiling: look again soon, without spinning
             self._receive(block_ms=0 if not waits else GRAMMAR_POLL_MS if core.grammar_queue else 500)
             if self.watch is not None and self.watch.parent_gone():
@@ -266,7 +266,14 @@ class Scheduler:
             core.retract_all()
         msgs, self._weights_pending = self._weights_pending, []
         for msg in msgs:
+            if msg.op == "release_memory" and core.holds_kv():
+                self._reply(ControlReply(req_id=msg.req_id, success=False, message="requests hold KV memory: "
+                                         "pause_generation (mode retract or abort) first"))
+                continue
+            if msg.op == "release_memory":
+                self.kv.flush()  # the cache's KV is in the pool that goes
             reply = self.weights.run(msg)
+            core.memory_released = bool(self.runner.memory_released)
             if msg.op in UPDATES:
                 if reply.success:  # KV cached from the old weights would answer wrongly: always dropped
                     self.kv.flush()
@@ -305,6 +312,7 @@ class Scheduler:
             "num_grammar_queue_reqs": len(self.core.grammar_queue or ()),
             "overlap_schedule": self.overlap,
             "paused": self.core.paused,
+            "memory_released": self.runner.memory_released,
             "num_retractions": self.core.planner.num_retractions,
             "num_outputs_sent": self.num_outputs_sent,
             **({"tp_size": self.runner.tp.size, "tp_comm_s": round(self.runner.tp.comm_s, 4)}

@@ -15,6 +15,7 @@ from collections.abc import Callable
 import torch
 
 from tandem.ipc.messages import WeightsReq, ControlReply
+from tandem.runtime.host_malloc import release_freed_heap
 from tandem.runtime.model import weight_update
 from tandem.runtime.model.loader import load_config, load_hf_weights
 from tandem.runtime.model.runner import ModelRunner
@@ -33,6 +34,9 @@ class WeightsControl:
 
     def run(self, msg: WeightsReq) -> ControlReply:
         handler: Callable[[WeightsReq], ControlReply] = getattr(self, f"_{msg.op}")
+        if self.runner.model is None and msg.op not in ("resume_memory", "release_memory", "destroy_group"):
+            return ControlReply(req_id=msg.req_id, success=False, message=f"{msg.op}: the weights are released "
+                                "(release_memory_occupation); resume_memory_occupation first")
         try:
             return self.worker.call(lambda: handler(msg)).result()
         except Exception as exc:  # a bad path, an unreachable trainer: the server serves on
@@ -44,7 +48,9 @@ class WeightsControl:
         cfg = load_config(msg.model_path)
         if cfg.arch != self.runner.config.arch:
             raise ValueError(f"{msg.model_path} is a {cfg.arch}; the server serves a {self.runner.config.arch}")
-        return self._apply(msg, load_hf_weights(msg.model_path, cfg).items())
+        reply = self._apply(msg, load_hf_weights(msg.model_path, cfg).items())
+        self.runner.model_path = msg.model_path  # what resume_memory_occupation reads the weights from
+        return reply
 
     def _update_from_tensor(self, msg: WeightsReq) -> ControlReply:
         from safetensors.torch import load
@@ -86,6 +92,16 @@ class WeightsControl:
         if self.groups.pop(msg.group_name, None) is None:
             raise ValueError(f"no weights update group {msg.group_name!r}")
         return ControlReply(req_id=msg.req_id, success=True, message=f"left {msg.group_name!r}")
+
+    # -- memory ----------------------------------------------------------------------------------------
+    def _release_memory(self, msg: WeightsReq) -> ControlReply:
+        self.runner.release_memory(msg.tags)
+        release_freed_heap()
+        return ControlReply(req_id=msg.req_id, success=True, message=f"released {', '.join(msg.tags)}")
+
+    def _resume_memory(self, msg: WeightsReq) -> ControlReply:
+        self.runner.resume_memory(msg.tags)
+        return ControlReply(req_id=msg.req_id, success=True, message=f"resumed {', '.join(msg.tags)}")
 
     # -- reading ---------------------------------------------------------------------------------------
     def _get_by_name(self, msg: WeightsReq) -> ControlReply:

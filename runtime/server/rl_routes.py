@@ -16,7 +16,8 @@ from tandem.runtime.value_checks import ValidationError, check_fields
 # route -> WeightsReq op
 _OPS = {"/update_weights_from_disk": "update_from_disk", "/update_weights_from_tensor": "update_from_tensor",
         "/update_weights_from_distributed": "update_from_distributed",
-        "/init_weights_update_group": "init_group", "/destroy_weights_update_group": "destroy_group"}
+        "/init_weights_update_group": "init_group", "/destroy_weights_update_group": "destroy_group",
+        "/release_memory_occupation": "release_memory", "/resume_memory_occupation": "resume_memory"}
 
 
 def add_rl_routes(app: FastAPI, args: ServerArgs) -> None:

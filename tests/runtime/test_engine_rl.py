@@ -172,3 +172,33 @@ def test_update_over_a_trainers_group_under_tp_2(models):
         with _engine(b) as fresh_b_tp1:  # the reference: B itself, served at TP 1 in this dtype
             reference = _greedy(fresh_b_tp1)
         assert _greedy(tp2) == reference
+
+
+def _scheduler_rss_bytes(engine: Engine) -> int:
+    pid = engine.get_server_info()["scheduler_pid"]
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+
+
+def test_release_and_resume_memory_occupation(engine, models):
+    """The scheduler gives the KV pool and the weights back (its RSS drops by about their size),
+    requests wait meanwhile, and after resume the answers are those of the weights on disk."""
+    a, b, expected = models
+    engine.update_weights_from_disk(a)
+    before = _scheduler_rss_bytes(engine)
+    ok, message = engine.release_memory_occupation()
+    assert ok, message
+    after = _scheduler_rss_bytes(engine)
+    assert engine.get_server_info()["memory_released"] == ["kv_cache", "weights"]
+    # the tiny Qwen2's untied embedding and head alone are 2 x 49152 x 64 bf16 values (12.6 MB)
+    assert before - after > 10e6, (before, after)
+    assert not engine.update_weights_from_disk(b)[0]  # no weights to update until they are resumed
+    result: dict = {}
+    waiting = threading.Thread(target=lambda: result.update(ids=_greedy(engine)))
+    waiting.start()
+    time.sleep(0.5)
+    assert waiting.is_alive()  # nothing runs while the memory is released
+    ok, message = engine.resume_memory_occupation()
+    assert ok, message
+    waiting.join(60)
+    assert result["ids"] == expected["a"] and engine.get_server_info()["memory_released"] == []

@@ -33,6 +33,7 @@ def test_update_from_disk_over_http_sets_the_version(servers, tiny_model_dir):
     ("/init_weights_update_group", {"master_address": "h", "master_port": 0, "rank_offset": 1, "world_size": 2},
      "master_port"),
     ("/pause_generation", {"mode": "later"}, "mode"),
+    ("/release_memory_occupation", {"tags": ["gpu"]}, "tags"),
     ("/update_weight_version", {"new_version": 3}, "new_version"),
 ])
 def test_bad_bodies_are_400s_naming_the_field(servers, path, body, field):
