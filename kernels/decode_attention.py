@@ -59,7 +59,7 @@ def num_kv_splits(seq_lens: list[int], num_kv_heads: int, *, min_split_len: int 
     return [max(1, min(cap, math.ceil(n / min_split_len))) for n in seq_lens]
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["window"])  # one compiled kernel for every window: a runtime value
 def _decode_split_kernel(Q, K_buf, V_buf, KvIndptr, KvIndices, KvLens, NumSplits, MidO, MidLse, sm_scale, window,
                          stride_qb, stride_qh, stride_kbs, stride_kbh, stride_vbs, stride_vbh,
                          stride_mob, stride_moh, stride_mos, stride_lb, stride_lh,

@@ -75,7 +75,7 @@ def _softmax_step(q, k, v, acc, m_i, l_i, allowed, qk_scale, PRECISION: tl.const
     return acc, m_new, l_i
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["window"])  # one compiled kernel for every window: a runtime value
 def _extend_kernel(Q, K, V, O, K_buf, V_buf, QoIndptr, KvIndptr, KvIndices, sm_scale, window,
                    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
                    stride_kbs, stride_kbh, stride_vbs, stride_vbh,
@@ -108,6 +108,7 @@ def _extend_kernel(Q, K, V, O, K_buf, V_buf, QoIndptr, KvIndptr, KvIndices, sm_s
     # a window: the block's first row sees keys from first_row - window + 1 on, later rows later
     # (positions here are the request's: the prefix's keys at 0.., the new tokens from prefix_len)
     q_pos = prefix_len + offs_m
+    row_first = tl.where(window > 0, q_pos - window + 1, 0)  # each row's first visible key
     lowest = tl.where(window > 0, tl.maximum(prefix_len + q_block_start - window + 1, 0), 0)
     # cached prefix: every key precedes every new token, so only the length (and a window) bounds it
     for start in range(lowest // BLOCK_N * BLOCK_N, prefix_len, BLOCK_N):
@@ -118,7 +119,7 @@ def _extend_kernel(Q, K, V, O, K_buf, V_buf, QoIndptr, KvIndptr, KvIndices, sm_s
                     mask=mask_d[:, None] & mask_n[None, :], other=0.0).to(q.dtype)  # an fp8 pool widens
         v = tl.load(V_buf + slots[:, None] * stride_vbs + kv_head * stride_vbh + offs_d[None, :],
                     mask=mask_n[:, None] & mask_d[None, :], other=0.0).to(q.dtype)
-        allowed = mask_n[None, :] & ((window <= 0) | (cols[None, :] > q_pos[:, None] - window))
+        allowed = mask_n[None, :] & (cols[None, :] >= row_first[:, None])
         acc, m_i, l_i = _softmax_step(q, k, v, acc, m_i, l_i, allowed, qk_scale, PRECISION)
 
     # new tokens, causal; each row's own key is visible to it, so no row's max stays -inf
@@ -133,7 +134,7 @@ def _extend_kernel(Q, K, V, O, K_buf, V_buf, QoIndptr, KvIndptr, KvIndices, sm_s
         v = tl.load(V + krows[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :],
                     mask=mask_n[:, None] & mask_d[None, :], other=0.0)
         allowed = mask_n[None, :] & (cols[None, :] <= offs_m[:, None])
-        allowed &= (window <= 0) | (cols[None, :] > offs_m[:, None] - window)
+        allowed = allowed & (prefix_len + cols[None, :] >= row_first[:, None])
         acc, m_i, l_i = _softmax_step(q, k, v, acc, m_i, l_i, allowed, qk_scale, PRECISION)
 
     # padding rows past ext_len may see no key through a window: never 0 / 0, though they are not stored

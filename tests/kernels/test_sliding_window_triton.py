@@ -39,7 +39,8 @@ def test_decode_reads_only_each_querys_window(dtype: torch.dtype, window: int) -
     kv_indptr[1:] = torch.tensor(lens).cumsum(0)
     q = torch.randn(len(lens), 8, 64, dtype=dtype)
     ref = decode_attention_ref(q, k_buf, v_buf, kv_indptr, kv_indices, 0.125, window=window)
-    outside = torch.cat([kv_indices[s:max(s, e - window)] for s, e in zip(kv_indptr[:-1].tolist(), kv_indptr[1:].tolist())])
+    bounds = kv_indptr.tolist()
+    outside = torch.cat([kv_indices[s:max(s, e - window)] for s, e in zip(bounds[:-1], bounds[1:])])
     # splits by the keys inside the window, as the backend sizes them; short splits so the window spans several
     splits = num_kv_splits([min(n, window) for n in lens], 2, min_split_len=8, max_splits=4, target_programs=None)
     out = decode_attention_fwd(q, _poisoned(k_buf, outside), _poisoned(v_buf, outside), kv_indptr, kv_indices,
