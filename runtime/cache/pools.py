@@ -14,11 +14,9 @@ _E4M3_MAX = 448.0
 _MAX_PENDING_FREES = 1024
 # Plain decoding takes each request's KV slots this many positions at a time. One slot per request
 # per step, as they come off the free list, puts a batch of B requests' decode tokens B slots
-# apart, so attention reads a long decode as scattered rows; runs of 16 it streams (bf16, batch 64,
-# 32 prompt + 288 output tokens, Xeon with AMX: 54.6 -> 50.4 ms a decode step). The attention alone
-# at context 256 read runs of 1, 8, 16, 32 slots and whole rows in 0.99, 0.63, 0.62, 0.60 and 0.56
-# ms a layer: 16 takes most of the gain for 15 slots a running request holds ahead of it at most,
-# which are the first to go when memory is short.
+# apart, so attention reads a long decode as scattered rows; runs of 16 it streams. 16 takes most
+# of the gain of longer runs (docs/performance.md) for at most 15 slots a running request holds
+# ahead of it, which are the first to go when memory is short.
 DECODE_SLOT_RUN = 16
 
 

@@ -2,8 +2,7 @@
 
 OpenMP teams spin at their barriers and wait for their slowest thread. When another process takes
 one of the cores the team runs on, every parallel region (dozens a decode step) waits for the
-thread the kernel has descheduled: a bf16 matmul of a decode step took 10x as long with two
-threads beside one busy process as with one thread. The worker asks `threads()` before each step
+thread the kernel has descheduled. The worker asks `threads()` before each step
 and runs with one thread fewer for every core the rest of the machine keeps busy, back to all of
 them once those cores are free again. Results do not depend on it: every CPU op tandem runs splits
 its work by rows, never by the reduction (tests/runtime/model/test_thread_invariance.py).

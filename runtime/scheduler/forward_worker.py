@@ -135,12 +135,10 @@ class GenerationBatchResult:
 def reserve_intra_op_threads() -> int:
     """Leave the calling thread one intra-op thread and return the count the forward thread takes.
 
-    Call it before the model loads. libgomp keeps a thread team for every thread that ever ran a
-    parallel region, and once the process has more OpenMP threads than CPUs it cuts their
-    spin-wait to almost nothing, so every small op of a step pays futex wake-ups: a CPU decode step
-    (SmolLM2 bf16, batch 64) took 125 ms on the forward thread after the scheduler thread had
-    loaded the model with two threads, 62 ms with one team. The count is per thread in OpenMP;
-    the worker sets its own when it starts.
+    Call it before the model loads. Invariant: one OpenMP team in the process at full size (the
+    forward thread's). libgomp keeps a team for every thread that ever ran a parallel region, and
+    with more OpenMP threads than CPUs it cuts their spin-wait, so every small op of a step would
+    pay futex wake-ups. The count is per thread in OpenMP; the worker sets its own when it starts.
     """
     threads = torch.get_num_threads()  # also fixes this thread's count, so later calls elsewhere leave it
     torch.set_num_threads(1)
