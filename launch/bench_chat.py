@@ -22,7 +22,7 @@ import orjson
 
 from tandem.launch.bench_datasets import DatasetRow
 from tandem.launch.bench_metrics import RequestResult, finish_request, record_chunk
-from tandem.launch.bench_serving import StreamError, report, run_benchmark
+from tandem.launch.bench_client import StreamError, report, run_benchmark
 from tandem.launch.bench_serving_ab import flush_cache
 
 

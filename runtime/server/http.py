@@ -22,6 +22,7 @@ from tandem.runtime.tools.parse_route import parse_function_call
 from tandem.runtime.frontend.info import VERSION, current_loads, health_generate, model_info, served_model_name, server_info
 from tandem.runtime.server.auth import ApiKeyMiddleware
 from tandem.runtime.server.http_common import control_request, error_response, json_response, read_json
+from tandem.runtime.server.openai_request import OpenAIRequest
 from tandem.runtime.server.rl_routes import add_rl_routes
 from tandem.runtime.frontend.tokenizer_manager import ChildStartError, TokenizerManager
 
@@ -104,7 +105,7 @@ def create_app(args: ServerArgs, on_child_death: Callable[[str], None] | None = 
             return await asyncio.get_running_loop().run_in_executor(None, json_response, result)
         return json_response(result)
 
-    async def openai_call(request: Request, req: openai.OpenAIRequest) -> Response:
+    async def openai_call(request: Request, req: OpenAIRequest) -> Response:
         tm = app.state.tm
         req.native = with_header_dp_rank(req.native, header_dp_rank(request))
         n = req.native["sampling_params"].get("n") or 1

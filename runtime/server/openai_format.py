@@ -7,7 +7,7 @@ import time
 from typing import Any, AsyncIterator
 
 from tandem.runtime.frontend.request_groups import CallStream, RequestError
-from tandem.runtime.server.openai import OpenAIRequest
+from tandem.runtime.server.openai_request import OpenAIRequest
 from tandem.runtime.server.openai_tools import ChoiceCalls, delta_calls, finish_reason, message_calls, parser_for
 from tandem.runtime.reasoning import StreamSplitter
 from tandem.runtime.tools.parser import ToolStream

@@ -17,7 +17,7 @@ from tandem.runtime.tools.request import ToolRequest
 from tandem.runtime.value_checks import ValidationError
 
 if TYPE_CHECKING:
-    from tandem.runtime.server.openai import OpenAIRequest
+    from tandem.runtime.server.openai_request import OpenAIRequest
 
 _CONSTRAINTS = ("regex", "ebnf", "json_schema", "structural_tag")
 

@@ -14,7 +14,8 @@ import time
 from typing import Any, AsyncIterator, Callable
 
 from tandem.runtime.frontend.request_groups import CallStream
-from tandem.runtime.server.openai import OpenAIRequest, chat_request
+from tandem.runtime.server.openai import chat_request
+from tandem.runtime.server.openai_request import OpenAIRequest
 from tandem.runtime.server.openai_format import error_event
 from tandem.runtime.reasoning import StreamSplitter
 from tandem.runtime.server.openai_tools import ChoiceCalls, message_calls, parser_for

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from tandem.launch import bench_serving
+from tandem.launch import bench_client, bench_serving
 from tandem.launch.bench_datasets import (
     FIRST_ORDINARY_ID,
     load_conversations,
@@ -206,18 +206,18 @@ def test_all_failed_and_warmup_failure_exit_nonzero(tmp_path: Path, capsys: Any)
 def test_payload_text_prompt_and_stream_error() -> None:
     args = bench_serving.parse_args(["--extra-request-body", '{"rid": "x"}',
                                      "--disable-ignore-eos"])
-    body = bench_serving.build_payload("hello", 5, args)
+    body = bench_client.build_payload("hello", 5, args)
     assert body["text"] == "hello" and "input_ids" not in body and body["rid"] == "x"
     assert body["sampling_params"]["ignore_eos"] is False
-    with pytest.raises(bench_serving.StreamError, match="out of memory"):
-        bench_serving.apply_chunk(RequestResult(), {"error": {"message": "out of memory"}}, 0.0)
+    with pytest.raises(bench_client.StreamError, match="out of memory"):
+        bench_client.apply_chunk(RequestResult(), {"error": {"message": "out of memory"}}, 0.0)
     # SGLang's (and tandem's) failed stream: the usual chunk, its finish_reason an abort with a status
     failed = {"text": "", "output_ids": [], "meta_info": {"finish_reason": {
         "type": "abort", "message": "The request queue is full.", "status_code": 503, "err_type": "ServiceUnavailable"}}}
-    with pytest.raises(bench_serving.StreamError, match="503: The request queue is full."):
-        bench_serving.apply_chunk(RequestResult(), failed, 0.0)
+    with pytest.raises(bench_client.StreamError, match="503: The request queue is full."):
+        bench_client.apply_chunk(RequestResult(), failed, 0.0)
     aborted = {"text": "", "output_ids": [], "meta_info": {"finish_reason": {"type": "abort", "status_code": 200}}}
-    bench_serving.apply_chunk(RequestResult(), aborted, 0.0)  # a user's abort is an ordinary end
+    bench_client.apply_chunk(RequestResult(), aborted, 0.0)  # a user's abort is an ordinary end
 
 
 def test_server_args_pass_through_as_one_string() -> None:
@@ -340,5 +340,5 @@ def test_sse_comments_are_skipped() -> None:
 
     chunk = b'data: {"text": "ab", "output_ids": [5, 6], "meta_info": {"completion_tokens": 2}}\n'
     res = RequestResult(prompt_len=3)
-    asyncio.run(bench_serving._consume_stream(Resp([b": keep-alive\n", b"\n", chunk, b"data: [DONE]\n"]), res))
+    asyncio.run(bench_client._consume_stream(Resp([b": keep-alive\n", b"\n", chunk, b"data: [DONE]\n"]), res))
     assert res.success and res.output_len == 2 and res.text == "ab"

@@ -9,7 +9,7 @@ import pytest
 from call_fakes import result, stream_of
 
 from tandem.runtime.frontend.request_groups import CallStream
-from tandem.runtime.server.openai import OpenAIRequest
+from tandem.runtime.server.openai_request import OpenAIRequest
 from tandem.runtime.server.responses_api import responses_events, responses_request, responses_response
 from tandem.runtime.value_checks import ValidationError
 
