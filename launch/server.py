@@ -23,6 +23,7 @@ from fastapi import FastAPI
 from tandem.runtime import sglang_flags
 from tandem.runtime.launcher import resolve_random_seed, run_scheduler_node
 from tandem.runtime.model_files import local_checkpoints
+from tandem.runtime.process import setup_logging
 from tandem.runtime.server.http import create_app
 from tandem.runtime.server.protocol import protocol_with_head_timeout
 from tandem.runtime.server_args import ServerArgs
@@ -89,7 +90,7 @@ class DrainingServer(uvicorn.Server):
 
 def run_server(args: ServerArgs, notes: Sequence[str] = ()) -> int:
     """`notes`: lines to log once logging is set up (SGLang flags that were ignored)."""
-    logging.basicConfig(level=args.log_level.upper(), format="[%(asctime)s] %(message)s")
+    setup_logging("main", args.log_level)
     for note in notes:
         logging.info(note)
     args = resolve_random_seed(args)  # before anything reads it: /server_info reports the drawn seed
@@ -106,7 +107,8 @@ def run_server(args: ServerArgs, notes: Sequence[str] = ()) -> int:
     app = create_app(args, on_child_death)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, loop="uvloop",
                             http=protocol_with_head_timeout(args.http_read_timeout), timeout_keep_alive=5,
-                            limit_concurrency=args.max_connections, timeout_graceful_shutdown=5, access_log=False)
+                            limit_concurrency=args.max_connections, timeout_graceful_shutdown=5, access_log=False,
+                            log_config=None)  # uvicorn's lines reach the root logger: the one format
     server = DrainingServer(config, app, args.graceful_shutdown_timeout)
     try:
         sock = take_port(args.host, args.port, "--port")

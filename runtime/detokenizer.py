@@ -10,7 +10,7 @@ import zmq
 from tandem.ipc.messages import BatchStrOutput, BatchTokenIDOutput, ChildError, ReadyMsg
 from tandem.ipc.sockets import IPCAddresses, bind_pull, connect_push, recv, send
 from tandem.runtime.incremental_detok import DecodeState, decode_batch
-from tandem.runtime.process import ParentWatch
+from tandem.runtime.process import ParentWatch, setup_logging
 from tandem.runtime.server_args import ServerArgs
 from tandem.runtime.tokenizer import load_tokenizer
 
@@ -47,7 +47,7 @@ class Detokenizer:
 
 
 def run_detokenizer_process(args: ServerArgs, addrs: IPCAddresses, watch: ParentWatch) -> None:
-    logging.basicConfig(level=args.log_level.upper(), format="[%(asctime)s detokenizer] %(message)s")
+    setup_logging("detokenizer", args.log_level)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     ctx = zmq.Context()
     out_sock = connect_push(ctx, addrs.detokenizer_to_tokenizer)

@@ -1,5 +1,6 @@
-"""What a child process (scheduler, detokenizer) runs on its side of the launcher: its title, the
-watch on its parent, and which tensor-parallel ranks its node runs.
+"""What a child process (scheduler, detokenizer) runs on its side of the launcher: its title, its
+log format (the one every tandem process uses), the watch on its parent, and which
+tensor-parallel ranks its node runs.
 
 Children never outlive the main process: on Linux the kernel sends them SIGUSR1 when it dies
 (PR_SET_PDEATHSIG; a signal nothing else sends them, so the handler knows what happened without
@@ -9,6 +10,7 @@ busy or idle. Whoever outlives the main process removes the IPC directory.
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 import signal
 import sys
@@ -17,6 +19,19 @@ from tandem.ipc.sockets import IPCAddresses
 from tandem.runtime.server_args import ServerArgs
 
 _PR_SET_PDEATHSIG = 1
+LOG_DATEFMT = "%Y-%m-%d %H:%M:%S"  # SGLang's
+
+
+def log_format(role: str) -> str:
+    """`[2026-12-07 10:00:00 INFO scheduler] message`: time, level, which process."""
+    return f"[%(asctime)s %(levelname)s {role.replace('%', '%%')}] %(message)s"
+
+
+def setup_logging(role: str, level: str) -> None:
+    """Every tandem process logs the same way (log_format) on stderr, at --log-level: the main
+    process (`main`, uvicorn's lines included), `scheduler` (`scheduler TP<rank>` under tensor
+    parallelism) and `detokenizer`, so one server's interleaved output reads as one log."""
+    logging.basicConfig(level=level.upper(), format=log_format(role), datefmt=LOG_DATEFMT)
 
 
 class ParentWatch:

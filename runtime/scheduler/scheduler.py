@@ -23,7 +23,7 @@ from tandem.ipc.sockets import IPCAddresses, bind_pull, connect_push, recv_all_n
 from tandem.runtime.envs import envs
 from tandem.runtime.grammar.backend import GrammarBackend
 from tandem.runtime.host_malloc import keep_freed_heap
-from tandem.runtime.process import ParentWatch, node_tp_ranks
+from tandem.runtime.process import ParentWatch, node_tp_ranks, setup_logging
 from tandem.runtime.model.forward_batch import ForwardMode
 from tandem.runtime.model.runner import ModelRunner
 from tandem.runtime.model.tensor_parallel import SINGLE, init_tensor_parallel
@@ -335,7 +335,7 @@ class Scheduler:
 def run_scheduler_process(args: ServerArgs, addrs: IPCAddresses, watch: ParentWatch, tp_rank: int = 0) -> None:
     """Entry point of the spawned scheduler process (one per tensor-parallel rank)."""
     name = "scheduler" if args.tp_size == 1 else f"scheduler TP{tp_rank}"
-    logging.basicConfig(level=args.log_level.upper(), format=f"[%(asctime)s {name}] %(message)s")
+    setup_logging(name, args.log_level)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the main process decides when we stop
     if torch.device(args.resolved_device()).type == "cpu":
         keep_freed_heap()  # before any thread (zmq's, the forward worker) has an arena of its own
