@@ -134,6 +134,9 @@ class ServerArgs:
     # SGLang's: the version of the served weights in meta_info, /server_info and /model_info; a
     # weight update that names a weight_version replaces it
     weight_version: str = "default"
+    # SGLang's: serve the model as an embedder (/v1/embeddings, /encode: pooled hidden states of a
+    # prefill-only pass, as the model folder's sentence-transformers modules say); generation is refused
+    is_embedding: bool = False
 
     def __post_init__(self) -> None:
         self._check_field_types()

@@ -202,9 +202,9 @@ REFUSED: dict[str, str] = {
         --kt-weight-path= --enable-quant-communications""",
     "tandem serves no LoRA adapters: serve a checkpoint with the adapter merged into its weights":
         "--enable-lora --lora-paths*",
-    "tandem serves generation only (/generate, OpenAI completions, chat and responses): no embedding, "
-    "multimodal, diffusion or encoder-only models": """
-        --is-embedding --enable-multimodal --dllm-algorithm= --encoder-only --language-only""",
+    "tandem serves text decoders (generation, or embeddings with --is-embedding): no multimodal, "
+    "diffusion or encoder-only models": """
+        --enable-multimodal --dllm-algorithm= --encoder-only --language-only""",
     "tandem reads safetensors folders and GGUF files itself: give --model-path the checkpoint folder": """
         --load-format=auto|safetensors|gguf --speculative-draft-load-format=auto|safetensors|gguf
         --model-config-parser=auto|hf --model-loader-extra-config={} --custom-weight-loader*""",

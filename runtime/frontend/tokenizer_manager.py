@@ -162,7 +162,8 @@ class TokenizerManager:
         """Why new requests are refused (a dead child, or draining after SIGTERM), else None."""
         return self.dead_reason or (SHUTTING_DOWN if self.draining else None)
 
-    async def _submit(self, body: Any, add_special_tokens: bool = True, log_metrics: bool = True) -> Call:
+    async def _submit(self, body: Any, add_special_tokens: bool = True, log_metrics: bool = True,
+                      embedding: bool = False) -> Call:
         """Validate the whole call (off the event loop: tokenizing a long text takes a while),
         check its rids, then register and send every choice. A text prompt gets the tokenizer's
         special tokens (a BOS where the model has one), as SGLang tokenizes it; a rendered chat
@@ -171,6 +172,10 @@ class TokenizerManager:
         received = time.perf_counter()
         if self.dead_reason:
             raise RequestError(500, self.dead_reason)
+        if embedding != self.args.is_embedding:
+            raise RequestError(400, "this server serves an embedding model (--is-embedding): use /v1/embeddings or "
+                               "/encode" if self.args.is_embedding else
+                               "embeddings need a server started with --is-embedding")
         if self.draining:
             raise RequestError(503, SHUTTING_DOWN)
         norm = await asyncio.get_running_loop().run_in_executor(
@@ -233,10 +238,11 @@ class TokenizerManager:
 
     # -- the two response shapes ----------------------------------------------------------------------------
     async def generate(self, body: Any, is_disconnected: Callable[[], Any] | None = None,
-                       add_special_tokens: bool = True, log_metrics: bool = True) -> dict | list[dict]:
+                       add_special_tokens: bool = True, log_metrics: bool = True,
+                       embedding: bool = False) -> dict | list[dict]:
         """Non-streaming: the finished result (a list for batch input or n > 1). The first choice
         that fails ends the whole call with its error (its siblings are aborted)."""
-        call = await self._submit(body, add_special_tokens, log_metrics)
+        call = await self._submit(body, add_special_tokens, log_metrics, embedding)
         next_poll = time.monotonic() + DISCONNECT_POLL_S
         try:
             while not all(g.finished for g in call.groups):

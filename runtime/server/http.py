@@ -23,6 +23,7 @@ from tandem.runtime.frontend.info import VERSION, current_loads, health_generate
 from tandem.runtime.server.auth import ApiKeyMiddleware
 from tandem.runtime.server.http_common import control_request, error_response, json_response, read_json
 from tandem.runtime.server.openai_request import OpenAIRequest
+from tandem.runtime.server.embedding_routes import add_embedding_routes
 from tandem.runtime.server.rl_routes import add_rl_routes
 from tandem.runtime.frontend.tokenizer_manager import ChildStartError, TokenizerManager
 
@@ -252,6 +253,7 @@ def create_app(args: ServerArgs, on_child_death: Callable[[str], None] | None = 
         return error_response(400, f"cache not flushed: {reply.message}")
 
     add_rl_routes(app, args)
+    add_embedding_routes(app, args)
 
     @app.post("/abort_request")
     async def abort_request(request: Request) -> Response:

@@ -141,8 +141,8 @@ def _flag_named(err: str, spelling: str) -> bool:
 
 
 def test_refused_flags_say_why_and_neutral_values_pass(serve):
-    code, err = serve(["--is-embedding"])
-    assert code == 2 and "--is-embedding: tandem serves generation only" in err
+    code, err = serve(["--enable-multimodal"])
+    assert code == 2 and "--enable-multimodal: tandem serves text decoders" in err
     code, err = serve(["--disaggregation-mode", "prefill"])
     assert code == 2 and "--disaggregation-mode: tandem runs as one whole server" in err
     code, err = serve(["--load-format", "dummy"])
@@ -175,7 +175,7 @@ def test_sglang_flags_as_engine_keywords():
                                               "load_format": "auto", "attn_dp_size": 1, "enable_tf32_matmul": False})
     assert rest == {"max_total_tokens": 8}
     assert [n.split(" ignored")[0] for n in notes] == ["--page-size", "--load-format auto", "--no-enable-tf32-matmul"]
-    for kwargs, message in (({"is_embedding": True}, "^--is-embedding: tandem serves generation only"),
+    for kwargs, message in (({"enable_multimodal": True}, "^--enable-multimodal: tandem serves text decoders"),
                             ({"lora_paths": ["a=/x"]}, "^--lora-paths: tandem serves no LoRA"),
                             ({"moe_dp_size": 2}, "^--moe-dp-size: tandem runs one rank of it, got 2")):
         with pytest.raises(ValueError, match=message):

@@ -1,6 +1,8 @@
 """Session-wide servers: started once, shared by the end-to-end tests, always stopped."""
 from __future__ import annotations
 
+import json
+import shutil
 from collections import OrderedDict
 from pathlib import Path
 
@@ -31,6 +33,19 @@ def servers(tmp_path_factory, tiny_model_dir):
     leaks: list[str] = []
     failed: dict[str, RuntimeError] = {}
     logs = tmp_path_factory.mktemp("server_logs")
+
+    def embedder() -> str:
+        """The tiny Qwen3 in Qwen3-Embedding's layout: sentence-transformers' last-token pooling, normalized."""
+        out = tmp_path_factory.getbasetemp() / "tiny_qwen3_embedding"
+        if not out.exists():
+            shutil.copytree(tiny_model_dir("qwen3"), out)
+            (out / "1_Pooling").mkdir()
+            (out / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode_lasttoken": True}))
+            (out / "modules.json").write_text(json.dumps([
+                {"idx": 0, "path": "", "type": "sentence_transformers.models.Transformer"},
+                {"idx": 1, "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+                {"idx": 2, "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"}]))
+        return str(out)
 
     def standalone(model: str | None, layers: int) -> list[str]:
         from tandem.launch.make_tiny_model import build_truncated_model
@@ -92,6 +107,7 @@ def servers(tmp_path_factory, tiny_model_dir):
                                 "--chat-template", TOOLS_TEMPLATE, "--constrained-json-disable-any-whitespace"], None),
                 # weight updates and pause change the server for whoever comes next: one of their own
                 "tiny_rl": (["--model-path", tiny, *TINY_ARGS, "--weight-version", "v0"], None),
+                "tiny_embedding": (["--model-path", embedder(), *TINY_ARGS, "--is-embedding"], None),
                 "smol_ngram": (["--max-total-tokens", "20000", "--max-running-requests", "32", *NGRAM], None),
                 # STANDALONE: the draft is the tiny model cut to its first layer (SmolLM2: first 6 of 30)
                 "tiny_standalone": (["--model-path", tiny, *TINY_ARGS, *standalone(tiny, 1)],
