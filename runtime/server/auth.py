@@ -14,7 +14,7 @@ from typing import Any, Awaitable, Callable
 
 import orjson
 
-OPEN_PATHS = frozenset({"/health", "/health_generate", "/metrics"})  # probes and scrapers, matched exactly
+OPEN_PATHS = frozenset({"/health", "/health_generate", "/ready", "/metrics"})  # probes and scrapers, matched exactly
 
 Scope = dict[str, Any]
 ASGIApp = Callable[[Scope, Callable, Callable], Awaitable[None]]

@@ -25,7 +25,7 @@ def _status(path: str, headers: list[tuple[bytes, bytes]] = ()) -> int:
     return sent[0]["status"]
 
 
-@pytest.mark.parametrize("path", ["/health", "/health_generate", "/metrics"])
+@pytest.mark.parametrize("path", ["/health", "/health_generate", "/ready", "/metrics"])
 def test_the_probes_and_the_scrape_are_open(path):
     assert _status(path) == 200
 
