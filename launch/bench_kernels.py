@@ -1,6 +1,7 @@
 """`python -m tandem.launch.bench_kernels`: time each Triton kernel against its torch reference
 (and attention against torch SDPA) on serving-sized bf16 shapes, and report achieved memory
-bandwidth as a fraction of the device's peak.
+bandwidth as a fraction of the device's peak. The kernels: the small ops (norms, SiLU-and-mul,
+rotary, KV store), decode and extend attention, the grammar token bitmask and the fused MoE.
 
 `--check-only` instead runs every kernel against its reference on small shapes, on CPU under the
 Triton interpreter when there is no GPU, and exits 0 when all agree, 1 otherwise.
@@ -24,6 +25,8 @@ PEAK_GBPS: tuple[tuple[str, float], ...] = (
     ("A10", 600.0), ("RTX 4090", 1008.0), ("RTX 3090", 936.0),
 )
 HQ, HKV, HEAD_DIM, HIDDEN, INTERMEDIATE = 32, 8, 128, 4096, 14336  # Llama-3-8B-like layer
+VOCAB = 128256  # Llama-3's: the grammar bitmask's row
+MOE_EXPERTS, MOE_TOP_K, MOE_HIDDEN, MOE_INTERMEDIATE = 128, 8, 2048, 768  # Qwen3-30B-A3B-like MoE layer
 
 
 @dataclass
@@ -105,6 +108,44 @@ def _check_attention(dtype: torch.dtype, dev: str, tol: float) -> list[Check]:
     return ok
 
 
+def _neg_inf_split(x: torch.Tensor) -> torch.Tensor:
+    """x's -inf positions (as 1) beside its other values (-inf as 0): comparable by _close, where
+    -inf minus -inf would be nan."""
+    masked = x.isneginf()
+    return torch.cat([masked.to(x.dtype).flatten(), x.masked_fill(masked, 0).flatten()])
+
+
+def _check_token_bitmask(dtype: torch.dtype, dev: str) -> list[Check]:
+    from tandem.kernels.reference import apply_token_bitmask_ref
+    from tandem.kernels.token_bitmask import apply_token_bitmask
+
+    n, vocab = 5, 1000  # vocab not a multiple of 32 nor of the block: the tail word and block are partial
+    logits = torch.randn(n, vocab, dtype=dtype, device=dev)
+    bitmask = torch.randint(-(2 ** 31), 2 ** 31 - 1, (3, (vocab + 31) // 32), dtype=torch.int64,
+                            device=dev).to(torch.int32)
+    rows = torch.tensor([4, 0, 2], device=dev)  # rows 1 and 3 unconstrained: left alone
+    got, want = logits.clone(), logits.clone()
+    apply_token_bitmask(got, bitmask, rows, block=256)
+    apply_token_bitmask_ref(want, bitmask, rows)
+    return [_close("token_bitmask", _neg_inf_split(got), _neg_inf_split(want), 0.0)]
+
+
+def _check_fused_moe(dtype: torch.dtype, dev: str, tol: float) -> list[Check]:
+    from tandem.kernels.fused_moe import fused_moe
+    from tandem.kernels.moe_reference import fused_moe_ref, route
+
+    tokens, hidden, width, experts, top_k = 37, 64, 48, 8, 2
+    x = torch.randn(tokens, hidden, dtype=dtype, device=dev)
+    w13 = (torch.randn(experts, 2 * width, hidden, device=dev) * hidden ** -0.5).to(dtype)
+    w2 = (torch.randn(experts, hidden, width, device=dev) * width ** -0.5).to(dtype)
+    logits = torch.randn(tokens, experts, device=dev)
+    logits[:, experts // 2:] -= 8  # some experts chosen by few tokens or none
+    weights, ids = route(logits, top_k, renormalize=True)
+    # the reference in float64: the kernel keeps fp32 between its GEMMs, the loop rounds to dtype
+    want = fused_moe_ref(x.double(), w13.double(), w2.double(), weights.double(), ids)
+    return [_close("fused_moe", fused_moe(x, w13, w2, weights, ids), want, tol)]
+
+
 def run_checks() -> list[Check]:
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     dtypes = [torch.float32, torch.float16] + ([torch.bfloat16] if dev == "cuda" else [])  # bf16: no interpreter
@@ -114,6 +155,7 @@ def run_checks() -> list[Check]:
         print(f"{dtype} on {dev}{' (Triton interpreter)' if dev == 'cpu' else ''}:")
         torch.manual_seed(0)
         results += _check_small_ops(dtype, dev, tols[dtype]) + _check_attention(dtype, dev, tols[dtype])
+        results += _check_token_bitmask(dtype, dev) + _check_fused_moe(dtype, dev, tols[dtype])
     print(f"{sum(c.ok for c in results)}/{len(results)} checks passed")
     return results
 
@@ -221,6 +263,44 @@ def _bench_small_ops(tokens: int) -> list[Row]:
     return rows
 
 
+def _bench_token_bitmask(bs: int) -> Row:
+    """One grammar-constrained decode step: bs rows of VOCAB logits, each token allowed with
+    probability 1/32 (a grammar allows few tokens). Bytes: the bitmask read and the -inf written."""
+    from tandem.kernels.reference import apply_token_bitmask_ref
+    from tandem.kernels.token_bitmask import apply_token_bitmask
+
+    dt, dev, words = torch.bfloat16, "cuda", (VOCAB + 31) // 32
+    logits = torch.randn(bs, VOCAB, dtype=dt, device=dev)
+    bits = [torch.randint(-(2 ** 31), 2 ** 31 - 1, (bs, words), dtype=torch.int64, device=dev).to(torch.int32)
+            for _ in range(5)]
+    bitmask = bits[0] & bits[1] & bits[2] & bits[3] & bits[4]
+    rows = torch.arange(bs, device=dev)
+    shifts = torch.arange(32, device=dev, dtype=torch.int32)
+    allowed = int(((bitmask[:, :, None] >> shifts) & 1).flatten(1)[:, :VOCAB].sum())
+    nbytes = bitmask.numel() * 4 + (bs * VOCAB - allowed) * logits.element_size()
+    return Row("token_bitmask", f"B={bs} V={VOCAB}", _time_us(lambda: apply_token_bitmask(logits, bitmask, rows)),
+               _time_us(lambda: apply_token_bitmask_ref(logits, bitmask, rows)), None, nbytes / 1e9)
+
+
+def _bench_fused_moe(tokens: int) -> Row:
+    """One MoE layer, random routing. Bytes: the weights of the experts chosen, x read and the
+    output written (the intermediates the two GEMMs pass through memory are not counted)."""
+    from tandem.kernels.fused_moe import fused_moe
+    from tandem.kernels.moe_reference import fused_moe_ref, route
+
+    dt, dev = torch.bfloat16, "cuda"
+    e, k, h, i = MOE_EXPERTS, MOE_TOP_K, MOE_HIDDEN, MOE_INTERMEDIATE
+    x = torch.randn(tokens, h, dtype=dt, device=dev)
+    w13 = torch.randn(e, 2 * i, h, dtype=dt, device=dev) * h ** -0.5
+    w2 = torch.randn(e, h, i, dtype=dt, device=dev) * i ** -0.5
+    weights, ids = route(torch.randn(tokens, e, device=dev), k, renormalize=True)
+    chosen = ids.unique().numel()
+    nbytes = chosen * 3 * i * h * 2 + 2 * tokens * h * 2
+    return Row("fused_moe", f"T={tokens} E={e} K={k} I={i}", _time_us(lambda: fused_moe(x, w13, w2, weights, ids)),
+               _time_us(lambda: fused_moe_ref(x, w13, w2, weights, ids)), None, nbytes / 1e9,
+               6 * tokens * k * i * h / 1e12)
+
+
 def peak_gbps(name: str) -> float | None:
     return next((gbps for key, gbps in PEAK_GBPS if key.lower() in name.lower()), None)
 
@@ -247,6 +327,10 @@ def run_bench(args: argparse.Namespace) -> list[Row]:
     rows: list[Row] = []
     for tokens in args.tokens:
         rows += _bench_small_ops(tokens)
+        rows.append(_bench_fused_moe(tokens))
+        torch.cuda.empty_cache()
+    for bs in args.batch:
+        rows.append(_bench_token_bitmask(bs))
     for bs in args.batch:
         for ctx in args.ctx:
             row = _bench_decode(bs, ctx)
@@ -266,9 +350,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--check-only", action="store_true", help="correctness on small shapes (CPU ok), no timing")
     parser.add_argument("--peak-gbps", type=float, default=None, help="device peak memory bandwidth in GB/s")
-    parser.add_argument("--batch", type=int, nargs="+", default=[1, 16, 64, 256])
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 16, 64, 256],
+                        help="batch sizes for decode attention and the token bitmask")
     parser.add_argument("--ctx", type=int, nargs="+", default=[1024, 8192, 32768])
-    parser.add_argument("--tokens", type=int, nargs="+", default=[1, 256, 8192], help="token counts for small ops")
+    parser.add_argument("--tokens", type=int, nargs="+", default=[1, 256, 8192],
+                        help="token counts for the small ops and the fused MoE")
     parser.add_argument("--output-file", "--json", dest="output_file", default=None,
                         help="also write the rows (or, with --check-only, the checks) to this JSON file")
     args = parser.parse_args(argv)
