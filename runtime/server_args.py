@@ -6,6 +6,7 @@ import re
 import ctypes
 import dataclasses
 import functools
+import json
 import os
 import tomllib
 import types
@@ -111,6 +112,9 @@ class ServerArgs:
     speculative_ngram_max_match_window_size: int = 12  # NGRAM: the longest suffix looked up in the context
     grpc_port: int | None = None  # serve SGLang's gRPC service and the gateway's scheduler service here
     chat_template: str | None = None  # a Jinja file overriding the tokenizer's chat template (OpenAI chat)
+    # SGLang's: a JSON object of chat_template_kwargs every chat request gets unless it sets them itself
+    # (e.g. '{"enable_thinking": false}')
+    default_chat_template_kwargs: str | None = None
     reasoning_parser: str | None = None  # deepseek-r1 | qwen3: chat answers carry reasoning_content
     # SGLang's names: chat answers carry the model's calls in that format as tool_calls (qwen25, qwen and hermes:
     # <tool_call> JSON; llama3; mistral; pythonic; deepseekv3); None: a required or named call is a JSON array
@@ -183,6 +187,8 @@ class ServerArgs:
                              f"every node runs tp_size / nnodes ranks")
         if self.nnodes > 1 and self.dist_init_addr is None:
             raise ValueError("--dist-init-addr (HOST:PORT on node 0) is needed with --nnodes > 1")
+        if self.default_chat_template_kwargs is not None:
+            _check_template_kwargs(self.default_chat_template_kwargs)
         if self.chat_template is not None and not os.path.isfile(self.chat_template):
             raise ValueError(f"--chat-template: {self.chat_template!r} is not a Jinja template file "
                              f"(SGLang's built-in conversation template names are not served here)")
@@ -237,6 +243,11 @@ class ServerArgs:
             raise ValueError(f"--speculative-disable-batch-size: invalid value {limit} (>= 0)")
 
     # -- resolved views -------------------------------------------------------------------------
+    @property
+    def chat_template_defaults(self) -> dict[str, Any]:
+        """--default-chat-template-kwargs as a dict (checked at start)."""
+        return json.loads(self.default_chat_template_kwargs) if self.default_chat_template_kwargs else {}
+
     def resolved_device(self) -> str:
         if self.device != "auto":
             return self.device
@@ -399,6 +410,15 @@ def _field_comments() -> dict[str, str]:
 
 def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
+
+
+def _check_template_kwargs(text: str) -> None:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--default-chat-template-kwargs: {text!r} is not JSON ({exc})") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"--default-chat-template-kwargs: {text!r} is not a JSON object")
 
 
 def _cli_type(type_name: Any):

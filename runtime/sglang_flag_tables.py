@@ -227,7 +227,7 @@ REFUSED: dict[str, str] = {
         "--tokenizer-mode=auto --skip-tokenizer-init",
     "tandem renders chats with the checkpoint's chat template or --chat-template's file (chat_template_kwargs "
     "per request); it has no other templates": """
-        --hf-chat-template-name=default --completion-template= --default-chat-template-kwargs=
+        --hf-chat-template-name=default --completion-template=
         --trust-request-chat-template""",
     "tandem's JSON grammars (xgrammar) allow free whitespace, or none with "
     "--constrained-json-disable-any-whitespace": """

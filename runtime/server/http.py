@@ -137,7 +137,8 @@ def create_app(args: ServerArgs, on_child_death: Callable[[str], None] | None = 
         tm = app.state.tm
         body = await read_json(request, args)
         req = openai.chat_request(body, served_name(), tm.render_chat, args.reasoning_parser,
-                                  tm.chat_sampling_defaults, tm.chat_content_format, args.tool_call_parser)
+                                  tm.chat_sampling_defaults, tm.chat_content_format, args.tool_call_parser,
+                                  args.chat_template_defaults)
         req.reasoning = with_stream_reasoning(req.reasoning, body)
         req.include_usage |= args.stream_response_default_include_usage
         return await openai_call(request, req)
@@ -147,7 +148,7 @@ def create_app(args: ServerArgs, on_child_death: Callable[[str], None] | None = 
         tm = app.state.tm
         req = responses_api.responses_request(await read_json(request, args), served_name(), tm.render_chat,
                                               args.reasoning_parser, tm.chat_sampling_defaults, tm.chat_content_format,
-                                              args.tool_call_parser)
+                                              args.tool_call_parser, args.chat_template_defaults)
         return await openai_call(request, req)
 
     async def tokenize_route(request: Request) -> Response:

@@ -116,10 +116,12 @@ def decode_echo(req: OpenAIRequest, tokenizer: Any) -> None:
 
 def chat_request(body: Any, served_model: str, render: Callable[[list, dict], str],
                  reasoning_parser: str | None = None, sampling_defaults: dict[str, Any] | None = None,
-                 content_format: str = "string", tool_call_parser: str | None = None) -> OpenAIRequest:
+                 content_format: str = "string", tool_call_parser: str | None = None,
+                 template_defaults: dict[str, Any] | None = None) -> OpenAIRequest:
     """`sampling_defaults`: the model's recommended sampling, for the fields the request leaves out.
     `content_format`: the chat template's (`tokenizer.template_content_format`). `tool_call_parser`:
-    the server's (--tool-call-parser)."""
+    the server's (--tool-call-parser). `template_defaults`: --default-chat-template-kwargs, under
+    the request's own chat_template_kwargs."""
     _check_object(body)
     tools = tool_request(body)
     messages = body.get("messages")
@@ -130,6 +132,7 @@ def chat_request(body: Any, served_model: str, render: Callable[[list, dict], st
     kwargs = {} if kwargs is None else kwargs
     if not isinstance(kwargs, dict):
         raise ValidationError("chat_template_kwargs", f"must be an object, got {kwargs!r}")
+    kwargs = {**(template_defaults or {}), **kwargs}
     for key in _RENDER_ARGS.intersection(kwargs):  # apply_chat_template would fail on a second value
         raise ValidationError(f"chat_template_kwargs.{key}", "is set by the server (continue a final assistant "
                               "message with the request's continue_final_message)")

@@ -43,7 +43,8 @@ _MESSAGE_FIELD = re.compile(r"messages\[(\d+)\](.*)")
 
 def responses_request(body: Any, served_model: str, render: Callable[[list, dict], str],
                       reasoning_parser: str | None = None, sampling_defaults: dict[str, Any] | None = None,
-                      content_format: str = "string", tool_call_parser: str | None = None) -> OpenAIRequest:
+                      content_format: str = "string", tool_call_parser: str | None = None,
+                      template_defaults: dict[str, Any] | None = None) -> OpenAIRequest:
     """/v1/responses as SGLang serves it: `instructions` a system message before the `input`
     items, rendered and sampled as a chat request; the rid is `request_id` (SGLang's field), which
     is also the response's id. Nothing is stored (the answer says `store: false`)."""
@@ -67,7 +68,8 @@ def responses_request(body: Any, served_model: str, render: Callable[[list, dict
                 reasoning_effort=_only(body, "reasoning", "effort"), **chat_tool_fields(body))
     try:
         req = chat_request(chat, served_model, render, reasoning_parser,
-                           {**_RESPONSES_DEFAULTS, **(sampling_defaults or {})}, content_format, tool_call_parser)
+                           {**_RESPONSES_DEFAULTS, **(sampling_defaults or {})}, content_format, tool_call_parser,
+                           template_defaults)
     except ValidationError as exc:
         raise ValidationError(_responses_field(exc.field, [-1] * len(system) + origin), exc.message) from None
     req.kind = "response"

@@ -358,3 +358,27 @@ def test_include_stop_str_in_output_keeps_the_stop_string_as_no_stop_trim() -> N
     assert req.native["sampling_params"]["no_stop_trim"] is False
     with pytest.raises(ValidationError, match="include_stop_str_in_output"):
         _completion({"prompt": "Hi", "include_stop_str_in_output": "yes"})
+
+
+def test_default_chat_template_kwargs_apply_under_the_requests_own():
+    """--default-chat-template-kwargs: every chat gets them (and the qwen3 reasoning split follows
+    them), a request's own chat_template_kwargs win key by key."""
+    seen: list = []
+    render = lambda m, kw: seen.append(kw) or "<prompt>"  # noqa: E731
+    defaults = {"enable_thinking": False, "custom": 1}
+    off = oa.chat_request({"messages": [{"role": "user", "content": "x"}]}, "served", render, "qwen3",
+                          template_defaults=defaults)
+    assert seen.pop() == defaults and off.reasoning is not None and not off.reasoning.starts_inside
+    on = oa.chat_request({"messages": [{"role": "user", "content": "x"}],
+                          "chat_template_kwargs": {"enable_thinking": True}}, "served", render, "qwen3",
+                         template_defaults=defaults)
+    assert seen.pop() == {"enable_thinking": True, "custom": 1} and on.reasoning.starts_inside
+
+
+@pytest.mark.parametrize("text", ["not json", "[1, 2]"])
+def test_default_chat_template_kwargs_must_be_a_json_object(text):
+    from tandem.runtime.server_args import ServerArgs
+
+    with pytest.raises(ValueError, match="^--default-chat-template-kwargs"):
+        ServerArgs(default_chat_template_kwargs=text)
+    assert ServerArgs(default_chat_template_kwargs='{"a": 1}').chat_template_defaults == {"a": 1}
