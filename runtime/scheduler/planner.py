@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from tandem.ipc.messages import FinishReason
+from tandem.runtime.envs import envs
 from tandem.runtime.model.forward_batch import ForwardMode
 from tandem.runtime.scheduler.batch import BatchContext, ExtendSpan, ScheduleBatch, build_batch
 from tandem.runtime.scheduler.forward_worker import SpecInfo
@@ -22,6 +24,10 @@ from tandem.runtime.scheduler.kv_manager import KVManager
 from tandem.runtime.scheduler.policy import SchedulePolicy
 from tandem.runtime.scheduler.prefill_adder import ChunkedReq, PrefillAdder, decode_reserve
 from tandem.runtime.scheduler.request import Req
+from tandem.runtime.server_args import ServerArgs
+
+if TYPE_CHECKING:
+    from tandem.runtime.model.runner import ModelRunner
 
 logger = logging.getLogger("tandem.scheduler")
 
@@ -46,6 +52,26 @@ class PlannerConfig:
     speculative_num_drafts: int = 0  # drafts per verify; 0: plain decoding
     speculative_disable_batch_size: int | None = None  # more running requests than this: no drafts
     speculative_draft_ahead: int = 0  # positions past a verify that the drafter writes KV for (STANDALONE)
+
+    @staticmethod
+    def from_args(args: ServerArgs, runner: ModelRunner) -> "PlannerConfig":
+        """The server's settings and the model's limits (context, KV slots, request rows)."""
+        spec = args.speculative_algorithm
+        return PlannerConfig(
+            context_len=runner.context_len, max_total_tokens=runner.max_total_tokens,
+            max_running_requests=runner.max_running_requests, max_prefill_tokens=args.max_prefill_tokens,
+            chunked_prefill_size=args.chunked_prefill_size, max_queued_requests=args.max_queued_requests,
+            request_timeout=args.request_timeout, schedule_policy=args.schedule_policy,
+            enable_priority_scheduling=args.enable_priority_scheduling,
+            priority_preemption=not args.disable_priority_preemption,
+            schedule_low_priority_values_first=args.schedule_low_priority_values_first,
+            priority_scheduling_preemption_threshold=args.priority_scheduling_preemption_threshold,
+            abort_on_priority_when_disabled=args.abort_on_priority_when_disabled,
+            force_retract_every=envs.TEST_RETRACT_INTERVAL.get() if envs.TEST_RETRACT.get() else 0,
+            speculative_num_drafts=args.speculative_num_draft_tokens - 1 if spec else 0,
+            speculative_disable_batch_size=args.speculative_disable_batch_size,
+            # the draft model writes KV for its K - 1 chained inputs past the verify's last position
+            speculative_draft_ahead=args.speculative_num_draft_tokens - 1 if spec == "STANDALONE" else 0)
 
 
 @dataclass

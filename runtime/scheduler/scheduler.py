@@ -42,7 +42,7 @@ from tandem.runtime.scheduler.result_processor import FinishChecker
 from tandem.runtime.scheduler.stats import StepStats
 from tandem.runtime.scheduler.tp_sync import ControlSync, lockstep_settings
 from tandem.runtime.scheduler.watchdog import Watchdog
-from tandem.runtime.scheduler.weights_control import UPDATES, WeightsControl
+from tandem.runtime.scheduler.weights_control import WeightsControl
 from tandem.runtime.reasoning import THINK_END
 from tandem.runtime.server_args import ServerArgs
 from tandem.runtime.speculative.drafter import Drafter, NgramDrafter
@@ -51,24 +51,6 @@ from tandem.runtime.tokenizer import load_tokenizer
 
 logger = logging.getLogger("tandem.scheduler")
 GRAMMAR_POLL_MS = 5
-
-
-def planner_config(args: ServerArgs, runner: ModelRunner) -> PlannerConfig:
-    return PlannerConfig(
-        context_len=runner.context_len, max_total_tokens=runner.max_total_tokens,
-        max_running_requests=runner.max_running_requests, max_prefill_tokens=args.max_prefill_tokens,
-        chunked_prefill_size=args.chunked_prefill_size, max_queued_requests=args.max_queued_requests,
-        request_timeout=args.request_timeout, schedule_policy=args.schedule_policy,
-        enable_priority_scheduling=args.enable_priority_scheduling, priority_preemption=not args.disable_priority_preemption,
-        schedule_low_priority_values_first=args.schedule_low_priority_values_first,
-        priority_scheduling_preemption_threshold=args.priority_scheduling_preemption_threshold,
-        abort_on_priority_when_disabled=args.abort_on_priority_when_disabled,
-        force_retract_every=envs.TEST_RETRACT_INTERVAL.get() if envs.TEST_RETRACT.get() else 0,
-        speculative_num_drafts=args.speculative_num_draft_tokens - 1 if args.speculative_algorithm else 0,
-        speculative_disable_batch_size=args.speculative_disable_batch_size,
-        # the draft model writes KV for its K - 1 chained inputs past the verify's last position
-        speculative_draft_ahead=args.speculative_num_draft_tokens - 1 if args.speculative_algorithm == "STANDALONE"
-        else 0)
 
 
 def make_drafter(args: ServerArgs, runner: ModelRunner) -> Drafter | None:
@@ -114,7 +96,7 @@ class Scheduler:
         self.stats = StepStats()
         self.worker = ForwardWorker(runner, future_map, penalty_counts, self.stats, drafter, intra_op_threads)
         think_end_ids = tuple(self.tokenizer.encode(THINK_END, add_special_tokens=False))
-        planner = Planner(planner_config(args, runner), self.kv,
+        planner = Planner(PlannerConfig.from_args(args, runner), self.kv,
                           BatchContext(runner.config.vocab_size, eos_ids, runner.device))
         self.checker = FinishChecker(eos_ids, lambda ids: self.tokenizer.decode(ids))
         streamer = OutputStreamer(args.stream_interval,
@@ -131,8 +113,6 @@ class Scheduler:
                                   args.random_seed, self.stats, think_end_ids)
         self.watchdog = Watchdog(args.watchdog_timeout)
         self.weights = WeightsControl(runner, self.worker)
-        self._weights_pending: list[WeightsReq] = []  # run once no step is in flight (and, updates, no KV held)
-        self._aborted_for: dict[int, int] = {}  # update req_id -> requests its abort_all_requests ended
         self._flush_pending: list[int] = []  # flush requests waiting for no step in flight
         self.ctx = zmq.Context(2)
         self.recv_sock = self.detok_sock = self.reply_sock = None
@@ -177,8 +157,9 @@ class Scheduler:
                 in_flight = None
             if in_flight is None and self._flush_pending:
                 self._flush_cache()
-            if in_flight is None and self._weights_pending:
-                self._run_weights()
+            if in_flight is None and self.weights.pending:
+                for reply in self.weights.run_pending(core):
+                    self._reply(reply)
             self._stream()
             if batch is not None:  # CPU time of this iteration, not counting waits for the device
                 self.stats.record_step(time.perf_counter() - t0 - waited)
@@ -242,11 +223,7 @@ class Scheduler:
         elif isinstance(msg, GetServerInfoReq):
             self._reply(GetServerInfoReply(req_id=msg.req_id, info=self.server_info()))
         elif isinstance(msg, WeightsReq):
-            if msg.op in UPDATES:
-                if msg.abort_all_requests:
-                    self._aborted_for[msg.req_id] = len(self.core.abort([], True, "the weights are being updated"))
-                self.core.planner.hold_waiting = True  # the running requests finish on the old weights
-            self._weights_pending.append(msg)
+            self.weights.submit(msg, self.core)
         elif isinstance(msg, PauseReq):
             if msg.mode == "continue":
                 self.core.resume()
@@ -254,32 +231,6 @@ class Scheduler:
             else:
                 touched = self.core.pause(msg.mode)
             self._reply(ControlReply(req_id=msg.req_id, success=True, num_paused_requests=touched))
-
-    def _run_weights(self) -> None:
-        """The pending weight operations, once no step is in flight. An update also waits until no
-        request holds KV computed with the old weights: running ones finish first (no new one is
-        admitted meanwhile), and ones paused in place are retracted to compute theirs again."""
-        core = self.core
-        if any(msg.op in UPDATES for msg in self._weights_pending) and core.holds_kv():
-            if not core.paused:
-                return
-            core.retract_all()
-        msgs, self._weights_pending = self._weights_pending, []
-        for msg in msgs:
-            if msg.op == "release_memory" and core.holds_kv():
-                self._reply(ControlReply(req_id=msg.req_id, success=False, message="requests hold KV memory: "
-                                         "pause_generation (mode retract or abort) first"))
-                continue
-            if msg.op == "release_memory":
-                self.kv.flush()  # the cache's KV is in the pool that goes
-            reply = self.weights.run(msg)
-            core.memory_released = bool(self.runner.memory_released)
-            if msg.op in UPDATES:
-                if reply.success:  # KV cached from the old weights would answer wrongly: always dropped
-                    self.kv.flush()
-                reply.num_paused_requests = self._aborted_for.pop(msg.req_id, 0)
-            self._reply(reply)
-        core.planner.hold_waiting = False
 
     def _flush_cache(self) -> None:
         req_ids, self._flush_pending = self._flush_pending, []

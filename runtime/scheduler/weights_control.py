@@ -1,8 +1,9 @@
 """WeightsControl: the scheduler's side of SGLang's weight routes (WeightsReq), on every TP rank.
 
-Each operation runs on the forward thread between steps (ForwardWorker.call): the scheduler
-calls `run` only once no step is in flight and, for an update, no request holds KV computed
-with the old weights. An update reads every tensor first (from disk, from the request's
+It owns the pending operations: `submit` queues one (an update stops admission at once, so the
+running requests finish on the old weights), `run_pending` runs them once the scheduler has no
+step in flight and, for an update, no request holds KV computed with the old weights. Each runs
+on the forward thread (ForwardWorker.call). An update reads every tensor first (from disk, from the request's
 safetensors bytes, or from the trainer's broadcasts, which must all be received whatever
 fails), checks them all (weight_update.check), then writes them; a refused update changes
 nothing.
@@ -20,6 +21,7 @@ from tandem.runtime.model import weight_update
 from tandem.runtime.model.loader import load_config, load_hf_weights
 from tandem.runtime.model.runner import ModelRunner
 from tandem.runtime.model.weight_sync import WeightsGroup, broadcast, init_weights_group, parse_dtype
+from tandem.runtime.scheduler.core import SchedulerCore
 from tandem.runtime.scheduler.forward_worker import ForwardWorker
 
 logger = logging.getLogger("tandem.scheduler")
@@ -31,6 +33,41 @@ class WeightsControl:
         self.runner = runner
         self.worker = worker
         self.groups: dict[str, WeightsGroup] = {}  # group_name -> process group with a trainer
+        self.pending: list[WeightsReq] = []
+        self._aborted_for: dict[int, int] = {}  # update req_id -> requests its abort_all_requests ended
+
+    def submit(self, msg: WeightsReq, core: SchedulerCore) -> None:
+        if msg.op in UPDATES:
+            if msg.abort_all_requests:
+                self._aborted_for[msg.req_id] = len(core.abort([], True, "the weights are being updated"))
+            core.planner.hold_waiting = True  # the running requests finish on the old weights
+        self.pending.append(msg)
+
+    def run_pending(self, core: SchedulerCore) -> list[ControlReply]:
+        """The pending operations' replies (none while an update waits for running requests; ones
+        paused in place are retracted, to compute their KV again with the new weights)."""
+        if any(msg.op in UPDATES for msg in self.pending) and core.holds_kv():
+            if not core.paused:
+                return []
+            core.retract_all()
+        msgs, self.pending = self.pending, []
+        replies = [self._run_one(msg, core) for msg in msgs]
+        core.planner.hold_waiting = False
+        return replies
+
+    def _run_one(self, msg: WeightsReq, core: SchedulerCore) -> ControlReply:
+        if msg.op == "release_memory":
+            if core.holds_kv():
+                return ControlReply(req_id=msg.req_id, success=False, message="requests hold KV memory: "
+                                    "pause_generation (mode retract or abort) first")
+            core.kv.flush()  # the cache's KV is in the pool that goes
+        reply = self.run(msg)
+        core.memory_released = bool(self.runner.memory_released)
+        if msg.op in UPDATES:
+            if reply.success:  # KV cached from the old weights would answer wrongly: always dropped
+                core.kv.flush()
+            reply.num_paused_requests = self._aborted_for.pop(msg.req_id, 0)
+        return reply
 
     def run(self, msg: WeightsReq) -> ControlReply:
         handler: Callable[[WeightsReq], ControlReply] = getattr(self, f"_{msg.op}")
