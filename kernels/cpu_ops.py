@@ -15,7 +15,7 @@ import os
 logger = logging.getLogger(__name__)
 
 _SOURCES = ("amx_linear_cpu.cpp", "decode_attention_cpu.cpp", "decode_layers_cpu.cpp", "elementwise_cpu.cpp",
-            "fused_moe_cpu.cpp", "greedy_cpu.cpp")
+            "fused_moe_cpu.cpp", "gguf_linear_cpu.cpp", "greedy_cpu.cpp")
 # hashed with the sources: a change rebuilds
 _HEADERS = ("amx_common.h", "attention_amx.h", "attention_amx_pack.h", "cpu_dtype.h", "decode_attention_common.h",
             "decode_attention_avx512.h")

@@ -39,7 +39,7 @@ IGNORED: dict[str, str] = {
         --flashinfer-mla-disable-ragged --[no-]enable-fused-qk-norm-rope --moe-runner-backend=
         --enable-waterfill --disable-shared-experts-fusion --enforce-shared-experts-fusion
         --enable-amd-monokernel --monokernel-backend= --enable-nvidia-megakernel --sampling-backend=""",
-    "it tunes kernels for quantized weights (fp8, fp4, mxfp4); tandem serves unquantized weights in --dtype": """
+    "it tunes kernels for fp8, fp4 or mxfp4 weights, which tandem does not serve": """
         --fp8-gemm-backend= --fp4-gemm-backend= --enable-w4a4-mxfp4-megamoe --flashinfer-mxfp4-moe-precision=
         --disable-flashinfer-cutlass-moe-fp4-allgather --prefill-kv-cache-dequant-dtype=""",
     "tensor parallelism uses torch.distributed's collectives (gloo on CPU, NCCL on GPU)": """
@@ -195,9 +195,9 @@ IGNORED: dict[str, str] = {
 }
 
 REFUSED: dict[str, str] = {
-    "tandem has no quantized kernels: it serves the checkpoint's weights in --dtype (a GGUF file "
-    "dequantized); serve an unquantized checkpoint": """
-        --quantization= --quantization-param-path= --modelopt-quant= --modelopt-checkpoint-restore-path=
+    "tandem's quantized kernels take GGUF blocks (--quantization gguf); it has no other quantized formats: "
+    "serve a GGUF file or an unquantized checkpoint": """
+        --quantization-param-path= --modelopt-quant= --modelopt-checkpoint-restore-path=
         --modelopt-checkpoint-save-path= --modelopt-export-path= --quantize-and-serve --rl-quant-profile=
         --kt-weight-path= --enable-quant-communications""",
     "tandem serves no LoRA adapters: serve a checkpoint with the adapter merged into its weights":

@@ -31,6 +31,7 @@ using LinearPointwise = at::Tensor(const at::Tensor&, const at::Tensor&, const O
                                    c10::List<std::optional<at::Scalar>>, std::optional<c10::string_view>);
 using MklLinear = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const OptTensor&, int64_t);
 using AmxLinear = at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&, bool);
+using GgufLinear = at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, const OptTensor&, bool, int64_t);
 using AddRmsnorm = std::vector<at::Tensor>(const at::Tensor&, const OptTensor&, const at::Tensor&, double);
 using Rotary = void(const at::Tensor&, at::Tensor, at::Tensor, const at::Tensor&);
 using SiluAndMul = at::Tensor(const at::Tensor&);
@@ -64,6 +65,10 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const OptTensor& lik
   if (w.dim() == 4) {
     static const auto amx_linear = op<AmxLinear>("tandem_cpu::amx_linear");
     return amx_linear.call(x, w, bias, false);
+  }
+  if (w.scalar_type() == at::kByte) {  // GGUF blocks (gguf_linear_cpu.cpp); like: [out, in]
+    static const auto gguf_linear = op<GgufLinear>("tandem_cpu::gguf_linear");
+    return gguf_linear.call(x, w, like->size(0), bias, false, 0);
   }
   if (like.has_value()) {  // before oneDNN's: MKL's packs are MKL-DNN tensors too
     static const auto mkl_linear = op<MklLinear>("mkl::_mkl_linear");

@@ -10,6 +10,7 @@ import torch
 from tandem.runtime.model.config import SUPPORTED_ARCHS, ModelConfig
 from tandem.runtime.model.gemma3 import Gemma3ForCausalLM
 from tandem.runtime.model.llama import CausalLM
+from tandem.runtime.model.quant import gguf_load
 from tandem.runtime.model.tensor_parallel import SINGLE, TensorParallel, check_divisible, shard_weights
 from tandem.runtime.model_files import cache_dir, file_cache_key, is_gguf
 
@@ -27,12 +28,18 @@ def load_config(model_path: str) -> ModelConfig:
 
 
 def load_model(model_path: str, dtype: torch.dtype, device: torch.device | str = "cpu",
-               tp: TensorParallel = SINGLE) -> CausalLM:
+               tp: TensorParallel = SINGLE, quantization: str | None = "none") -> CausalLM:
+    """`quantization`: --quantization (runtime/model/quant/gguf_load.py); "none" dequantizes a GGUF."""
     cfg = load_config(model_path)
     check_divisible(cfg, tp.size)
     with torch.device("meta"):
         model = (Gemma3ForCausalLM if cfg.family == "gemma3" else CausalLM)(cfg, tp)
-    _load_into(model, shard_weights(_fuse(load_hf_weights(model_path, cfg), cfg), cfg, tp), dtype, device, model_path)
+    plan = gguf_load.GgufPlan() if gguf_load.wanted(quantization, model_path, device, tp.size) else None
+    raw = _gguf_weights(model_path, cfg, plan) if plan is not None else load_hf_weights(model_path, cfg)
+    weights = shard_weights(_fuse(raw, cfg), cfg, tp)
+    held = plan.take(weights) if plan is not None else {}
+    _load_into(model, weights, dtype, device, model_path, held=held.keys())
+    gguf_load.install(model, held, dtype)
     model.build_rotary(device)  # its tables were made on the meta device
     return model.eval()
 
@@ -43,8 +50,9 @@ def load_hf_weights(model_path: str, cfg: ModelConfig) -> dict[str, torch.Tensor
 
 
 def _load_into(model: CausalLM, weights: dict[str, torch.Tensor], dtype: torch.dtype, device,
-               model_path: str) -> None:
-    expected = {name for name, _ in model.named_parameters()}
+               model_path: str, held=()) -> None:
+    """`held`: names of weights kept quantized, installed after (gguf_load.install)."""
+    expected = {name for name, _ in model.named_parameters()} - set(held)
     missing = expected - weights.keys()
     if missing:
         raise ValueError(f"{model_path}: checkpoint lacks weights: {_some(missing)}")
@@ -228,7 +236,8 @@ def _cached_gguf_weights(path: str, cfg: ModelConfig) -> dict[str, torch.Tensor]
     return weights
 
 
-def _gguf_weights(path: str, cfg: ModelConfig) -> dict[str, torch.Tensor]:
+def _gguf_weights(path: str, cfg: ModelConfig, plan: gguf_load.GgufPlan | None = None) -> dict[str, torch.Tensor]:
+    """Float32 tensors; with a `plan`, the tensors it keeps are the file's uint8 rows."""
     from gguf.quants import dequantize
 
     reader = _gguf_reader(path)
@@ -238,24 +247,36 @@ def _gguf_weights(path: str, cfg: ModelConfig) -> dict[str, torch.Tensor]:
     gemma = arch_name == "gemma3"
     names = _GGUF_GEMMA3_NAMES if gemma else _GGUF_NAMES
     weights: dict[str, torch.Tensor] = {}
-    for t in reader.tensors:
+
+    def hf_name(t) -> str | None:
         stem, _, kind = t.name.rpartition(".")
         part = stem.split(".", 2)[2] if stem.startswith("blk.") else stem
         if part == "rope_freqs":  # llama.cpp's Llama 3 rope factors: transformers' GGUF loader skips them too
-            continue
+            return None
         if part not in names:
             raise ValueError(f"{path}: tensor {t.name!r} is not one tandem reads")
-        name = f"model.layers.{stem.split('.')[1]}.{names[part]}.{kind}" if stem.startswith("blk.") \
+        return f"model.layers.{stem.split('.')[1]}.{names[part]}.{kind}" if stem.startswith("blk.") \
             else f"{names[part]}.{kind}"
-        array = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
-        array = array.reshape([int(d) for d in reversed(t.shape)])  # ggml lists dims innermost first
+
+    if plan is not None:
+        plan.fill(reader, hf_name)
+    for t in reader.tensors:
+        if (name := hf_name(t)) is None:
+            continue
+        stem = t.name.rpartition(".")[0]
+        part = stem.split(".", 2)[2] if stem.startswith("blk.") else stem
+        if plan is not None and plan.keeps(name):
+            array = np.array(t.data)  # the file's blocks, [out, in / 32 * block bytes] uint8: rows reorder alike
+        else:
+            array = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
+            array = array.reshape([int(d) for d in reversed(t.shape)])  # ggml lists dims innermost first
         if llama_layout and stem.endswith("attn_q"):
             array = _unpermute_rope(array, cfg.num_heads)
         elif llama_layout and stem.endswith("attn_k"):
             array = _unpermute_rope(array, cfg.num_kv_heads)
         elif gemma and part.endswith("norm"):
             array = array - 1.0
-        weights[name] = torch.from_numpy(np.ascontiguousarray(array))
+        weights[name] = torch.from_numpy(np.ascontiguousarray(array) if array.flags.writeable else array.copy())
     return weights
 
 

@@ -30,6 +30,8 @@ from torch import nn
 
 from tandem.kernels.cpu_ops import cpu_flags
 from tandem.runtime.envs import envs
+from tandem.runtime.model.quant import gguf_blocks
+from tandem.runtime.model.quant.gguf_blocks import GgufWeight
 
 # MKL's packed B matrix holds B alone: the rows of A only steer the threading plan stored with it
 # (CTranslate2 packs with m=1 and computes at any m). Planned for 512 rows, the pack ran within
@@ -70,13 +72,14 @@ class AmxPackedWeight:
         return self.like.shape
 
 
-Weight = torch.Tensor | MklPackedWeight | AmxPackedWeight
+Weight = torch.Tensor | MklPackedWeight | AmxPackedWeight | GgufWeight
 
 
 def weight_and_like(weight: Weight) -> tuple[torch.Tensor, torch.Tensor | None]:
     """A weight as tensors for a C++ op (kernels/csrc/decode_layers_cpu.cpp's `linear`): a packed
-    buffer and its `like` (MKL's is 2-D, AMX's 4-D), or the tensor itself and None."""
-    return (weight.packed, weight.like) if isinstance(weight, (MklPackedWeight, AmxPackedWeight)) else (weight, None)
+    buffer and its `like` (MKL's is 2-D, AMX's 4-D, GGUF's uint8 blocks), or the tensor itself and None."""
+    return ((weight.packed, weight.like) if isinstance(weight, (MklPackedWeight, AmxPackedWeight, GgufWeight))
+            else (weight, None))
 
 
 def amx_ops() -> object | None:
@@ -166,6 +169,8 @@ def best_seconds(run: Callable[[], object], repeats: int) -> float:
 
 def linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x @ weight.T (+ bias), the weight plain or packed."""
+    if isinstance(weight, GgufWeight):
+        return gguf_blocks.linear(x, weight, bias)
     if isinstance(weight, AmxPackedWeight):
         return _loaded_ops().amx_linear(x, weight.packed, bias)
     if isinstance(weight, MklPackedWeight):
@@ -218,6 +223,8 @@ def fp32_head(weight: torch.Tensor) -> Weight:
     otherwise an fp32 copy, packed in MKL's layout where MKL is there (its packed GEMM keeps a
     row's bits at any row count, which neither the plain fp32 linear, a gemv for one row, nor
     oneDNN's fp32 kernels do)."""
+    if isinstance(weight, GgufWeight):  # a quantized head stays quantized (gguf_blocks.linear's fp32 sums)
+        return weight
     weight = weight.detach().contiguous()
     if (amx := _amx_pack(weight)) is not None:
         return amx
@@ -229,6 +236,8 @@ def fp32_head(weight: torch.Tensor) -> Weight:
 
 def head_logits(hidden: torch.Tensor, head: Weight) -> torch.Tensor:
     """fp32 logits from a head `fp32_head` made."""
+    if isinstance(head, GgufWeight):
+        return gguf_blocks.linear(hidden, head, out_fp32=True)
     if isinstance(head, AmxPackedWeight):
         return _loaded_ops().amx_linear(hidden.to(torch.bfloat16), head.packed, None, True)
     return linear(hidden.float(), head)

@@ -16,6 +16,7 @@ from tandem.runtime.model.loader import load_config, load_model
 from tandem.runtime.model_files import resolve_model_path
 from tandem.runtime.model.ops import create_ops
 from tandem.runtime.model import packed_linear
+from tandem.runtime.model.quant import gguf_load
 from tandem.runtime.model.tensor_parallel import SINGLE, TensorParallel
 from tandem.runtime.sampling.sampler import SamplingBatchInfo, sample
 from tandem.runtime.server_args import ServerArgs
@@ -41,7 +42,7 @@ class ModelRunner:
         self.dtype = self._pick_dtype()
         self.kv_dtype = self._kv_dtype()
         torch.manual_seed(0 if args.random_seed is None else args.random_seed)  # None: built directly, not launched
-        self.model = load_model(self.model_path, self.dtype, self.device, tp)
+        self.model = load_model(self.model_path, self.dtype, self.device, tp, quantization=args.quantization)
         self.config = self.model.cfg
         self.draft_model = self._load_draft_model()
         if pack_now:
@@ -68,8 +69,15 @@ class ModelRunner:
                 backend, self.draft_kv_pool, self.req_to_token_pool,
                 deterministic_extend=args.enable_deterministic_inference)
             self.draft_model.use_ops(create_ops(backend))
-        logger.info("model %s loaded: %s, %d KV slots (%s), context %d", self.model_path, self.config.arch,
-                    self.max_total_tokens, str(self.kv_dtype).removeprefix("torch."), self.context_len)
+        weights = self.weight_info()
+        logger.info("model %s loaded: %s, %d KV slots (%s), context %d, weights %s (%.1f MB)", self.model_path,
+                    self.config.arch, self.max_total_tokens, str(self.kv_dtype).removeprefix("torch."), self.context_len,
+                    weights["quantization"], weights["weight_bytes"] / 1e6)
+
+    def weight_info(self) -> dict:
+        """What /server_info reports of the weights: how they are held ("gguf:q4_1+q8_0", "none") and
+        their bytes in memory (packed, quantized, or plain: each stored tensor once)."""
+        return {"quantization": gguf_load.quantization_of(self.model), "weight_bytes": gguf_load.weight_bytes(self.model)}
 
     def pack_weights(self) -> None:
         """Linears on packed weights where this dtype and device have them (runtime/model/packed_linear.py).

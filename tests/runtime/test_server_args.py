@@ -124,10 +124,15 @@ def test_an_sglang_launch_command_starts_tandem():
     assert any(n.startswith("--disable-cuda-graph ignored") for n in notes) and len(notes) == 4
     with pytest.raises(ValueError, match="^--dp-size: tandem runs one rank of it, got 2"):
         sglang_flags.check(parser.parse_args(["--dp", "2"]))
-    for argv, reason in ((["--quantization", "fp8"], "no quantized kernels"), (["--lora-paths", "a=/x"], "no LoRA"),
+    for argv, reason in ((["--modelopt-quant", "fp8"], "no other quantized formats"), (["--lora-paths", "a=/x"], "no LoRA"),
                          (["--enable-lora"], "no LoRA")):  # they would change the answer: refused, saying why
         with pytest.raises(ValueError, match=f"^{argv[0]}: .*{reason}"):
             sglang_flags.check(parser.parse_args(argv))
+    # --quantization is a field: the GGUF values are served, SGLang's others refused naming those
+    assert ServerArgs.from_cli_args(parser.parse_args(["--quantization", "gguf"])).quantization == "gguf"
+    assert ServerArgs.from_cli_args(parser.parse_args(["--quantization", "none"])).quantization == "none"
+    with pytest.raises(ValueError, match="^--quantization: 'fp8' is not served; tandem serves gguf .* and none"):
+        ServerArgs.from_cli_args(parser.parse_args(["--quantization", "fp8"]))
     # SGLang's parser takes unambiguous prefixes (its docs write --mem-frac), and its long names
     ns = parser.parse_args(["--mem-frac", "0.5", "--data-parallel-size", "1", "--priority-preemption"])
     assert ServerArgs.from_cli_args(ns).mem_fraction_static == 0.5

@@ -1,0 +1,567 @@
+// Linears on GGUF-quantized weights (Q4_0, Q4_1, Q8_0), kept quantized: x @ W.T with W as the
+// file stores it, repacked once at load (runtime/model/quant/gguf_blocks.py `pack`).
+//
+// Arithmetic: each 32-input block of an activation row is quantized to 16 bits with one float
+// scale, dx = max|x| / 32512 and q = round(x / dx) (1/128 of a bf16 rounding at the block's largest
+// input), held as two int8 planes q = 256 * hi + lo for VPDPBUSD; a weight block is d * (u - z)
+// (+ m for Q4_1) with u unsigned (z = 8 for Q4_0, 128 for Q8_0 stored as q ^ 0x80, 0 for Q4_1). For
+// each output element and each block, in ascending block order from 0.f:
+//     isum = sum_i u_i * q_i - z * sum_i q_i              (int32: exact, in any order)
+//     acc  = fma(float(isum), d * dx, acc)
+//     acc  = fma(m, sx, acc)                              (Q4_1 only; sx = the block's float sum of x)
+// then the bias added in float32 and the sum rounded once to x's dtype (or kept in float32). The
+// integer part is exact and the float part is one fixed sequence per element, computed by one
+// thread: a row gets the same bits alone, in any batch, at any thread count, on any path (AMX-INT8
+// tiles for 4 rows and more, AVX-512 VNNI, or the portable loop: the same bits on a CPU that has them).
+// (llama.cpp quantizes activations to 8 bits instead: 256 times coarser, which moved this model's
+// logprobs 5x farther from the dequantized fp32 path than bf16 rounding does.)
+//
+// Packed layout: [N/16, K/32, U] bytes; a unit (16 features x 32 inputs) holds the 16 features'
+// fp16 scales d (32 bytes), for Q4_1 their fp16 mins m (32 bytes), then the data:
+//   Q4_0/Q4_1 (U = 288 / 320): 4 x 64 bytes; byte 4f + i of the t-th 64 holds the file's qs byte
+//     4t + i of feature f: low nibble = input 4t + i, high nibble = input 16 + 4t + i.
+//   Q8_0 (U = 544): 8 x 64 bytes; byte 4f + i of the g-th 64 = (q of input 4g + i) ^ 0x80.
+// A lane of VPDPBUSD is a feature; its 4 bytes meet 4 consecutive inputs of one activation row.
+// Rows of features past N (N % 16 != 0) are zeros, never stored.
+#include <torch/library.h>
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "amx_common.h"
+#include "cpu_dtype.h"
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#include <immintrin.h>
+#define TANDEM_GGUF_VNNI 1
+#if defined(TANDEM_AMX) && defined(__AMX_INT8__)
+#define TANDEM_GGUF_AMX 1
+#endif
+#endif
+
+namespace {
+
+constexpr int64_t kFeat = 16;   // features in a unit
+constexpr int64_t kBlock = 32;  // inputs in a block
+constexpr int64_t kRowTile = 8;  // rows one pass over a unit's weights serves (accumulators in registers)
+constexpr int64_t kRowTileAmx = 16;  // rows of an AMX tile
+constexpr int64_t kAmxMinRows = 4;  // calls with fewer rows take the VNNI path (the same bits either way)
+constexpr int64_t kChunkRows = 256;  // rows whose int8 activations stay in L2 during a pass over the weights
+
+enum QType : int { kQ4_0 = 0, kQ4_1 = 1, kQ8_0 = 2 };
+
+int64_t unit_bytes(QType t) { return t == kQ4_0 ? 288 : t == kQ4_1 ? 320 : 544; }
+int64_t data_offset(QType t) { return t == kQ4_1 ? 64 : 32; }
+int32_t zero_point(QType t) { return t == kQ4_0 ? 8 : t == kQ8_0 ? 128 : 0; }
+
+QType qtype_of(const at::Tensor& packed) {
+  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kByte && packed.is_contiguous(),
+              "packed: gguf pack's contiguous [N/16, K/32, unit] uint8");
+  switch (packed.size(2)) {
+    case 288: return kQ4_0;
+    case 320: return kQ4_1;
+    case 544: return kQ8_0;
+    default: TORCH_CHECK(false, "packed: unit of ", packed.size(2), " bytes is no GGUF type tandem packs");
+  }
+  return kQ4_0;
+}
+
+inline float half_to_float(uint16_t h) { return static_cast<float>(c10::Half(h, c10::Half::from_bits())); }
+
+// The activation rows, quantized per block to 16 bits held as two int8 planes, q = 256 * hi + lo
+// (hi in [-127, 127], lo in [-128, 127]): hi, lo [M, K]; dx [M, KB]; sx [M, KB]; cq [M, KB] = z * sum(q)
+struct Acts {
+  std::vector<int8_t> hi, lo;
+  std::vector<float> dx, sx;
+  std::vector<int32_t> cq;
+  int64_t k = 0, kb = 0;
+  Acts(int64_t m, int64_t k_, int64_t kb_)
+      : hi(m * k_), lo(m * k_), dx(m * kb_), sx(m * kb_), cq(m * kb_), k(k_), kb(kb_) {}
+};
+
+constexpr float kQMax = 32512.f;  // 127 * 256: the largest |q|, so that hi stays within [-127, 127]
+
+// the same code for every row: a row's integers never depend on the others
+template <typename scalar_t>
+__attribute__((noinline)) void quantize_row(const scalar_t* x, int64_t kb, int32_t z, int8_t* hi, int8_t* lo,
+                                            float* dx, float* sx, int32_t* cq) {
+  for (int64_t b = 0; b < kb; ++b) {
+    float v[kBlock];
+    for (int64_t i = 0; i < kBlock; ++i) v[i] = tandem_cpu::load(x[b * kBlock + i]);
+    float amax = 0.f, sum = 0.f;
+    for (int64_t i = 0; i < kBlock; ++i) amax = std::max(amax, std::fabs(v[i]));
+    for (int64_t i = 0; i < kBlock; ++i) sum += v[i];  // the loop's order (vectorized or not, alike for every row)
+    const float d = amax / kQMax, id = amax > 0.f ? kQMax / amax : 0.f;
+    int32_t qsum = 0;
+    for (int64_t i = 0; i < kBlock; ++i) {
+      const int32_t q = std::clamp(static_cast<int32_t>(std::nearbyint(v[i] * id)), -32512, 32512);  // half to even
+      const int32_t l = static_cast<int8_t>(q & 0xFF);  // sign-extended low byte
+      hi[b * kBlock + i] = static_cast<int8_t>((q - l) / 256);
+      lo[b * kBlock + i] = static_cast<int8_t>(l);
+      qsum += q;
+    }
+    dx[b] = d;
+    sx[b] = sum;
+    cq[b] = z * qsum;
+  }
+}
+
+template <typename out_t>
+inline void store_out(const float* acc, const float* bias, int64_t count, out_t* out) {
+  for (int64_t j = 0; j < count; ++j) tandem_cpu::store(out + j, bias != nullptr ? acc[j] + bias[j] : acc[j]);
+}
+
+// ---- portable: the same arithmetic element by element --------------------------------------------------------
+__attribute__((noinline)) void unit_row_portable(QType t, const uint8_t* unit, const int8_t* hi, const int8_t* lo,
+                                                 float dx, float sx, int32_t cq, float* acc) {
+  const uint8_t* data = unit + data_offset(t);
+  const uint16_t* d16 = reinterpret_cast<const uint16_t*>(unit);
+  const uint16_t* m16 = reinterpret_cast<const uint16_t*>(unit + 32);
+  auto q = [&](int64_t i) { return 256 * int32_t(hi[i]) + int32_t(lo[i]); };
+  for (int64_t f = 0; f < kFeat; ++f) {
+    int32_t isum = 0;
+    if (t == kQ8_0) {
+      for (int64_t g = 0; g < 8; ++g)
+        for (int64_t i = 0; i < 4; ++i) isum += int32_t(data[g * 64 + f * 4 + i]) * q(g * 4 + i);
+    } else {
+      for (int64_t g = 0; g < 4; ++g)
+        for (int64_t i = 0; i < 4; ++i) {
+          const uint8_t byte = data[g * 64 + f * 4 + i];
+          isum += int32_t(byte & 15) * q(g * 4 + i) + int32_t(byte >> 4) * q(16 + g * 4 + i);
+        }
+    }
+    isum -= cq;
+    const float scale = half_to_float(d16[f]) * dx;
+    acc[f] = std::fma(static_cast<float>(isum), scale, acc[f]);
+    if (t == kQ4_1) acc[f] = std::fma(half_to_float(m16[f]), sx, acc[f]);
+  }
+}
+
+template <typename out_t>
+void run_portable(QType t, const uint8_t* packed, int64_t nb, int64_t kb, int64_t n, const Acts& a, int64_t m,
+                  const float* bias, out_t* out) {
+  const int64_t ub = unit_bytes(t);
+  at::parallel_for(0, nb, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t fb = begin; fb < end; ++fb) {
+      const uint8_t* base = packed + fb * kb * ub;
+      const int64_t count = std::min(kFeat, n - fb * kFeat);
+      for (int64_t r = 0; r < m; ++r) {
+        float acc[kFeat] = {};
+        for (int64_t b = 0; b < kb; ++b)
+          unit_row_portable(t, base + b * ub, a.hi.data() + r * a.k + b * kBlock, a.lo.data() + r * a.k + b * kBlock,
+                            a.dx[r * kb + b], a.sx[r * kb + b], a.cq[r * kb + b], acc);
+        store_out(acc, bias != nullptr ? bias + fb * kFeat : nullptr, count, out + r * n + fb * kFeat);
+      }
+    }
+  });
+}
+
+#ifdef TANDEM_GGUF_VNNI
+// ---- AVX-512 VNNI --------------------------------------------------------------------------------------------
+// R rows (<= kRowTile) of one feature block over every input block: a unit's weights are unpacked
+// once a block and met by each row in turn. A row's ops are the same whatever R is: integer sums
+// (exact in any order, split over two chains each for latency) then one fixed float sequence.
+template <QType T, int R>
+__attribute__((noinline)) void tile_vnni(const uint8_t* base, const Acts& a, int64_t r0, __m512* out) {
+  constexpr int64_t ub = T == kQ4_0 ? 288 : T == kQ4_1 ? 320 : 544;
+  constexpr int64_t off = T == kQ4_1 ? 64 : 32;
+  const int64_t kb = a.kb, k = a.k;
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  const int8_t* hi0 = a.hi.data() + r0 * k;
+  const int8_t* lo0 = a.lo.data() + r0 * k;
+  const float* dx0 = a.dx.data() + r0 * kb;
+  const float* sx0 = a.sx.data() + r0 * kb;
+  const int32_t* cq0 = a.cq.data() + r0 * kb;
+  for (int64_t b = 0; b < kb; ++b) {
+    const uint8_t* unit = base + b * ub;
+    _mm_prefetch(reinterpret_cast<const char*>(unit + 8 * ub), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(unit + 8 * ub + 64), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(unit + 8 * ub + 128), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(unit + 8 * ub + 192), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(unit + 8 * ub + 256), _MM_HINT_T0);
+    if constexpr (ub > 320) {
+      _mm_prefetch(reinterpret_cast<const char*>(unit + 8 * ub + 320), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(unit + 8 * ub + 384), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(unit + 8 * ub + 448), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(unit + 8 * ub + 512), _MM_HINT_T0);
+    }
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(unit)));
+    __m512 mins = _mm512_setzero_ps();
+    if constexpr (T == kQ4_1) mins = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(unit + 32)));
+    __m512i w[8];
+    if constexpr (T == kQ8_0) {
+      for (int g = 0; g < 8; ++g) w[g] = _mm512_loadu_si512(unit + off + g * 64);
+    } else {
+      for (int g = 0; g < 4; ++g) {
+        const __m512i v = _mm512_loadu_si512(unit + off + g * 64);
+        w[g] = _mm512_and_si512(v, low);
+        w[g + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const int32_t* xh = reinterpret_cast<const int32_t*>(hi0 + r * k + b * kBlock);
+      const int32_t* xl = reinterpret_cast<const int32_t*>(lo0 + r * k + b * kBlock);
+      __m512i h0 = _mm512_setzero_si512(), h1 = _mm512_setzero_si512();
+      __m512i l0 = _mm512_setzero_si512(), l1 = _mm512_setzero_si512();
+      for (int g = 0; g < 8; g += 2) {
+        h0 = _mm512_dpbusd_epi32(h0, w[g], _mm512_set1_epi32(xh[g]));
+        l0 = _mm512_dpbusd_epi32(l0, w[g], _mm512_set1_epi32(xl[g]));
+        h1 = _mm512_dpbusd_epi32(h1, w[g + 1], _mm512_set1_epi32(xh[g + 1]));
+        l1 = _mm512_dpbusd_epi32(l1, w[g + 1], _mm512_set1_epi32(xl[g + 1]));
+      }
+      __m512i s = _mm512_add_epi32(_mm512_slli_epi32(_mm512_add_epi32(h0, h1), 8), _mm512_add_epi32(l0, l1));
+      if constexpr (T != kQ4_1) s = _mm512_sub_epi32(s, _mm512_set1_epi32(cq0[r * kb + b]));
+      const __m512 scale = _mm512_mul_ps(d, _mm512_set1_ps(dx0[r * kb + b]));
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), scale, acc[r]);
+      if constexpr (T == kQ4_1) acc[r] = _mm512_fmadd_ps(mins, _mm512_set1_ps(sx0[r * kb + b]), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) out[r] = acc[r];
+}
+
+template <QType T>
+void tile_rows(const uint8_t* base, const Acts& a, int64_t r0, int64_t rows, __m512* out) {
+  switch (rows) {
+    case 1: return tile_vnni<T, 1>(base, a, r0, out);
+    case 2: return tile_vnni<T, 2>(base, a, r0, out);
+    case 3: return tile_vnni<T, 3>(base, a, r0, out);
+    case 4: return tile_vnni<T, 4>(base, a, r0, out);
+    case 5: return tile_vnni<T, 5>(base, a, r0, out);
+    case 6: return tile_vnni<T, 6>(base, a, r0, out);
+    case 7: return tile_vnni<T, 7>(base, a, r0, out);
+    default: return tile_vnni<T, 8>(base, a, r0, out);
+  }
+}
+
+template <QType T, typename out_t>
+void run_vnni(const uint8_t* packed, int64_t nb, int64_t kb, int64_t n, const Acts& a, int64_t m, const float* bias,
+              out_t* out) {
+  constexpr int64_t ub = T == kQ4_0 ? 288 : T == kQ4_1 ? 320 : 544;
+  static_assert(kRowTile == 8, "tile_rows instantiates 1 to 8 rows");
+  at::parallel_for(0, nb, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t chunk = 0; chunk < m; chunk += kChunkRows) {
+      const int64_t chunk_end = std::min(m, chunk + kChunkRows);
+      for (int64_t fb = begin; fb < end; ++fb) {
+        const uint8_t* base = packed + fb * kb * ub;
+        const int64_t count = std::min(kFeat, n - fb * kFeat);
+        const float* fbias = bias != nullptr ? bias + fb * kFeat : nullptr;
+        for (int64_t r0 = chunk; r0 < chunk_end; r0 += kRowTile) {
+          const int64_t rows = std::min(kRowTile, chunk_end - r0);
+          __m512 acc[kRowTile];
+          tile_rows<T>(base, a, r0, rows, acc);
+          for (int64_t r = 0; r < rows; ++r) {
+            alignas(64) float sums[kFeat];
+            _mm512_store_ps(sums, acc[r]);
+            store_out(sums, fbias, count, out + (r0 + r) * n + fb * kFeat);
+          }
+        }
+      }
+    }
+  });
+}
+#endif
+
+#ifdef TANDEM_GGUF_AMX
+// ---- AMX-INT8: the same integers, by tiles ------------------------------------------------------------------
+// TDPBSSD sums a block's 32 products of (signed activation plane) x (signed weight u - z) exactly in
+// int32: the VNNI path's isum, so with the same float sequence after it every element gets the
+// VNNI path's bits. 16 rows x 2 feature blocks a pass: tmm0-3 C (hi, lo for each feature block),
+// tmm4-5 A (the hi and lo planes of 16 rows, one block), tmm6-7 B (a block of each feature block's
+// weights: 8 rows of 16 features x 4 inputs, spread from the units once per chunk of rows). A
+// block's tiles are stored and the next block's issued before the stored ones are scaled: the
+// vector epilogue of block b runs while the tiles compute block b + 1.
+void amx_configure(int64_t rows) {
+  tandem_cpu::amx::TileConfig cfg;
+  for (int t = 0; t < 4; ++t) cfg.set(t, rows, 64);
+  cfg.set(4, rows, kBlock);
+  cfg.set(5, rows, kBlock);
+  cfg.set(6, 8, 64);
+  cfg.set(7, 8, 64);
+  cfg.load();
+}
+
+// the unit's weights as 8 rows of 64 signed bytes u - z (B's layout, as tile_vnni meets them)
+template <QType T>
+inline void spread_b(const uint8_t* unit, int8_t* dst) {
+  constexpr int64_t off = T == kQ4_1 ? 64 : 32;
+  if constexpr (T == kQ8_0) {
+    const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+    for (int g = 0; g < 8; ++g)
+      _mm512_store_si512(dst + g * 64, _mm512_xor_si512(_mm512_loadu_si512(unit + off + g * 64), flip));
+  } else {
+    const __m512i low = _mm512_set1_epi8(0x0F), z = _mm512_set1_epi8(T == kQ4_0 ? 8 : 0);
+    for (int g = 0; g < 4; ++g) {
+      const __m512i v = _mm512_loadu_si512(unit + off + g * 64);
+      _mm512_store_si512(dst + g * 64, _mm512_sub_epi8(_mm512_and_si512(v, low), z));
+      _mm512_store_si512(dst + (g + 4) * 64, _mm512_sub_epi8(_mm512_and_si512(_mm512_srli_epi16(v, 4), low), z));
+    }
+  }
+}
+
+// c: a stored C tile pair (hi then lo, 16 x 16 int32 each); acc: the rows' float accumulators [rows][16]
+template <QType T>
+inline void amx_epilogue(const int32_t* c, const uint8_t* unit, const float* dx, const float* sx, int64_t kb,
+                         int64_t rows, float* acc) {
+  const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(unit)));
+  __m512 mins = _mm512_setzero_ps();
+  if constexpr (T == kQ4_1) mins = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(unit + 32)));
+  for (int64_t r = 0; r < rows; ++r) {
+    const __m512i s = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(c + r * kFeat), 8),
+                                       _mm512_load_si512(c + (kRowTileAmx + r) * kFeat));
+    const __m512 scale = _mm512_mul_ps(d, _mm512_set1_ps(dx[r * kb]));
+    __m512 v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), scale, _mm512_load_ps(acc + r * kFeat));
+    if constexpr (T == kQ4_1) v = _mm512_fmadd_ps(mins, _mm512_set1_ps(sx[r * kb]), v);
+    _mm512_store_ps(acc + r * kFeat, v);
+  }
+}
+
+template <QType T, typename out_t>
+void run_amx(const uint8_t* packed, int64_t nb, int64_t kb, int64_t n, const Acts& a, int64_t m, const float* bias,
+             out_t* out) {
+  constexpr int64_t ub = T == kQ4_0 ? 288 : T == kQ4_1 ? 320 : 544;
+  const int64_t pairs = (nb + 1) / 2, k = a.k;
+  at::parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) {
+    int8_t* spread = static_cast<int8_t*>(std::aligned_alloc(64, 2 * kb * 512));  // a pair's B tiles, [2][kb][512]
+    alignas(64) int32_t c[2][2][2 * kRowTileAmx * kFeat];  // [block parity][feature block][hi; lo]
+    alignas(64) float acc[2][kRowTileAmx * kFeat];
+    int64_t configured = -1;
+    for (int64_t chunk = 0; chunk < m; chunk += kChunkRows) {
+      const int64_t chunk_end = std::min(m, chunk + kChunkRows);
+      for (int64_t p = begin; p < end; ++p) {
+        const int64_t fbs[2] = {2 * p, 2 * p + 1 < nb ? 2 * p + 1 : -1};
+        const int64_t nfb = fbs[1] < 0 ? 1 : 2;
+        for (int64_t j = 0; j < nfb; ++j)
+          for (int64_t b = 0; b < kb; ++b) spread_b<T>(packed + (fbs[j] * kb + b) * ub, spread + (j * kb + b) * 512);
+        for (int64_t r0 = chunk; r0 < chunk_end; r0 += kRowTileAmx) {
+          const int64_t rows = std::min(kRowTileAmx, chunk_end - r0);
+          if (rows != configured) {
+            amx_configure(rows);
+            configured = rows;
+          }
+          std::memset(acc, 0, sizeof(acc));
+          auto epilogue = [&](int64_t b) {
+            for (int64_t j = 0; j < nfb; ++j)
+              amx_epilogue<T>(c[b & 1][j], packed + (fbs[j] * kb + b) * ub, a.dx.data() + r0 * kb + b,
+                              a.sx.data() + r0 * kb + b, kb, rows, acc[j]);
+          };
+          for (int64_t b = 0; b < kb; ++b) {
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_loadd(4, a.hi.data() + r0 * k + b * kBlock, k);
+            _tile_loadd(5, a.lo.data() + r0 * k + b * kBlock, k);
+            _tile_loadd(6, spread + b * 512, 64);
+            _tile_dpbssd(0, 4, 6);
+            _tile_dpbssd(1, 5, 6);
+            if (nfb == 2) {
+              _tile_zero(2);
+              _tile_zero(3);
+              _tile_loadd(7, spread + (kb + b) * 512, 64);
+              _tile_dpbssd(2, 4, 7);
+              _tile_dpbssd(3, 5, 7);
+            }
+            if (b > 0) epilogue(b - 1);
+            int32_t* cb = c[b & 1][0];
+            _tile_stored(0, cb, 64);
+            _tile_stored(1, cb + kRowTileAmx * kFeat, 64);
+            if (nfb == 2) {
+              _tile_stored(2, c[b & 1][1], 64);
+              _tile_stored(3, c[b & 1][1] + kRowTileAmx * kFeat, 64);
+            }
+          }
+          epilogue(kb - 1);
+          for (int64_t j = 0; j < nfb; ++j) {
+            const int64_t count = std::min(kFeat, n - fbs[j] * kFeat);
+            const float* fbias = bias != nullptr ? bias + fbs[j] * kFeat : nullptr;
+            for (int64_t r = 0; r < rows; ++r)
+              store_out(acc[j] + r * kFeat, fbias, count, out + (r0 + r) * n + fbs[j] * kFeat);
+          }
+        }
+      }
+    }
+    if (configured >= 0) _tile_release();
+    std::free(spread);
+  });
+}
+#endif
+
+bool vnni_available() {
+#ifdef TANDEM_GGUF_VNNI
+  static const bool ok = __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw");
+  return ok;
+#else
+  return false;
+#endif
+}
+
+bool amx_int8_available() {
+#ifdef TANDEM_GGUF_AMX
+  static const bool ok = vnni_available() && __builtin_cpu_supports("amx-int8") && tandem_cpu::amx::usable();
+  return ok;
+#else
+  return false;
+#endif
+}
+
+// path: 0 the fastest here (AMX-INT8 from kAmxMinRows rows, else VNNI, else portable), 1 portable, 2 VNNI, 3 AMX;
+// all give the same bits (a path this CPU lacks falls back to the next)
+template <typename out_t>
+void dispatch(QType t, int64_t path, const uint8_t* packed, int64_t nb, int64_t kb, int64_t n, const Acts& acts,
+              int64_t m, const float* bias, out_t* out) {
+#ifdef TANDEM_GGUF_AMX
+  if ((path == 3 || (path == 0 && m >= kAmxMinRows)) && amx_int8_available()) {
+    switch (t) {
+      case kQ4_0: return run_amx<kQ4_0>(packed, nb, kb, n, acts, m, bias, out);
+      case kQ4_1: return run_amx<kQ4_1>(packed, nb, kb, n, acts, m, bias, out);
+      case kQ8_0: return run_amx<kQ8_0>(packed, nb, kb, n, acts, m, bias, out);
+    }
+  }
+#endif
+#ifdef TANDEM_GGUF_VNNI
+  if (path != 1 && vnni_available()) {
+    switch (t) {
+      case kQ4_0: return run_vnni<kQ4_0>(packed, nb, kb, n, acts, m, bias, out);
+      case kQ4_1: return run_vnni<kQ4_1>(packed, nb, kb, n, acts, m, bias, out);
+      case kQ8_0: return run_vnni<kQ8_0>(packed, nb, kb, n, acts, m, bias, out);
+    }
+  }
+#endif
+  run_portable(t, packed, nb, kb, n, acts, m, bias, out);
+}
+
+// x [..., K] (float32 / bfloat16 / float16) -> [..., n] in x's dtype, or float32 with out_fp32
+at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n, const c10::optional<at::Tensor>& bias,
+                       bool out_fp32, int64_t path) {
+  const QType t = qtype_of(packed);
+  const int64_t nb = packed.size(0), kb = packed.size(1), k = kb * kBlock;
+  TORCH_CHECK(n > (nb - 1) * kFeat && n <= nb * kFeat, "n: ", n, " features do not fill ", nb, " blocks of 16");
+  TORCH_CHECK(x.size(-1) == k, "x: ", k, " inputs, got ", x.size(-1));
+  const at::Tensor x2 = x.reshape({-1, k}).contiguous();
+  const int64_t m = x2.size(0);
+  std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
+  out_shape.back() = n;
+  at::Tensor out = at::empty({m, n}, x.options().dtype(out_fp32 ? at::kFloat : x.scalar_type()));
+  at::Tensor bias_f;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->numel() == n, "bias: ", n, " values");
+    bias_f = bias->to(at::kFloat).contiguous();
+  }
+  if (m == 0) return out.view(out_shape);
+  Acts acts(m, k, kb);
+  const int32_t z = zero_point(t);
+  tandem_cpu::dispatch_float_types(x2.scalar_type(), "gguf_linear x", [&](auto tag) {
+    using scalar_t = decltype(tag);
+    const scalar_t* xp = reinterpret_cast<const scalar_t*>(x2.data_ptr());
+    at::parallel_for(0, m, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r)
+        quantize_row(xp + r * k, kb, z, acts.hi.data() + r * k, acts.lo.data() + r * k, acts.dx.data() + r * kb,
+                     acts.sx.data() + r * kb, acts.cq.data() + r * kb);
+    });
+  });
+  const float* bp = bias.has_value() ? bias_f.data_ptr<float>() : nullptr;
+  const uint8_t* pp = packed.data_ptr<uint8_t>();
+  if (out_fp32) {
+    dispatch(t, path, pp, nb, kb, n, acts, m, bp, out.data_ptr<float>());
+  } else {
+    tandem_cpu::dispatch_float_types(out.scalar_type(), "gguf_linear out", [&](auto tag) {
+      using out_t = decltype(tag);
+      dispatch(t, path, pp, nb, kb, n, acts, m, bp, reinterpret_cast<out_t*>(out.data_ptr()));
+    });
+  }
+  return out.view(out_shape);
+}
+
+// rows `ids` of the weight, dequantized exactly as gguf's numpy dequantize does (d * q in float32,
+// + m for Q4_1): float32 [len(ids), K]. The embedding reads its rows so.
+at::Tensor gguf_rows(const at::Tensor& packed, int64_t n, const at::Tensor& ids) {
+  const QType t = qtype_of(packed);
+  const int64_t kb = packed.size(1), k = kb * kBlock, ub = unit_bytes(t), off = data_offset(t);
+  const at::Tensor idx = ids.to(at::kLong).contiguous().view({-1});
+  const int64_t* ip = idx.data_ptr<int64_t>();
+  at::Tensor out = at::empty({idx.numel(), k}, packed.options().dtype(at::kFloat));
+  float* op = out.data_ptr<float>();
+  const uint8_t* pp = packed.data_ptr<uint8_t>();
+  for (int64_t r = 0; r < idx.numel(); ++r) TORCH_CHECK(ip[r] >= 0 && ip[r] < n, "ids: ", ip[r], " is not in [0, ", n, ")");
+  at::parallel_for(0, idx.numel(), 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const int64_t fb = ip[r] / kFeat, f = ip[r] % kFeat;
+      for (int64_t b = 0; b < kb; ++b) {
+        const uint8_t* unit = pp + (fb * kb + b) * ub;
+        const float d = half_to_float(reinterpret_cast<const uint16_t*>(unit)[f]);
+        const float mn = t == kQ4_1 ? half_to_float(reinterpret_cast<const uint16_t*>(unit + 32)[f]) : 0.f;
+        const uint8_t* data = unit + off;
+        float* dst = op + r * k + b * kBlock;
+        for (int64_t i = 0; i < kBlock; ++i) {
+          float v;
+          if (t == kQ8_0) {
+            v = d * static_cast<float>(static_cast<int32_t>(data[(i / 4) * 64 + f * 4 + i % 4]) - 128);
+          } else {
+            const int64_t j = i % 16;
+            const uint8_t byte = data[(j / 4) * 64 + f * 4 + j % 4];
+            const int32_t q = i < 16 ? byte & 15 : byte >> 4;
+            v = t == kQ4_0 ? d * static_cast<float>(q - 8) : std::fma(d, static_cast<float>(q), mn);
+          }
+          dst[i] = v;
+        }
+      }
+    }
+  });
+  return out;
+}
+
+// Reads every byte of `buf` once (the bench's streaming bandwidth); returns a value that depends on them all.
+int64_t stream_read(const at::Tensor& buf) {
+  TORCH_CHECK(buf.is_contiguous(), "buf: contiguous");
+  const uint8_t* p = static_cast<const uint8_t*>(buf.data_ptr());
+  const int64_t bytes = buf.numel() * buf.element_size(), lines = bytes / 256;
+  std::atomic<uint64_t> total{0};
+  at::parallel_for(0, lines, 4096, [&](int64_t begin, int64_t end) {
+    uint64_t acc = 0;
+#ifdef TANDEM_GGUF_VNNI
+    __m512i a = _mm512_setzero_si512();
+    for (int64_t l = begin; l < end; ++l) {
+      const uint8_t* q = p + l * 256;
+      a = _mm512_xor_si512(a, _mm512_loadu_si512(q));
+      a = _mm512_xor_si512(a, _mm512_loadu_si512(q + 64));
+      a = _mm512_xor_si512(a, _mm512_loadu_si512(q + 128));
+      a = _mm512_xor_si512(a, _mm512_loadu_si512(q + 192));
+    }
+    acc = static_cast<uint64_t>(_mm512_reduce_add_epi64(a));
+#else
+    for (int64_t l = begin; l < end; ++l) {
+      const uint64_t* q = reinterpret_cast<const uint64_t*>(p + l * 256);
+      for (int i = 0; i < 32; ++i) acc ^= q[i];
+    }
+#endif
+    total.fetch_xor(acc);
+  });
+  return static_cast<int64_t>(total.load() & 0x7fffffff);
+}
+
+std::string gguf_isa() {
+  return amx_int8_available() ? "amx_int8+avx512_vnni" : vnni_available() ? "avx512_vnni" : "portable";
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(tandem_cpu, m) {
+  m.def("gguf_isa() -> str");
+  m.def("gguf_linear(Tensor x, Tensor packed, int n, Tensor? bias=None, bool out_fp32=False, int path=0) -> Tensor");
+  m.def("gguf_rows(Tensor packed, int n, Tensor ids) -> Tensor");
+  m.def("stream_read(Tensor buf) -> int");
+}
+
+TORCH_LIBRARY_IMPL(tandem_cpu, CatchAll, m) { m.impl("gguf_isa", &gguf_isa); }
+
+TORCH_LIBRARY_IMPL(tandem_cpu, CPU, m) {
+  m.impl("gguf_linear", &gguf_linear);
+  m.impl("gguf_rows", &gguf_rows);
+  m.impl("stream_read", &stream_read);
+}

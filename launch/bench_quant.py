@@ -1,0 +1,100 @@
+"""The weights side of `tandem bench one-batch --quantization ...`: which file and --quantization a
+variant runs, how many weight bytes a batch-1 decode step reads, the machine's streaming read
+bandwidth, and the batch-1 bound they give (bytes per token / bandwidth).
+
+Variants: `none` (the model dequantized to --dtype, the reference path), `gguf` (the GGUF file's
+blocks as stored), `q4_0` / `q4_1` / `q8_0` (the file's weights converted to that block type by the
+gguf package's quantizer, cached: launch/gguf_convert.py; the file itself where it is that type).
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+from torch import nn
+
+VARIANTS = ("none", "gguf", "q4_0", "q4_1", "q8_0")
+LARGE_BUFFER = 1 << 30  # bytes: past any last-level cache, the DRAM figure
+
+
+def resolve(model_path: str | None, variant: str) -> tuple[str | None, str]:
+    """(model path, --quantization) of a variant."""
+    if variant not in VARIANTS:
+        raise ValueError(f"--quantization {variant!r}: one of {', '.join(VARIANTS)}")
+    if variant in ("none", "gguf"):
+        return model_path, variant
+    from tandem.launch.gguf_convert import converted
+    from tandem.runtime.model_files import default_model_path, is_gguf
+
+    path = model_path or default_model_path()
+    if not is_gguf(path):
+        raise ValueError(f"--quantization {variant}: converts a GGUF file's weights; {path} is not one")
+    return (path if _all_of(path, variant) else converted(path, variant)), "gguf"
+
+
+def _all_of(path: str, variant: str) -> bool:
+    from gguf import GGUFReader
+
+    kinds = {t.tensor_type.name.lower() for t in GGUFReader(path).tensors if len(t.shape) == 2}
+    return kinds == {variant}
+
+
+def decode_bytes_per_token(model: nn.Module) -> int:
+    """Weight bytes one batch-1 decode step reads: every linear's and the LM head's, as held (the
+    embedding contributes one row, nothing, unless it is the head)."""
+    from tandem.runtime.model.quant.gguf_load import held_bytes
+
+    linears = [m.weight for name, m in model.named_modules()
+               if name.rpartition(".")[2] not in ("embed_tokens", "lm_head") and not name.endswith("norm")
+               and m is not model and getattr(m, "weight", None) is not None]
+    head = getattr(model, "_head_fp32", None)
+    return held_bytes([*linears, head])
+
+
+def stream_bandwidth(nbytes: int, repeats: int = 5) -> float:
+    """Bytes per second the C++ op reads a buffer of `nbytes` at (the best of `repeats` passes after
+    one untimed), on this process's intra-op threads; 0.0 without the C++ ops."""
+    from tandem.kernels.cpu_ops import load_cpu_ops
+
+    ops = load_cpu_ops()
+    if ops is None:
+        return 0.0
+    buf = torch.ones(max(nbytes, 1 << 20) // 256 * 256, dtype=torch.uint8)
+    ops.stream_read(buf)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        ops.stream_read(buf)
+        best = min(best, time.perf_counter() - t0)
+    return buf.numel() / best
+
+
+def bound_fields(model: nn.Module) -> dict:
+    """The batch-1 bandwidth bound of `model`: bytes per token over the read bandwidth of a buffer
+    of the same size (the weights' case: cached where they fit in the last-level cache) and of 1 GiB."""
+    per_token = decode_bytes_per_token(model)
+    same, large = stream_bandwidth(per_token), stream_bandwidth(LARGE_BUFFER)
+    return {"decode_bytes_per_token": per_token, "stream_gb_s_weights_size": round(same / 1e9, 2),
+            "stream_gb_s_1gib": round(large / 1e9, 2),
+            "bandwidth_bound_tok_s": round(same / per_token, 1) if per_token else None,
+            "bandwidth_bound_dram_tok_s": round(large / per_token, 1) if per_token else None}
+
+
+SUMMARY_HEADER = (f"{'weights':<22} {'MB':>7} {'batch':>6} {'prefill tok/s':>14} {'decode tok/s':>13} "
+                  f"{'x first':>8} {'B/token MB':>11} {'bound tok/s':>12} {'of bound':>9}")
+
+
+def summary_rows(rows: list[dict]) -> list[str]:
+    """One line per (variant, batch): decode tok/s and its ratio to the first variant's at the same
+    batch; at batch 1 the bandwidth bound (weights-size buffer) and the share of it reached."""
+    first = {r["batch_size"]: r["decode_throughput_tok_s"] for r in rows if r["variant"] == rows[0]["variant"]}
+    lines = []
+    for r in rows:
+        ratio = r["decode_throughput_tok_s"] / first[r["batch_size"]] if first.get(r["batch_size"]) else 0.0
+        bound = r.get("bandwidth_bound_tok_s")
+        of = format(r["decode_throughput_tok_s"] / bound, ".0%") if bound else "-"
+        per_token = f"{r['decode_bytes_per_token'] / 1e6:.1f}" if "decode_bytes_per_token" in r else "-"
+        lines.append(f"{r['variant'] + ' ' + r['weights']:<22.22} {r['weight_bytes'] / 1e6:>7.1f} {r['batch_size']:>6} "
+                     f"{r['prefill_throughput_tok_s']:>14.1f} {r['decode_throughput_tok_s']:>13.1f} {ratio:>7.2f}x "
+                     f"{per_token:>11} {bound if bound else '-':>12} {of:>9}")
+    return lines
