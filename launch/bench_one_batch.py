@@ -101,18 +101,18 @@ def _run_variant(args: argparse.Namespace, variant: str | None, transformers: bo
     weights = runner.weight_info()
     run(runner, 1, min(args.input_len, 16), 2)  # warm-up
     print(f"model: {runner.model_path}  dtype: {runner.dtype}  KV: {runner.kv_dtype}  device: {runner.device}  "
-          f"cpu: {machine_info()['cpu_model']}" + (f"  weights: {weights['quantization']} "
+          f"cpu: {machine_info()['cpu_model']}" + (f"  weights: {weights['weight_quantization']} "
                                                    f"({weights['weight_bytes'] / 1e6:.1f} MB)" if variant else ""),
           flush=True)
     emit(TABLE_HEADER)
     rows: list[dict] = []
     # the GEMM bound times dense MLPs of the run's dtype: a mixture of experts' is another shape, and
     # quantized weights are other kernels (no bound printed; --quantization prints the bandwidth bound)
-    bound = runner.device.type == "cpu" and not runner.config.num_experts and weights["quantization"] == "none"
+    bound = runner.device.type == "cpu" and not runner.config.num_experts and weights["weight_quantization"] == "none"
     runs = len(args.batch_size) * (1 + transformers)
     extra = {"dtype": str(runner.dtype), "kv_cache_dtype": str(runner.kv_dtype)}
     if variant is not None:
-        extra.update(variant=variant, weights=weights["quantization"], weight_bytes=weights["weight_bytes"],
+        extra.update(variant=variant, weights=weights["weight_quantization"], weight_bytes=weights["weight_bytes"],
                      model_path=runner.model_path)
     with Progress(runs, "bench one-batch") as progress:
         for bs in args.batch_size:  # each row as soon as it is measured

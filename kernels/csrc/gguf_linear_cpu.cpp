@@ -32,6 +32,8 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <memory>
+#include <type_traits>
 #include <vector>
 
 #include "amx_common.h"
@@ -75,23 +77,65 @@ QType qtype_of(const at::Tensor& packed) {
 inline float half_to_float(uint16_t h) { return static_cast<float>(c10::Half(h, c10::Half::from_bits())); }
 
 // The activation rows, quantized per block to 16 bits held as two int8 planes, q = 256 * hi + lo
-// (hi in [-127, 127], lo in [-128, 127]): hi, lo [M, K]; dx [M, KB]; sx [M, KB]; cq [M, KB] = z * sum(q)
+// (hi in [-127, 127], lo in [-128, 127]): hi, lo [KB][M][32] (block-major: a block of 16 consecutive rows is
+// one 512-byte AMX tile); dx, sx, cq = z * sum(q): [M, KB]
+template <typename T>
+struct Buffer {  // uninitialized (every element is written before it is read), with std::vector's data()
+  std::unique_ptr<T[]> p;
+  explicit Buffer(int64_t n) : p(new T[n]) {}
+  T* data() { return p.get(); }
+  const T* data() const { return p.get(); }
+  T& operator[](int64_t i) { return p[i]; }
+  const T& operator[](int64_t i) const { return p[i]; }
+};
+
 struct Acts {
-  std::vector<int8_t> hi, lo;
-  std::vector<float> dx, sx;
-  std::vector<int32_t> cq;
-  int64_t k = 0, kb = 0;
-  Acts(int64_t m, int64_t k_, int64_t kb_)
-      : hi(m * k_), lo(m * k_), dx(m * kb_), sx(m * kb_), cq(m * kb_), k(k_), kb(kb_) {}
+  Buffer<int8_t> hi, lo;
+  Buffer<float> dx, sx;
+  Buffer<int32_t> cq;
+  int64_t m = 0, k = 0, kb = 0;
+  Acts(int64_t m_, int64_t k_, int64_t kb_)
+      : hi(m_ * k_), lo(m_ * k_), dx(m_ * kb_), sx(m_ * kb_), cq(m_ * kb_), m(m_), k(k_), kb(kb_) {}
+  int64_t at(int64_t row, int64_t b) const { return (b * m + row) * kBlock; }  // a row's block in the planes
 };
 
 constexpr float kQMax = 32512.f;  // 127 * 256: the largest |q|, so that hi stays within [-127, 127]
 
-// the same code for every row: a row's integers never depend on the others
+#ifdef TANDEM_GGUF_VNNI
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const at::BFloat16* p) {
+  const __m512i bits = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(bits, 16));
+}
+#endif
+
+// hi, lo: the row's first block in the planes, `stride` bytes between its blocks. The same code for
+// every row (AVX-512 for float and bfloat16 rows where the CPU has it): a row's integers, dx and sx
+// never depend on the other rows.
 template <typename scalar_t>
 __attribute__((noinline)) void quantize_row(const scalar_t* x, int64_t kb, int32_t z, int8_t* hi, int8_t* lo,
-                                            float* dx, float* sx, int32_t* cq) {
-  for (int64_t b = 0; b < kb; ++b) {
+                                            int64_t stride, float* dx, float* sx, int32_t* cq) {
+  for (int64_t b = 0; b < kb; ++b, hi += stride, lo += stride) {
+#ifdef TANDEM_GGUF_VNNI
+    if constexpr (std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, at::BFloat16>) {
+      const __m512 v0 = load16(x + b * kBlock), v1 = load16(x + b * kBlock + 16);
+      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+      const float id = amax > 0.f ? kQMax / amax : 0.f;
+      const __m512i qmax = _mm512_set1_epi32(32512), qmin = _mm512_set1_epi32(-32512);
+      __m512i q[2];
+      q[0] = _mm512_min_epi32(_mm512_max_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(v0, _mm512_set1_ps(id))), qmin), qmax);
+      q[1] = _mm512_min_epi32(_mm512_max_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(v1, _mm512_set1_ps(id))), qmin), qmax);
+      for (int h = 0; h < 2; ++h) {
+        const __m512i l = _mm512_srai_epi32(_mm512_slli_epi32(q[h], 24), 24);  // the sign-extended low byte
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(hi + 16 * h), _mm512_cvtepi32_epi8(_mm512_srai_epi32(_mm512_sub_epi32(q[h], l), 8)));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(lo + 16 * h), _mm512_cvtepi32_epi8(l));
+      }
+      dx[b] = amax / kQMax;
+      sx[b] = _mm512_reduce_add_ps(_mm512_add_ps(v0, v1));
+      cq[b] = z * _mm512_reduce_add_epi32(_mm512_add_epi32(q[0], q[1]));
+      continue;
+    }
+#endif
     float v[kBlock];
     for (int64_t i = 0; i < kBlock; ++i) v[i] = tandem_cpu::load(x[b * kBlock + i]);
     float amax = 0.f, sum = 0.f;
@@ -102,8 +146,8 @@ __attribute__((noinline)) void quantize_row(const scalar_t* x, int64_t kb, int32
     for (int64_t i = 0; i < kBlock; ++i) {
       const int32_t q = std::clamp(static_cast<int32_t>(std::nearbyint(v[i] * id)), -32512, 32512);  // half to even
       const int32_t l = static_cast<int8_t>(q & 0xFF);  // sign-extended low byte
-      hi[b * kBlock + i] = static_cast<int8_t>((q - l) / 256);
-      lo[b * kBlock + i] = static_cast<int8_t>(l);
+      hi[i] = static_cast<int8_t>((q - l) / 256);
+      lo[i] = static_cast<int8_t>(l);
       qsum += q;
     }
     dx[b] = d;
@@ -154,7 +198,7 @@ void run_portable(QType t, const uint8_t* packed, int64_t nb, int64_t kb, int64_
       for (int64_t r = 0; r < m; ++r) {
         float acc[kFeat] = {};
         for (int64_t b = 0; b < kb; ++b)
-          unit_row_portable(t, base + b * ub, a.hi.data() + r * a.k + b * kBlock, a.lo.data() + r * a.k + b * kBlock,
+          unit_row_portable(t, base + b * ub, a.hi.data() + a.at(r, b), a.lo.data() + a.at(r, b),
                             a.dx[r * kb + b], a.sx[r * kb + b], a.cq[r * kb + b], acc);
         store_out(acc, bias != nullptr ? bias + fb * kFeat : nullptr, count, out + r * n + fb * kFeat);
       }
@@ -171,12 +215,10 @@ template <QType T, int R>
 __attribute__((noinline)) void tile_vnni(const uint8_t* base, const Acts& a, int64_t r0, __m512* out) {
   constexpr int64_t ub = T == kQ4_0 ? 288 : T == kQ4_1 ? 320 : 544;
   constexpr int64_t off = T == kQ4_1 ? 64 : 32;
-  const int64_t kb = a.kb, k = a.k;
+  const int64_t kb = a.kb;
   const __m512i low = _mm512_set1_epi8(0x0F);
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
-  const int8_t* hi0 = a.hi.data() + r0 * k;
-  const int8_t* lo0 = a.lo.data() + r0 * k;
   const float* dx0 = a.dx.data() + r0 * kb;
   const float* sx0 = a.sx.data() + r0 * kb;
   const int32_t* cq0 = a.cq.data() + r0 * kb;
@@ -207,8 +249,8 @@ __attribute__((noinline)) void tile_vnni(const uint8_t* base, const Acts& a, int
       }
     }
     for (int r = 0; r < R; ++r) {
-      const int32_t* xh = reinterpret_cast<const int32_t*>(hi0 + r * k + b * kBlock);
-      const int32_t* xl = reinterpret_cast<const int32_t*>(lo0 + r * k + b * kBlock);
+      const int32_t* xh = reinterpret_cast<const int32_t*>(a.hi.data() + a.at(r0 + r, b));
+      const int32_t* xl = reinterpret_cast<const int32_t*>(a.lo.data() + a.at(r0 + r, b));
       __m512i h0 = _mm512_setzero_si512(), h1 = _mm512_setzero_si512();
       __m512i l0 = _mm512_setzero_si512(), l1 = _mm512_setzero_si512();
       for (int g = 0; g < 8; g += 2) {
@@ -327,7 +369,7 @@ template <QType T, typename out_t>
 void run_amx(const uint8_t* packed, int64_t nb, int64_t kb, int64_t n, const Acts& a, int64_t m, const float* bias,
              out_t* out) {
   constexpr int64_t ub = T == kQ4_0 ? 288 : T == kQ4_1 ? 320 : 544;
-  const int64_t pairs = (nb + 1) / 2, k = a.k;
+  const int64_t pairs = (nb + 1) / 2;
   at::parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) {
     int8_t* spread = static_cast<int8_t*>(std::aligned_alloc(64, 2 * kb * 512));  // a pair's B tiles, [2][kb][512]
     alignas(64) int32_t c[2][2][2 * kRowTileAmx * kFeat];  // [block parity][feature block][hi; lo]
@@ -355,8 +397,8 @@ void run_amx(const uint8_t* packed, int64_t nb, int64_t kb, int64_t n, const Act
           for (int64_t b = 0; b < kb; ++b) {
             _tile_zero(0);
             _tile_zero(1);
-            _tile_loadd(4, a.hi.data() + r0 * k + b * kBlock, k);
-            _tile_loadd(5, a.lo.data() + r0 * k + b * kBlock, k);
+            _tile_loadd(4, a.hi.data() + a.at(r0, b), kBlock);
+            _tile_loadd(5, a.lo.data() + a.at(r0, b), kBlock);
             _tile_loadd(6, spread + b * 512, 64);
             _tile_dpbssd(0, 4, 6);
             _tile_dpbssd(1, 5, 6);
@@ -461,7 +503,8 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n,
     const scalar_t* xp = reinterpret_cast<const scalar_t*>(x2.data_ptr());
     at::parallel_for(0, m, 16, [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r)
-        quantize_row(xp + r * k, kb, z, acts.hi.data() + r * k, acts.lo.data() + r * k, acts.dx.data() + r * kb,
+        quantize_row(xp + r * k, kb, z, acts.hi.data() + acts.at(r, 0), acts.lo.data() + acts.at(r, 0), m * kBlock,
+                     acts.dx.data() + r * kb,
                      acts.sx.data() + r * kb, acts.cq.data() + r * kb);
     });
   });

@@ -8,7 +8,7 @@ import torch.distributed as dist
 
 from tandem.kernels.cpu_ops import cpu_flags
 from tandem.runtime.cache.pools import KVPool, ReqToTokenPool, TokenAllocator
-from tandem.runtime.host_malloc import keep_freed_heap
+from tandem.runtime.host_malloc import keep_freed_heap, release_freed_heap
 from tandem.runtime.model.attention import create_attention_backend
 from tandem.runtime.model.config import ModelConfig
 from tandem.runtime.model.forward_batch import ForwardBatch
@@ -47,6 +47,8 @@ class ModelRunner:
         self.draft_model = self._load_draft_model()
         if pack_now:
             self.pack_weights()
+        if self.device.type == "cpu":  # the load's transient copies (dequantized, fused, repacked): never needed again
+            release_freed_heap()
         self.context_len = self._context_len()
         self.max_total_tokens = self._kv_capacity()
         self.max_running_requests = args.max_running_requests
@@ -72,12 +74,13 @@ class ModelRunner:
         weights = self.weight_info()
         logger.info("model %s loaded: %s, %d KV slots (%s), context %d, weights %s (%.1f MB)", self.model_path,
                     self.config.arch, self.max_total_tokens, str(self.kv_dtype).removeprefix("torch."), self.context_len,
-                    weights["quantization"], weights["weight_bytes"] / 1e6)
+                    weights["weight_quantization"], weights["weight_bytes"] / 1e6)
 
     def weight_info(self) -> dict:
-        """What /server_info reports of the weights: how they are held ("gguf:q4_1+q8_0", "none") and
-        their bytes in memory (packed, quantized, or plain: each stored tensor once)."""
-        return {"quantization": gguf_load.quantization_of(self.model), "weight_bytes": gguf_load.weight_bytes(self.model)}
+        """What /server_info reports of the weights: how they are held ("gguf:q4_1+q8_0", or "none":
+        in --dtype) and their bytes in memory (packed, quantized, or plain: each stored tensor once)."""
+        return {"weight_quantization": gguf_load.quantization_of(self.model),
+                "weight_bytes": gguf_load.weight_bytes(self.model)}
 
     def pack_weights(self) -> None:
         """Linears on packed weights where this dtype and device have them (runtime/model/packed_linear.py).

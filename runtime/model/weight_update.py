@@ -20,6 +20,7 @@ from torch import nn
 from tandem.runtime.model.config import ModelConfig
 from tandem.runtime.model.loader import _fuse
 from tandem.runtime.model.packed_linear import PackedLinear, linear, pack
+from tandem.runtime.model.quant import gguf_load
 from tandem.runtime.model.tensor_parallel import TensorParallel, shard_weights
 
 _FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
@@ -86,6 +87,9 @@ def check(model: nn.Module, cfg: ModelConfig, tp: TensorParallel,
     out = []
     for name, tensor in tensors:
         target = locate(name, cfg, tp)
+        if target is not None and target.param in gguf_load.quantized_names(model):
+            raise ValueError(f"{name}: the model holds this weight quantized (--quantization gguf); weight "
+                             f"updates need the dequantized path (--quantization none)")
         if target is None or target.param not in params:
             raise ValueError(f"{name}: the model has no such weight")
         if not tensor.is_floating_point():

@@ -154,6 +154,11 @@ def install(model: nn.Module, held: dict[str, GgufWeight], dtype: torch.dtype) -
                     sum(w.nbytes for w in held.values()) / 1e6)
 
 
+def quantized_names(model: nn.Module) -> set[str]:
+    """The weights held quantized, by tandem's (fused) names."""
+    return {f"{name}.weight" for name, m in model.named_modules() if isinstance(m, (GgufLinear, GgufEmbedding))}
+
+
 def quantization_of(model: nn.Module) -> str:
     """What the model's linears hold: 'gguf:q4_1+q8_0' (types, sorted), or 'none'."""
     kinds = sorted({m.weight.qtype for m in model.modules() if isinstance(m, (GgufLinear, GgufEmbedding))})

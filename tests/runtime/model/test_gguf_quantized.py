@@ -79,7 +79,7 @@ def test_the_shipped_file_is_served_quantized(runners, smol_tokenizer):
     assert all(isinstance(m, GgufLinear) and m.weight.qtype == "q4_1" for layer in model.layers
                for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj))
     info = runner.weight_info()
-    assert info["quantization"] == "gguf:q4_1+q8_0"
+    assert info["weight_quantization"] == "gguf:q4_1+q8_0"
     import os
 
     size = os.path.getsize(default_model_path())
@@ -146,10 +146,22 @@ def test_a_row_gets_the_same_logits_alone_and_batched(runners, smol_tokenizer):
 
 
 def test_quantization_none_and_other_models_keep_the_dequantized_path(runners, tiny_model_dir):
-    assert runners("q4_1", "float32", "none").weight_info()["quantization"] == "none"
+    assert runners("q4_1", "float32", "none").weight_info()["weight_quantization"] == "none"
     tiny = ModelRunner(ServerArgs(model_path=tiny_model_dir("llama"), max_total_tokens=256, max_running_requests=2,
                                   dtype="float32"))
-    assert tiny.weight_info()["quantization"] == "none"  # unset: a HF folder is served in --dtype
+    assert tiny.weight_info()["weight_quantization"] == "none"  # unset: a HF folder is served in --dtype
     with pytest.raises(ValueError, match="--quantization gguf: the model is not a GGUF file"):
         ModelRunner(ServerArgs(model_path=tiny_model_dir("llama"), max_total_tokens=256, max_running_requests=2,
                                dtype="float32", quantization="gguf"))
+
+
+def test_weight_updates_are_refused_on_quantized_weights(runners):
+    from tandem.runtime.model import weight_update
+
+    runner = runners("q4_1", "float32", "gguf")
+    with pytest.raises(ValueError, match="holds this weight quantized"):
+        weight_update.check(runner.model, runner.config, runner.tp,
+                            [("model.layers.0.self_attn.q_proj.weight", torch.zeros(576, 576))])
+    # a norm is held as it always is: still updatable
+    assert weight_update.check(runner.model, runner.config, runner.tp,
+                               [("model.layers.0.input_layernorm.weight", torch.ones(576))])
