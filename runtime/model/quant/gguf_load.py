@@ -1,5 +1,5 @@
-"""Serving a GGUF file's quantized tensors as stored (`--quantization gguf`, the default for GGUF
-files on CPU): which tensors stay quantized, and the modules that hold them.
+"""Serving a GGUF file's quantized tensors as stored (`--quantization gguf`; unset means it where
+TANDEM_GGUF_QUANTIZED=1): which tensors stay quantized, and the modules that hold them.
 
 A linear weight stays quantized where its type has a kernel (gguf_blocks.TYPES: Q4_0, Q4_1, Q8_0)
 and every tensor fused with it (q/k/v into qkv_proj, gate/up into gate_up_proj) has the same
@@ -37,7 +37,7 @@ def wanted(quantization: str | None, model_path: str, device: torch.device | str
 
     if quantization not in QUANTIZATIONS:  # ServerArgs refuses them first; a direct caller here
         raise ValueError(f"--quantization: {quantization!r} is not one of {QUANTIZATIONS}")
-    if quantization == "none":
+    if quantization == "none" or (quantization != "gguf" and not envs.GGUF_QUANTIZED.get()):
         return False
     why_not = None
     if not is_gguf(model_path):
@@ -55,7 +55,7 @@ def wanted(quantization: str | None, model_path: str, device: torch.device | str
         if quantization == "gguf":
             raise ValueError(f"--quantization gguf: {why_not}; use --quantization none")
         return False
-    return quantization == "gguf" or envs.GGUF_QUANTIZED.get()
+    return True
 
 
 @dataclass
@@ -70,7 +70,7 @@ class GgufPlan:
         for t in reader.tensors:
             name = hf_name(t)
             shape = tuple(int(d) for d in reversed(t.shape))
-            if (name is None or not name.endswith(".weight") or name.endswith("norm.weight")
+            if (name is None or not name.endswith(".weight") or name.endswith("norm.weight") or ".experts." in name
                     or not supported(t.tensor_type, shape)
                     or not (name.startswith("model.layers.") or name in ("model.embed_tokens.weight", "lm_head.weight"))):
                 continue
@@ -150,8 +150,11 @@ def install(model: nn.Module, held: dict[str, GgufWeight], dtype: torch.dtype) -
             raise ValueError(f"{name}: a {type(module).__name__} cannot hold a quantized weight")
     kinds = Counter(w.qtype for w in held.values())
     if held:
-        logger.info("GGUF weights served quantized: %s (%.1f MB)", ", ".join(f"{c} {k.upper()}" for k, c in sorted(kinds.items())),
-                    sum(w.nbytes for w in held.values()) / 1e6)
+        from tandem.kernels.cpu_ops import load_cpu_ops
+
+        logger.info("GGUF weights served quantized: %s (%.1f MB), kernels: %s",
+                    ", ".join(f"{c} {k.upper()}" for k, c in sorted(kinds.items())),
+                    sum(w.nbytes for w in held.values()) / 1e6, load_cpu_ops().gguf_isa())
 
 
 def quantized_names(model: nn.Module) -> set[str]:
