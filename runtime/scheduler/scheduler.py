@@ -268,6 +268,7 @@ class Scheduler:
             "num_outputs_sent": self.num_outputs_sent,
             **({"tp_size": self.runner.tp.size, "tp_comm_s": round(self.runner.tp.comm_s, 4)}
                if self.runner.tp.size > 1 else {}),
+            **(self.runner.weight_info() if self.runner.model is not None else {}),  # (released: none)
             **self.stats.info(),
         }
 
