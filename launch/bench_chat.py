@@ -14,15 +14,13 @@ import asyncio
 import copy
 import json
 import statistics
-import time
 from typing import Any
 
 import aiohttp
-import orjson
 
 from tandem.launch.bench_datasets import DatasetRow
-from tandem.launch.bench_metrics import RequestResult, finish_request, record_chunk
-from tandem.launch.bench_client import StreamError, report, run_benchmark
+from tandem.launch.bench_metrics import RequestResult, record_chunk
+from tandem.launch.bench_client import StreamError, report, run_benchmark, stream_request
 from tandem.launch.bench_serving_ab import flush_cache
 
 
@@ -45,28 +43,8 @@ def chat_payload(row: DatasetRow, max_tokens: int, args: Any, tools: list | None
 async def send_chat_request(session: aiohttp.ClientSession, api_url: str, row: DatasetRow, args: Any,
                             max_new_tokens: int | None = None) -> RequestResult:
     """Stream one chat request (with args.chat_tools when set); failures are recorded, never raised."""
-    res = RequestResult(prompt_len=row.prompt_len)
     payload = chat_payload(row, max_new_tokens or row.output_len, args, getattr(args, "chat_tools", None))
-    res.start = time.perf_counter()
-    try:
-        async with session.post(api_url, json=payload) as resp:
-            if resp.status != 200:
-                res.error = f"HTTP {resp.status}: {(await resp.text())[:500]}"
-            else:
-                last = res.start
-                async for raw in resp.content:
-                    line = raw.strip()
-                    if not line.startswith(b"data:") or line == b"data: [DONE]":
-                        continue
-                    last = time.perf_counter()
-                    _apply_chat_chunk(res, orjson.loads(line[5:]), last)
-                finish_request(res, last)
-    except Exception as exc:  # noqa: BLE001 - a bad request must not end the run
-        res.success = False
-        res.error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-    if not res.success:
-        res.latency = time.perf_counter() - res.start
-    return res
+    return await stream_request(session, api_url, payload, row.prompt_len, _apply_chat_chunk)
 
 
 def _apply_chat_chunk(res: RequestResult, data: dict[str, Any], now: float) -> None:

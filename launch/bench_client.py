@@ -93,7 +93,9 @@ def apply_chunk(res: RequestResult, data: dict[str, Any], now: float) -> None:
     record_chunk(res, now, total)
 
 
-async def _consume_stream(resp: aiohttp.ClientResponse, res: RequestResult) -> None:
+async def _consume_stream(resp: aiohttp.ClientResponse, res: RequestResult, apply: Any = None) -> None:
+    """Each SSE data line to `apply` (default: a /generate chunk), then the request's end."""
+    apply = apply or apply_chunk
     last = time.perf_counter()
     async for raw in resp.content:
         line = raw.strip()
@@ -103,7 +105,7 @@ async def _consume_stream(resp: aiohttp.ClientResponse, res: RequestResult) -> N
         body = line[5:].strip() if line.startswith(b"data:") else line
         if body == b"[DONE]":
             continue
-        apply_chunk(res, orjson.loads(body), last)
+        apply(res, orjson.loads(body), last)
     finish_request(res, last)
 
 
@@ -111,16 +113,23 @@ async def send_request(
     session: aiohttp.ClientSession, api_url: str, row: DatasetRow, args: Any,
     max_new_tokens: int | None = None,
 ) -> RequestResult:
-    """Stream one request; any failure is recorded on the result, never raised."""
-    res = RequestResult(prompt_len=row.prompt_len)
+    """Stream one /generate request; any failure is recorded on the result, never raised."""
     payload = build_payload(row.prompt, max_new_tokens or row.output_len, args)
+    return await stream_request(session, api_url, payload, row.prompt_len)
+
+
+async def stream_request(session: aiohttp.ClientSession, api_url: str, payload: dict[str, Any], prompt_len: int,
+                         apply: Any = None) -> RequestResult:
+    """POST `payload` and record its SSE stream chunk by chunk (`apply`: how a chunk counts; default
+    a /generate chunk); any failure is recorded on the result, never raised."""
+    res = RequestResult(prompt_len=prompt_len)
     res.start = time.perf_counter()
     try:
         async with session.post(api_url, json=payload) as resp:
             if resp.status != 200:
                 res.error = f"HTTP {resp.status}: {(await resp.text())[:500]}"
             else:
-                await _consume_stream(resp, res)
+                await _consume_stream(resp, res, apply)
     except Exception as exc:  # noqa: BLE001 - a bad request must not end the run
         res.success = False
         res.error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
