@@ -117,19 +117,26 @@ class Harness:
         self.core.finish(req, reason)
         self._collect()
 
+    def step(self, in_flight: ScheduleBatch | None,
+             overlap: bool = True) -> tuple[ScheduleBatch | None, ScheduleBatch | None]:
+        """One loop iteration: plan N+1, then apply N (overlap), or plan-apply. Returns the step
+        planned and the one left in flight."""
+        batch = self.plan()
+        if in_flight is not None:
+            self.process(in_flight)
+        in_flight = batch
+        if not overlap and in_flight is not None:
+            self.process(in_flight)
+            in_flight = None
+        return batch, in_flight
+
     def run(self, overlap: bool = True, max_steps: int = 10_000) -> list[ScheduleBatch]:
-        """Drive the loop until idle: plan N+1, then apply N (overlap), or plan-apply."""
+        """Drive the loop until idle."""
         batches, in_flight = [], None
         for _ in range(max_steps):
-            batch = self.plan()
+            batch, in_flight = self.step(in_flight, overlap)
             if batch is not None:
                 batches.append(batch)
-            if in_flight is not None:
-                self.process(in_flight)
-            in_flight = batch
-            if not overlap and in_flight is not None:
-                self.process(in_flight)
-                in_flight = None
             if in_flight is None and not self.planner.has_work():
                 return batches
         raise AssertionError("the core did not go idle")

@@ -26,13 +26,7 @@ def test_every_retracted_request_makes_progress_and_all_finish(preemption, overl
                 prompt = rng.randint(4, 160)
                 reqs.append(core.add(f"r{len(reqs)}", prompt, max_new_tokens=rng.randint(1, min(64, CONTEXT - prompt)),
                                      priority=rng.randint(0, 20)))
-        batch = core.plan()
-        if in_flight is not None:
-            core.process(in_flight)
-        in_flight = batch
-        if not overlap and in_flight is not None:
-            core.process(in_flight)
-            in_flight = None
+        _, in_flight = core.step(in_flight, overlap)
         for r in reqs:
             if r.retract_count and at_retraction.get(r.rid, (0, -1))[0] != r.retract_count:
                 last_count, last_len = at_retraction.get(r.rid, (0, -1))
