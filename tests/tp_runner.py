@@ -59,3 +59,17 @@ def run_tp(path: str | None, size: int, out: str, prompts: list[list[int]] = PRO
             p.kill()
     assert all(p.returncode == 0 for p in procs), "\n".join(logs)[-3000:]
     return torch.load(out)
+
+
+def assert_tp2_equals_tp1(path: str, out: str) -> None:
+    """Greedy ids equal and per-step fp32 logits within 1e-4 (the all-reduce only reorders sums)."""
+    from tandem.launch.bare_loop import BareLoop
+    from tandem.runtime.model.runner import ModelRunner
+    from tandem.runtime.server_args import ServerArgs
+
+    ref = BareLoop(ModelRunner(ServerArgs(model_path=path, max_total_tokens=600, max_running_requests=4,
+                                          dtype="float32"))).generate(PROMPTS, 10, keep_logits=True)
+    got = run_tp(path, 2, out)
+    assert got["ids"] == ref.output_ids
+    for a, b in zip(ref.step_logits, got["logits"]):
+        assert (a - b).abs().max().item() < 1e-4

@@ -17,7 +17,7 @@ from tandem.runtime.model.packed_linear import packs_weights
 from tandem.runtime.model.runner import ModelRunner
 from tandem.runtime.model.tensor_parallel import TensorParallel, check_divisible, shard_weights
 from tandem.runtime.server_args import ServerArgs
-from tp_runner import PROMPTS, run_tp
+from tp_runner import assert_tp2_equals_tp1
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -69,13 +69,7 @@ def test_qwen3_moe_dense_layers_and_unnormalized_top_k(tmp_path):
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
 def test_tp2_equals_tp1(tiny_model_dir, tmp_path, arch):
-    path = tiny_model_dir(arch)
-    ref = BareLoop(ModelRunner(ServerArgs(model_path=path, max_total_tokens=600, max_running_requests=4,
-                                          dtype="float32"))).generate(PROMPTS, 10, keep_logits=True)
-    got = run_tp(path, 2, str(tmp_path / "tp2.pt"))
-    assert got["ids"] == ref.output_ids
-    for a, b in zip(ref.step_logits, got["logits"]):
-        assert (a - b).abs().max().item() < 1e-4  # fp32; the all-reduce only reorders sums
+    assert_tp2_equals_tp1(tiny_model_dir(arch), str(tmp_path / "tp2.pt"))
 
 
 DTYPES = ["float32", pytest.param("bfloat16", marks=pytest.mark.skipif(
