@@ -83,14 +83,14 @@ def check(model: nn.Module, cfg: ModelConfig, tp: TensorParallel,
           tensors: Iterable[tuple[str, torch.Tensor]]) -> list[tuple[Target, torch.Tensor]]:
     """Each tensor's target and this rank's part of it; a ValueError names the first that does
     not fit (unknown name, wrong shape, a dtype that is not floating point)."""
-    params = shapes(model)
+    params, quantized = shapes(model), gguf_load.quantized_names(model)
     out = []
     for name, tensor in tensors:
         target = locate(name, cfg, tp)
-        if target is not None and target.param in gguf_load.quantized_names(model):
+        if target.param in quantized:
             raise ValueError(f"{name}: the model holds this weight quantized (--quantization gguf); weight "
                              f"updates need the dequantized path (--quantization none)")
-        if target is None or target.param not in params:
+        if target.param not in params:
             raise ValueError(f"{name}: the model has no such weight")
         if not tensor.is_floating_point():
             raise ValueError(f"{name}: dtype {tensor.dtype} is not a floating-point type")

@@ -147,7 +147,7 @@ class WeightsControl:
         if r.tp.size > 1:
             raise ValueError("get_weights_by_name reads one rank's shard; it is not served under --tp-size > 1")
         target = weight_update.locate(msg.name, r.config, r.tp)
-        if target is None or target.param not in weight_update.shapes(r.model):
+        if target.param not in weight_update.shapes(r.model):
             raise ValueError(f"{msg.name}: the model has no such weight")
         value = weight_update.read(r.model, target.param)[target.index]
         return ControlReply(req_id=msg.req_id, success=True, values=value[:msg.truncate_size].float().tolist())
