@@ -112,7 +112,9 @@ def apply(model: nn.Module, checked: list[tuple[Target, torch.Tensor]]) -> int:
         module_name, _, attr = param.rpartition(".")
         module = model.get_submodule(module_name)
         if isinstance(module, PackedLinear) and attr == "weight":
-            value = read(model, param).clone()
+            value = _written_whole(parts, module.weight.shape, _packed_dtype(module))
+            if value is None:  # some rows keep their old values: read them back first
+                value = read(model, param).clone()
             for target, shard in parts:
                 value[target.index] = shard.to(value.dtype)
             module.weight = pack(value)
@@ -124,6 +126,20 @@ def apply(model: nn.Module, checked: list[tuple[Target, torch.Tensor]]) -> int:
     model._decode_step_checked_for = None  # rebuilt on the next decode step, on the new weights
     model._head_fp32 = None  # the fp32 head copy likewise (CausalLM.logits)
     return len(by_param)
+
+
+def _written_whole(parts: list[tuple[Target, torch.Tensor]], shape: torch.Size,
+                   dtype: torch.dtype) -> torch.Tensor | None:
+    """An uninitialized tensor when `parts` write every row of the parameter (a whole checkpoint's
+    q, k and v, say), so its old value need not be read back; else None."""
+    rows: set[int] = set()
+    for target, _ in parts:
+        if target.index == ():
+            return torch.empty(shape, dtype=dtype)
+        if len(target.index) != 1 or not isinstance(target.index[0], slice):
+            return None
+        rows.update(range(target.index[0].start, target.index[0].stop))
+    return torch.empty(shape, dtype=dtype) if len(rows) == shape[0] else None
 
 
 def shapes(model: nn.Module) -> dict[str, torch.Size]:
