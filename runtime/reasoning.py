@@ -6,8 +6,10 @@ reasoning: everything before `</think>` is reasoning (all of it while `</think>`
 false, as Qwen3's template reads it), whether the model writes `<think>` or the template opened
 it; with thinking off, reasoning only when the answer opens with `<think>`.
 
-Streaming splits the cumulative text each time, holding back a tail that could be the start of
-a tag, so what was sent as reasoning is never taken back. With SGLang's `stream_reasoning: false`
+Streaming (`ReasoningStream`) reads each step's new text once, holding back only what `split`
+holds back (opening whitespace and a partial `<think>`, trailing whitespace and a partial
+`</think>`), so what was sent as reasoning is never taken back and the deltas of every step are
+the ones the whole-text split of the answer so far would give. With SGLang's `stream_reasoning: false`
 the reasoning is held back whole and sent as one delta: in the step whose text closes it
 (`</think>`), or the finishing one when it never closes, but not when the request was aborted
 (SGLang flushes its held reasoning only at a finish that is not an abort).
@@ -17,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
-from tandem.runtime.text_stream import TextCursor, partial_tag_len
+from tandem.runtime.text_stream import partial_tag_len
 from tandem.runtime.value_checks import ValidationError, check_fields
 
 THINK_START, THINK_END = "<think>", "</think>"
@@ -61,21 +63,98 @@ def with_stream_reasoning(parser: ReasoningParser | None, body: dict) -> Reasoni
     return parser if parser is None or value is None else replace(parser, stream_reasoning=value)
 
 
-class StreamSplitter:
-    """Deltas of reasoning and content from cumulative answers."""
+_OPEN, _THINK, _AFTER, _CONTENT = range(4)  # ReasoningStream's phases
+
+
+class ReasoningStream:
+    """Deltas of reasoning and content from the deltas of one answer, O(new text) per step.
+
+    Phases: OPEN (only whitespace and a prefix of `<think>` so far: undecided), THINK (inside the
+    reasoning), AFTER (past `</think>`: content, its leading whitespace dropped) and CONTENT (no
+    reasoning at all). `pending` holds what is read but not yet sent: in OPEN the text so far, in
+    THINK the unsent tail of the reasoning (trailing whitespace and a partial `</think>`), which
+    is all a `</think>` that ends in later text can start in. Invariant: the deltas of each step
+    are those `split` of the answer so far would give over the previous step's (held back whole,
+    with `stream_reasoning` off, until it closes or the answer finishes unaborted)."""
+
+    __slots__ = ("parser", "phase", "pending", "lead", "held", "closed")
 
     def __init__(self, parser: ReasoningParser) -> None:
         self.parser = parser
-        self.reasoning = TextCursor()
-        self.content = TextCursor()
+        self.phase = _OPEN
+        self.pending = ""
+        self.lead = True  # THINK / AFTER: still dropping the part's leading whitespace
+        self.held: list[str] = []  # stream_reasoning off: reasoning read but not sent yet
+        self.closed = False  # `</think>` was read
+
+    def feed(self, delta: str, final: bool, aborted: bool = False) -> tuple[str, str]:
+        """(reasoning delta, content delta) for the step that adds `delta`. `final`: the answer
+        finished with this step; `aborted`: and it was an abort."""
+        reasoning, content = self._step(delta, final)
+        if self.parser.stream_reasoning:
+            return reasoning, content
+        if reasoning:
+            self.held.append(reasoning)
+        if not (self.closed or (final and not aborted)):
+            return "", content
+        reasoning, self.held = "".join(self.held), []
+        return reasoning, content
+
+    def _step(self, delta: str, final: bool) -> tuple[str, str]:
+        if self.phase == _CONTENT:
+            return "", delta
+        if self.phase == _AFTER:
+            return "", self._content(delta)
+        if self.phase == _THINK:
+            return self._think(delta, final)
+        self.pending += delta
+        body = self.pending.lstrip()
+        if body.startswith(THINK_START):
+            body = body[len(THINK_START):]
+        elif not final and THINK_START.startswith(body):  # "<thi" may become "<think>"
+            return "", ""
+        elif not self.parser.starts_inside:
+            text, self.pending, self.phase = self.pending, "", _CONTENT
+            return "", text
+        self.pending, self.phase = "", _THINK
+        return self._think(body, final)
+
+    def _think(self, delta: str, final: bool) -> tuple[str, str]:
+        if self.lead:
+            delta = delta.lstrip()
+            if not delta:
+                return "", ""
+            self.lead = False
+        text = self.pending + delta
+        end = text.find(THINK_END)
+        if end >= 0:
+            self.pending, self.phase, self.closed, self.lead = "", _AFTER, True, True
+            return text[:end].rstrip(), self._content(text[end + len(THINK_END):])
+        if final:
+            self.pending = ""
+            return text, ""
+        sent = text[:len(text) - partial_tag_len(text, (THINK_END,))].rstrip()
+        self.pending = text[len(sent):]
+        return sent, ""
+
+    def _content(self, delta: str) -> str:
+        if self.lead:
+            delta = delta.lstrip()
+            self.lead = not delta
+        return delta
+
+
+class StreamSplitter:
+    """Deltas of reasoning and content from cumulative answers (a ReasoningStream over what each grew by)."""
+
+    def __init__(self, parser: ReasoningParser) -> None:
+        self.stream = ReasoningStream(parser)
+        self.read = 0
 
     def feed(self, text: str, final: bool, aborted: bool = False) -> tuple[str, str]:
         """`final`: the request finished with this text; `aborted`: and it was an abort."""
-        reasoning, content = self.parser.split(text, final)
-        whole = THINK_END in text or (final and not aborted)
-        if not self.parser.stream_reasoning and not whole:
-            reasoning = ""  # held back until it is whole: then one delta
-        return self.reasoning.delta(reasoning), self.content.delta(content)
+        delta, self.read = text[self.read:], max(self.read, len(text))
+        return self.stream.feed(delta, final, aborted)
 
 
 def separate_reasoning(body: Any) -> dict[str, str]:
