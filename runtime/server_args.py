@@ -33,6 +33,7 @@ _CHOICES = {
     "dtype": ("auto", "float32", "bfloat16", "float16"),
     "attention_backend": ("auto", "torch", "cpu", "triton"),
     "kv_cache_dtype": KV_CACHE_DTYPES,
+    "model_impl": ("auto", "sglang", "transformers"),
     "grammar_backend": ("xgrammar", "none"),
     "reasoning_parser": (None, *PARSERS),
     "tool_call_parser": (None, *TOOL_CALL_PARSERS),
@@ -60,6 +61,10 @@ class ServerArgs:
     # SGLang's: gguf = a GGUF file's Q4_0/Q4_1/Q8_0 tensors served as stored (CPU); none = weights dequantized to
     # --dtype; None/auto = none (gguf for a GGUF file on CPU where TANDEM_GGUF_QUANTIZED=1)
     quantization: str | None = None
+    # SGLang's: sglang = tandem's own model classes only; transformers = transformers' modeling code with
+    # tandem's paged KV and attention (any causal LM it can build, attention-only); auto = tandem's class where
+    # there is one, transformers' otherwise
+    model_impl: str = "auto"
     max_total_tokens: int | None = None  # KV cache slots (tokens); None = --mem-fraction-static of the free memory
     # the share of free memory the KV pool takes without --max-total-tokens; None = 0.1 of the host's on CPU, 0.85 of a
     # GPU's

@@ -100,8 +100,8 @@ IGNORED: dict[str, str] = {
         --weight-loader-disable-mmap --weight-loader-prefetch-checkpoints --weight-loader-prefetch-num-threads=
         --weight-loader-drop-cache-after-load --delete-ckpt-after-loading --download-dir= --weight-cache-mode=
         --weight-cache-socket= --weight-cache-timeout= --engine-info-bootstrap-port=""",
-    "tandem runs its own model classes and tokenizer, and no code from a checkpoint":
-        "--trust-remote-code --model-impl=",
+    "tandem runs no code from a checkpoint (--model-impl transformers runs transformers' own classes)":
+        "--trust-remote-code",
     "outlines only: tandem's grammars are xgrammar's": "--disable-outlines-disk-cache",
     "it tunes remote weight loading, which tandem refuses (--load-format remote_instance)": """
         --remote-instance-weight-loader-seed-instance-ip= --remote-instance-weight-loader-seed-instance-service-port=

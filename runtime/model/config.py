@@ -17,6 +17,14 @@ MOE_ARCHS = ("Qwen3MoeForCausalLM", "MixtralForCausalLM")
 # architectures transformers has that tandem refuses with a pointer to what it does serve
 _REFUSED = {"Gemma3ForConditionalGeneration": "Gemma 3's vision-language model: tandem serves its text model only "
                                               "(Gemma3ForCausalLM, as the 270M and 1B checkpoints are)"}
+
+
+def has_native_class(arch: str) -> bool:
+    """Whether tandem's own classes decide `arch`: they serve it, or refuse it with a reason of their
+    own (--model-impl auto runs every other architecture through transformers)."""
+    return arch in SUPPORTED_ARCHS or arch in _REFUSED
+
+
 # the rope types RotaryEmbedding computes as transformers does; any other would silently rotate wrong
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 

@@ -18,6 +18,7 @@ from tandem.runtime.model.ops import create_ops
 from tandem.runtime.model import packed_linear
 from tandem.runtime.model.quant import gguf_load
 from tandem.runtime.model.tensor_parallel import SINGLE, TensorParallel
+from tandem.runtime.model.transformers_checks import uses_transformers
 from tandem.runtime.sampling.sampler import SamplingBatchInfo, sample
 from tandem.runtime.server_args import ServerArgs
 
@@ -39,10 +40,11 @@ class ModelRunner:
         if self.device.type == "cpu":
             keep_freed_heap()  # a no-op where the process entry point already did it
         self.model_path = resolve_model_path(args.model_path)
+        self.use_transformers = uses_transformers(args.model_impl, self.model_path)  # --model-impl
         self.dtype = self._pick_dtype()
         self.kv_dtype = self._kv_dtype()
         torch.manual_seed(0 if args.random_seed is None else args.random_seed)  # None: built directly, not launched
-        self.model = load_model(self.model_path, self.dtype, self.device, tp, quantization=args.quantization)
+        self.model = self._load_target(args.quantization)
         self.config = self.model.cfg
         self.draft_model = self._load_draft_model()
         if pack_now:
@@ -113,7 +115,7 @@ class ModelRunner:
                 if pool is not None and pool.released:
                     pool.resume()
         if "weights" in tags and self.model is None:
-            self.model = load_model(self.model_path, self.dtype, self.device, self.tp)
+            self.model = self._load_target("none")
             self.model.use_ops(create_ops(self.args.resolved_attention_backend()))
             self.pack_weights()
 
@@ -125,12 +127,30 @@ class ModelRunner:
     def _pick_dtype(self) -> torch.dtype:
         if self.args.dtype != "auto" or self.device.type != "cpu":
             return _DTYPES[self.args.resolved_dtype()]
-        dtype, why = pick_cpu_dtype(load_config(self.model_path))
+        dtype, why = pick_cpu_dtype(self._load_config())
         every_rank_bf16 = self._agree(int(dtype == torch.bfloat16))  # every rank calls it: a collective
         if dtype == torch.bfloat16 and not every_rank_bf16:
             dtype, why = torch.float32, f"{why}; bf16 not faster on every rank"
         logger.info("--dtype auto: %s (%s)", str(dtype).removeprefix("torch."), why)
         return dtype
+
+    def _load_config(self) -> ModelConfig:
+        if self.use_transformers:
+            from tandem.runtime.model.transformers_checks import model_config
+
+            return model_config(self.model_path)
+        return load_config(self.model_path)
+
+    def _load_target(self, quantization: str | None):
+        """The served model: tandem's own class, or transformers' (--model-impl, transformers_impl.py)."""
+        if not self.use_transformers:
+            return load_model(self.model_path, self.dtype, self.device, self.tp, quantization=quantization)
+        if quantization == "gguf":
+            raise ValueError("--quantization gguf serves a GGUF file through tandem's own classes, not with "
+                             "--model-impl transformers")
+        from tandem.runtime.model.transformers_impl import load_transformers_model
+
+        return load_transformers_model(self.model_path, self.dtype, self.device, self.tp)
 
     def _kv_dtype(self) -> torch.dtype:
         """What the KV pool stores: the model dtype, or fp8 (half of bf16's bytes, no scales): e5m2
