@@ -45,6 +45,10 @@ _MKL_PLAN_ROWS = 512
 # (at most 1/16 more rows; ~3% more linear time on prefill chunks, measured on 2 AMD EPYC cores).
 EXACT_ROWS = 64
 PADS_PER_OCTAVE = 16  # at most EXACT_ROWS: the step of the first padded octave must be >= 1
+# oneDNN's fp32 kernel for a single row sums over K in another order than its GEMM for two or
+# more (seen at K=1536 with AVX-512), so a lone row would get other bits than the same row in a
+# batch: one row is computed as two. Its cost is nil (a one-row linear is bound by the weight's bytes).
+MIN_ROWS = 2
 
 
 @dataclass(frozen=True)
@@ -187,10 +191,10 @@ def _rows(x: torch.Tensor) -> int:
 
 
 def padded_rows(rows: int) -> int:
-    """The row count oneDNN computes `rows` at: exact up to EXACT_ROWS, else rounded up to a step
-    of 1/PADS_PER_OCTAVE of the power of two below it."""
+    """The row count oneDNN computes `rows` at: MIN_ROWS for one, exact up to EXACT_ROWS, else
+    rounded up to a step of 1/PADS_PER_OCTAVE of the power of two below it."""
     if rows <= EXACT_ROWS:
-        return rows
+        return max(rows, MIN_ROWS) if rows else 0
     step = (1 << (rows.bit_length() - 1)) // PADS_PER_OCTAVE
     return -(-rows // step) * step
 
@@ -220,17 +224,18 @@ def fp32_head(weight: torch.Tensor) -> Weight:
     """An LM head's [vocab, hidden] weight held for `head_logits`, which gives fp32 logits that a
     row gets alike among any rows and at any thread count. A bf16 weight on a CPU with AMX stays
     bf16 (the AMX kernel sums in fp32 and keeps the fp32 sums: half the bytes a step reads);
-    otherwise an fp32 copy, packed in MKL's layout where MKL is there (its packed GEMM keeps a
-    row's bits at any row count, which neither the plain fp32 linear, a gemv for one row, nor
-    oneDNN's fp32 kernels do)."""
+    otherwise an fp32 copy in the packed fp32 layout of this CPU (`fp32_layout`): MKL's packed GEMM
+    on Intel and oneDNN's GEMM from MIN_ROWS rows elsewhere keep a row's bits at any row count,
+    which the plain fp32 linear (a gemv for one row) does not. Off Intel, MKL's packed GEMM does
+    not: with its AVX2 code path a row of a 49152-wide head changed at 2 and 3 rows."""
     if isinstance(weight, GgufWeight):  # a quantized head stays quantized (gguf_blocks.linear's fp32 sums)
         return weight
     weight = weight.detach().contiguous()
     if (amx := _amx_pack(weight)) is not None:
         return amx
     weight = weight.to(torch.float32)
-    if packs_weights(torch.float32, weight.device) and torch.backends.mkl.is_available():
-        return pack(weight, "mkl")
+    if packs_weights(torch.float32, weight.device):
+        return pack(weight)
     return weight
 
 

@@ -19,10 +19,11 @@ def test_seconds_count_prefill_tokens_and_full_decode_steps() -> None:
     assert bound.tok_s(100, 17) == pytest.approx(17 / 0.4)
 
 
-def test_measure_times_positive_and_bigger_batches_cost_more() -> None:
-    small, big = gb.measure(CFG, torch.float32, 1), gb.measure(CFG, torch.float32, 512)
-    assert 0 < small.decode_step_s and 0 < small.prefill_s_per_token
-    assert big.decode_tok_s > small.decode_tok_s  # batching amortizes the weight reads
+def test_measure_times_are_positive_at_any_batch() -> None:
+    # no comparison of the two timings: tests never assert times (a loaded machine reorders them)
+    for batch in (1, 512):
+        bound = gb.measure(CFG, torch.float32, batch)
+        assert bound.decode_batch == batch and 0 < bound.decode_step_s and 0 < bound.prefill_s_per_token
 
 
 @pytest.mark.parametrize("layout", ["mkl", "onednn", "bf16"])

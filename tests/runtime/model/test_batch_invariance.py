@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from tandem.launch.bare_loop import BareLoop
+from tandem.runtime.model import packed_linear
 from tandem.runtime.model.packed_linear import fp32_head, head_logits, packs_weights
 from tandem.runtime.model.runner import ModelRunner
 from tandem.runtime.server_args import ServerArgs
@@ -14,7 +15,8 @@ from tandem.runtime.server_args import ServerArgs
 pytestmark = pytest.mark.timeout(600)
 
 PROMPT_LEN = 40
-DTYPES = ["float32", pytest.param("bfloat16", marks=pytest.mark.skipif(
+# "float32/onednn": the fp32 layout tandem packs off Intel (its ISA-capped checks: test_fp32_row_invariance)
+DTYPES = ["float32", "float32/onednn", pytest.param("bfloat16", marks=pytest.mark.skipif(
     not packs_weights(torch.bfloat16), reason="no native bf16 on this CPU: bf16 runs torch's reference linear"))]
 
 
@@ -29,8 +31,12 @@ def model_dir(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module", params=DTYPES)
 def runner(request, model_dir) -> ModelRunner:
-    return ModelRunner(ServerArgs(model_path=model_dir, max_total_tokens=16384, max_running_requests=80,
-                                  dtype=request.param))
+    dtype, _, layout = request.param.partition("/")
+    with pytest.MonkeyPatch.context() as mp:
+        if layout:
+            mp.setattr(packed_linear, "fp32_layout", lambda: (layout, "the test's choice"))
+        return ModelRunner(ServerArgs(model_path=model_dir, max_total_tokens=16384, max_running_requests=80,
+                                      dtype=dtype))
 
 
 def _prompt(seed: int, length: int = PROMPT_LEN) -> list[int]:

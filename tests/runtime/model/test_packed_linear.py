@@ -127,8 +127,9 @@ def test_onednn_row_counts_are_bounded():
     share one of 16 padded sizes per octave, never more than 1/16 larger."""
     rows = range(1, 8193)
     padded = [packed_linear.padded_rows(r) for r in rows]
-    assert padded[:packed_linear.EXACT_ROWS] == list(range(1, packed_linear.EXACT_ROWS + 1))
-    assert all(r <= p <= r * (1 + 1 / packed_linear.PADS_PER_OCTAVE) for r, p in zip(rows, padded))
+    assert padded[0] == packed_linear.MIN_ROWS == 2  # oneDNN's one-row kernel sums in another order
+    assert padded[1:packed_linear.EXACT_ROWS] == list(range(2, packed_linear.EXACT_ROWS + 1))
+    assert all(r <= p <= r * (1 + 1 / packed_linear.PADS_PER_OCTAVE) for r, p in zip(rows[1:], padded[1:]))
     assert padded == sorted(padded)  # more rows never run at fewer
     octaves = 7  # 64 < rows <= 8192
     assert len(set(padded)) <= packed_linear.EXACT_ROWS + octaves * packed_linear.PADS_PER_OCTAVE + 1
@@ -156,11 +157,13 @@ def test_gemm_bound_times_the_weights_as_the_model_holds_them(dtype):
 
 
 def _head_as_the_model_holds_it(head, dtype: torch.dtype) -> bool:
-    """bf16 on the AMX kernel (fp32 sums kept), else fp32, MKL-packed where MKL is there (fp32_head)."""
+    """bf16 on the AMX kernel (fp32 sums kept), else fp32 packed in this CPU's fp32 layout (fp32_head)."""
     if dtype == torch.bfloat16 and packed_linear.amx_ops() is not None:
         return isinstance(head, packed_linear.AmxPackedWeight)
-    if torch.backends.mkl.is_available():
-        return isinstance(head, packed_linear.MklPackedWeight)
+    if packs_weights(torch.float32):
+        if packed_linear.fp32_layout()[0] == "mkl":
+            return isinstance(head, packed_linear.MklPackedWeight)
+        return head.is_mkldnn and head.dtype == torch.float32
     return isinstance(head, torch.Tensor) and head.dtype == torch.float32
 
 
