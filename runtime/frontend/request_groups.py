@@ -103,6 +103,10 @@ class ChoiceState:
             out["index"] = self.index
         return out
 
+    def logprob_meta(self) -> dict[str, Any]:
+        """The logprob keys of meta_info so far (empty when none were asked for)."""
+        return self.formatter.meta_info() if self.formatter is not None else {}
+
     def error(self) -> RequestError | ValidationError | None:
         """The error this choice failed with: a ValidationError when the scheduler named the field
         (each surface renames it as for its own validation), else a RequestError."""
@@ -192,7 +196,7 @@ class CallStream:
     client can vanish between the response's start and its first chunk, and an async generator
     that never started never runs its `finally` (the request would run on, unaborted, its rid held)."""
 
-    def __init__(self, items: AsyncGenerator[tuple[ChoiceState, dict], None], end: Callable[[], None]) -> None:
+    def __init__(self, items: AsyncGenerator[tuple[ChoiceState, Any], None], end: Callable[[], None]) -> None:
         self._items = items
         self._end = end
         self.error: RequestError | ValidationError | None = None
@@ -200,7 +204,7 @@ class CallStream:
     def __aiter__(self) -> "CallStream":
         return self
 
-    async def __anext__(self) -> dict:
+    async def __anext__(self) -> Any:
         choice, item = await self._items.__anext__()
         self.error = choice.error()
         return item

@@ -243,6 +243,21 @@ class TokenizerManager:
         """Non-streaming: the finished result (a list for batch input or n > 1). The first choice
         that fails ends the whole call with its error (its siblings are aborted)."""
         call = await self._submit(body, add_special_tokens, log_metrics, embedding)
+        await self._finish(call, is_disconnected)
+        results = await self._results(call)
+        return results if (call.is_batch or len(results) > 1) else results[0]
+
+    async def generate_choices(self, body: Any, is_disconnected: Callable[[], Any] | None = None,
+                               add_special_tokens: bool = True) -> list[ChoiceState]:
+        """Non-streaming, for the front ends that render their own shape (OpenAI, Responses, gRPC):
+        the finished choices in response order, their fields read directly (no result dicts)."""
+        call = await self._submit(body, add_special_tokens)
+        await self._finish(call, is_disconnected)
+        return call.choices
+
+    async def _finish(self, call: Call, is_disconnected: Callable[[], Any] | None) -> None:
+        """Wait until every choice of `call` finished; the first that fails raises its error (its
+        siblings are aborted), as does a client gone; the call ends either way."""
         next_poll = time.monotonic() + DISCONNECT_POLL_S
         try:
             while not all(g.finished for g in call.groups):
@@ -261,8 +276,6 @@ class TokenizerManager:
                 raise err
         finally:
             self._end_call(call)
-        results = await self._results(call)
-        return results if (call.is_batch or len(results) > 1) else results[0]
 
     async def _results(self, call: Call) -> list[dict]:
         """The response items; built off the event loop when they carry logprobs or hidden
@@ -273,19 +286,21 @@ class TokenizerManager:
         return [c.result() for c in call.choices]
 
     async def generate_stream(self, body: Any, add_special_tokens: bool = True,
-                              incremental: bool = False) -> CallStream:
+                              incremental: bool = False, typed: bool = False) -> CallStream:
         """Streaming: cumulative results as they grow; ends when every choice has finished.
         `incremental` (native /generate and the Engine under --incremental-streaming-output):
-        each chunk carries only what is new since its choice's previous one; the OpenAI and gRPC
-        front ends build their own deltas from cumulative chunks, so they leave it off.
+        each chunk carries only what is new since its choice's previous one. `typed` (the OpenAI,
+        Responses and gRPC front ends): each item is the ChoiceState itself, read at once by a
+        consumer that keeps its own cursors (no result dict is built).
         Validation runs now, before any byte of the stream is sent (so bad input is still a 400);
         a failed choice (scheduler-initiated, or a dead child) ends the stream with its last chunk,
         its finish_reason an abort with the status (and CallStream.error set), as SGLang's, and
         the other choices are aborted."""
         call = await self._submit(body, add_special_tokens)
-        return CallStream(self._stream(call, incremental), lambda: self._end_call(call))
+        return CallStream(self._stream(call, incremental, typed), lambda: self._end_call(call))
 
-    async def _stream(self, call: Call, incremental: bool) -> AsyncGenerator[tuple[ChoiceState, dict], None]:
+    async def _stream(self, call: Call, incremental: bool,
+                      typed: bool = False) -> AsyncGenerator[tuple[ChoiceState, Any], None]:
         sent = {id(c): 0 for c in call.choices}  # version 0: nothing received yet
         try:
             while True:
@@ -294,7 +309,7 @@ class TokenizerManager:
                         sent[id(c)] = c.version
                         # a failure too, as SGLang: finish_reason abort with its status. A chunk is
                         # built when taken, so deltas a busy consumer missed join into it.
-                        yield c, c.incremental_result() if incremental else c.result()
+                        yield c, c if typed else c.incremental_result() if incremental else c.result()
                         if c.error() is not None:
                             return
                 if all(c.finished and sent[id(c)] == c.version for c in call.choices):

@@ -112,19 +112,21 @@ def create_app(args: ServerArgs, on_child_death: Callable[[str], None] | None = 
         n = req.native["sampling_params"].get("n") or 1
         try:
             if req.stream:
-                stream = await tm.generate_stream(req.native, req.add_special_tokens)
+                stream = await tm.generate_stream(req.native, req.add_special_tokens, typed=True)
                 openai.decode_echo(req, tm.tokenizer)  # the ids passed validation: they are token ids
                 if req.kind == "response":  # named events, no [DONE], as SGLang's responses stream
                     return _CallResponse(stream, responses_api.responses_events(req, stream), named=True)
                 return _CallResponse(stream, openai_format.stream_chunks(req, stream, n))
-            results = await tm.generate({**req.native}, request.is_disconnected, req.add_special_tokens)
+            choices = await tm.generate_choices({**req.native}, request.is_disconnected, req.add_special_tokens)
         except ValidationError as exc:
             raise req.rename(exc) from None
         openai.decode_echo(req, tm.tokenizer)
-        results = results if isinstance(results, list) else [results]
         if req.kind == "response":
-            return json_response(responses_api.responses_response(req, results[0]))
-        return json_response(openai_format.response(req, results, n))
+            return json_response(responses_api.responses_response(req, choices[0]))
+        if req.logprobs:  # a large logprob answer is built and encoded off the event loop
+            return await asyncio.get_running_loop().run_in_executor(
+                None, lambda: json_response(openai_format.response(req, choices, n)))
+        return json_response(openai_format.response(req, choices, n))
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:

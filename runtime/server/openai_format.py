@@ -1,15 +1,20 @@
-"""Native `/generate` results -> the OpenAI API's response, stream chunk and error shapes
-(the requests: openai; /v1/responses: responses_api)."""
+"""The tokenizer manager's choices -> the OpenAI API's response, stream chunk and error shapes
+(the requests: openai; /v1/responses: responses_api).
+
+Rendered from each ChoiceState's fields (text, finish_reason, counters, prompt_tokens, its
+logprob rows), never from a /generate result dict. A stream keeps a cursor per choice and reads
+only what each step added: O(new text) per chunk, the reasoning split included.
+"""
 from __future__ import annotations
 
 import secrets
 import time
 from typing import Any, AsyncIterator
 
-from tandem.runtime.frontend.request_groups import CallStream, RequestError
+from tandem.runtime.frontend.request_groups import CallStream, ChoiceState, RequestError
 from tandem.runtime.server.openai_request import OpenAIRequest
 from tandem.runtime.server.openai_tools import ChoiceCalls, delta_calls, finish_reason, message_calls, parser_for
-from tandem.runtime.reasoning import StreamSplitter
+from tandem.runtime.reasoning import ReasoningStream
 from tandem.runtime.tools.parser import ToolStream
 from tandem.runtime.value_checks import ValidationError
 
@@ -23,26 +28,26 @@ def _id(req: OpenAIRequest) -> str:
     return rid if isinstance(rid, str) else ("chatcmpl-" if req.kind == "chat" else "cmpl-") + secrets.token_hex(12)
 
 
-def _finish(meta: dict) -> tuple[str | None, Any]:
-    fr = meta.get("finish_reason")
+def _finish(c: ChoiceState) -> tuple[str | None, Any]:
+    fr = c.finish_reason
     if fr is None:
         return None, None
-    return _FINISH.get(fr["type"], fr["type"]), fr.get("matched")
+    return _FINISH.get(fr.type, fr.type), fr.matched if fr.type == "stop" else None
 
 
-def usage(results: list[dict], n: int) -> dict[str, Any]:
+def usage(choices: list[ChoiceState], n: int) -> dict[str, Any]:
     """Prompt tokens once per prompt (not per choice), as OpenAI counts them; SGLang's
     `reasoning_tokens` (its UsageInfo field) sums every choice's."""
-    metas = [r["meta_info"] for r in results]
-    prompt = sum(m["prompt_tokens"] for m in metas[::max(n, 1)])
-    return {**_counts(prompt, metas),
-            "prompt_tokens_details": {"cached_tokens": sum(m.get("cached_tokens", 0) for m in metas[::max(n, 1)])}}
+    firsts = choices[::max(n, 1)]
+    prompt = sum(c.prompt_tokens for c in firsts)
+    return {**_counts(prompt, choices),
+            "prompt_tokens_details": {"cached_tokens": sum(c.counters.cached_tokens for c in firsts)}}
 
 
-def _counts(prompt: int, metas: list[dict]) -> dict[str, Any]:
+def _counts(prompt: int, choices: list[ChoiceState]) -> dict[str, Any]:
     """SGLang's top-level reasoning_tokens, and OpenAI's completion_tokens_details beside it."""
-    completion = sum(m["completion_tokens"] for m in metas)
-    reasoning = sum(m.get("reasoning_tokens", 0) for m in metas)
+    completion = sum(c.counters.completion_tokens for c in choices)
+    reasoning = sum(c.counters.reasoning_tokens for c in choices)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
             "reasoning_tokens": reasoning, "completion_tokens_details": {"reasoning_tokens": reasoning}}
 
@@ -84,18 +89,18 @@ def _top_by_text(top: list) -> dict[str, float]:
     return out
 
 
-def response(req: OpenAIRequest, results: list[dict], n: int) -> dict[str, Any]:
+def response(req: OpenAIRequest, finished: list[ChoiceState], n: int) -> dict[str, Any]:
     choices = []
-    for i, r in enumerate(results):
-        meta = r["meta_info"]
-        reason, matched = _finish(meta)
+    for i, c in enumerate(finished):
+        reason, matched = _finish(c)
+        meta = c.logprob_meta() if req.logprobs else {}
         if req.kind == "chat":
             # SGLang's message always carries these keys (null here): clients read them unguarded;
             # `reasoning` is vLLM's name for reasoning_content (its clients read that one)
-            message: dict[str, Any] = {"role": "assistant", "content": r["text"], "reasoning_content": None,
+            message: dict[str, Any] = {"role": "assistant", "content": c.text, "reasoning_content": None,
                                        "reasoning": None, "tool_calls": None}
             if req.reasoning is not None:
-                reasoning, content = req.reasoning.split(r["text"])
+                reasoning, content = req.reasoning.split(c.text)
                 message.update(content=content, reasoning_content=reasoning or None, reasoning=reasoning or None)
             if req.tools is not None:
                 message["content"], message["tool_calls"] = message_calls(req, message["content"])
@@ -106,53 +111,56 @@ def response(req: OpenAIRequest, results: list[dict], n: int) -> dict[str, Any]:
             echo = req.echo_texts[i // max(n, 1)] if req.echo_texts else ""
             logprobs = _completion_logprobs(meta, 0, prompt=True) if req.echo_logprobs else (
                 _completion_logprobs(meta, len(echo)) if req.logprobs else None)
-            choice = {"index": i, "text": echo + r["text"], "logprobs": logprobs}
+            choice = {"index": i, "text": echo + c.text, "logprobs": logprobs}
         choices.append({**choice, "finish_reason": reason, "matched_stop": matched})
     return {"id": _id(req), "object": "chat.completion" if req.kind == "chat" else "text_completion",
-            "created": int(time.time()), "model": req.model, "choices": choices, "usage": usage(results, n)}
+            "created": int(time.time()), "model": req.model, "choices": choices, "usage": usage(finished, n)}
 
 
-async def stream_chunks(req: OpenAIRequest, cumulative: CallStream, n: int) -> AsyncIterator[dict]:
-    """Native cumulative results -> OpenAI delta chunks (then a usage chunk when asked). A chat
-    stream is SGLang's (and OpenAI's) shape: per choice the role's chunk first (empty content),
-    then text deltas, and once every choice's text is out one finish chunk per choice (empty
-    delta), in the order they finished. A completion's last delta carries its finish reason."""
+async def stream_chunks(req: OpenAIRequest, updates: CallStream, n: int) -> AsyncIterator[dict]:
+    """Choice updates -> OpenAI delta chunks (then a usage chunk when asked). A chat stream is
+    SGLang's (and OpenAI's) shape: per choice the role's chunk first (empty content), then text
+    deltas, and once every choice's text is out one finish chunk per choice (empty delta), in the
+    order they finished. A completion's last delta carries its finish reason. Each update is read
+    at once, before the first of its chunks goes out (the choice may grow while one is sent)."""
     rid, created = _id(req), int(time.time())
     obj = "chat.completion.chunk" if req.kind == "chat" else "text_completion"
     sent_text: dict[int, int] = {}
     sent_lp: dict[int, int] = {}
-    last: dict[int, dict] = {}
+    last: dict[int, ChoiceState] = {}
     chat = _ChatStream(req)
 
-    def chunk(choice: dict, meta: dict | None = None) -> dict:
+    def chunk(choice: dict, c: ChoiceState | None = None) -> dict:
         out = {"id": rid, "object": obj, "created": created, "model": req.model, "choices": [choice]}
-        if meta is not None and req.continuous_usage:  # this choice's counts so far, as SGLang's
-            out["usage"] = _counts(meta["prompt_tokens"], [meta])
+        if c is not None and req.continuous_usage:  # this choice's counts so far, as SGLang's
+            out["usage"] = _counts(c.prompt_tokens, [c])
         return out
 
-    async for item in cumulative:
-        if cumulative.error is not None:
-            yield error_event(req, cumulative.error)
+    async for c in updates:
+        if updates.error is not None:
+            yield error_event(req, updates.error)
             return
-        i = item.get("index", 0)
-        last[i] = item
-        meta, text = item["meta_info"], item["text"]
+        i = c.index
+        last[i] = c
         first = i not in sent_text
-        delta_text = text[sent_text.get(i, 0):]
-        sent_text[i] = len(text)
+        text_start = sent_text.get(i, 0)
+        delta_text = c.text[text_start:]
+        sent_text[i] = text_start + len(delta_text)
         if req.kind == "chat":
-            for choice, counted in chat.step(i, item, first, delta_text):
-                yield chunk(choice, meta if counted else None)
+            chunks = [chunk(choice, c if counted else None) for choice, counted in chat.step(i, c, first, delta_text)]
+            for out in chunks:
+                yield out
             continue
-        reason, matched = _finish(meta)
-        lp_start, text_start = sent_lp.get(i, 0), len(text) - len(delta_text)
+        reason, matched = _finish(c)
+        meta = c.logprob_meta() if req.logprobs else {}
+        lp_start = sent_lp.get(i, 0)
         sent_lp[i] = len(meta.get("output_token_logprobs") or [])
         echo = req.echo_texts[i // max(n, 1)] if req.echo_texts else ""
         with_prompt = first and req.echo_logprobs
         offset = 0 if with_prompt else len(echo) + text_start
         yield chunk({"index": i, "text": (echo if first else "") + delta_text,
                      "logprobs": _completion_logprobs(meta, offset, lp_start, with_prompt) if req.logprobs else None,
-                     "finish_reason": reason, "matched_stop": matched}, meta)
+                     "finish_reason": reason, "matched_stop": matched}, c)
     for choice in chat.finished.values():
         yield chunk(choice)
     if req.include_usage and last:
@@ -168,21 +176,21 @@ class _ChatStream:
 
     def __init__(self, req: OpenAIRequest) -> None:
         self.req = req
-        self.splitters: dict[int, StreamSplitter] = {}
+        self.splitters: dict[int, ReasoningStream] = {}
         self.calls: dict[int, ChoiceCalls] = {}
         self.sent_lp: dict[int, int] = {}
         self.finished: dict[int, dict] = {}
 
-    def step(self, i: int, item: dict, first: bool, delta_text: str) -> list[tuple[dict, bool]]:
-        """This step's chunks for choice `i`, each with whether it carries continuous usage
-        (SGLang's text chunks do; the role's and the finish chunks do not)."""
-        meta = item["meta_info"]
-        reason, matched = _finish(meta)
+    def step(self, i: int, c: ChoiceState, first: bool, delta_text: str) -> list[tuple[dict, bool]]:
+        """This step's chunks for choice `i` (`delta_text`: what its text grew by), each with whether
+        it carries continuous usage (SGLang's text chunks do; the role's and the finish chunks do not)."""
+        reason, matched = _finish(c)
+        meta = c.logprob_meta() if self.req.logprobs else {}
         out = [(self._choice(i, {"role": "assistant", "content": ""}), False)] if first else []
         deltas = []
         if self.req.reasoning is not None:
-            splitter = self.splitters.setdefault(i, StreamSplitter(self.req.reasoning))
-            reasoning, delta_text = splitter.feed(item["text"], reason is not None, aborted=reason == "abort")
+            splitter = self.splitters.setdefault(i, ReasoningStream(self.req.reasoning))
+            reasoning, delta_text = splitter.feed(delta_text, reason is not None, aborted=reason == "abort")
             if reasoning:  # the think end inside this step's text: one delta each, as SGLang's
                 deltas.append({"reasoning_content": reasoning, "reasoning": reasoning})  # SGLang's and vLLM's names
         called = False

@@ -13,11 +13,11 @@ import secrets
 import time
 from typing import Any, AsyncIterator, Callable
 
-from tandem.runtime.frontend.request_groups import CallStream
+from tandem.runtime.frontend.request_groups import CallStream, ChoiceState
 from tandem.runtime.server.openai import chat_request
 from tandem.runtime.server.openai_request import OpenAIRequest
 from tandem.runtime.server.openai_format import error_event
-from tandem.runtime.reasoning import StreamSplitter
+from tandem.runtime.reasoning import ReasoningStream
 from tandem.runtime.server.openai_tools import ChoiceCalls, message_calls, parser_for
 from tandem.runtime.server.responses_tools import (call_item, chat_tool_fields, input_call_messages, new_item_id,
                                                    responses_tool_field)
@@ -168,28 +168,29 @@ def _responses_field(name: str, origin: list[int]) -> str:
     return renames[head] + sep + rest if head in renames else name
 
 
-def responses_response(req: OpenAIRequest, result: dict) -> dict[str, Any]:
+def responses_response(req: OpenAIRequest, choice: ChoiceState) -> dict[str, Any]:
     """A finished answer: a reasoning item (with a reasoning parser) and a message item, each only
     when it has text, as SGLang's _make_response_output_items, then a function_call item per call."""
-    reasoning, content = req.reasoning.split(result["text"]) if req.reasoning else ("", result["text"])
+    reasoning, content = req.reasoning.split(choice.text) if req.reasoning else ("", choice.text)
     output = [_reasoning_item("rs_" + secrets.token_hex(12), reasoning, "completed")] if reasoning else []
     text, calls = message_calls(req, content) if req.tools is not None else (content, None)
     if text:
         output.append(_message_item("msg_" + secrets.token_hex(12), text, "completed"))
     output += [call_item(new_item_id(), c["id"], c["function"]["name"], c["function"]["arguments"], "completed")
                for c in calls or ()]
-    return _responses_object(req, int(time.time()), output, result["meta_info"])
+    return _responses_object(req, int(time.time()), output, choice)
 
 
-def _responses_object(req: OpenAIRequest, created: int, output: list[dict], meta: dict | None) -> dict[str, Any]:
-    """The response object; `meta` None: still in progress. An answer cut by max_output_tokens is
+def _responses_object(req: OpenAIRequest, created: int, output: list[dict],
+                      choice: ChoiceState | None) -> dict[str, Any]:
+    """The response object; `choice` None: still in progress. An answer cut by max_output_tokens is
     incomplete, as OpenAI's (SGLang's says completed); an aborted one too, its reason "abort"."""
     status, incomplete, usage_ = "in_progress", None, None
-    if meta is not None:
-        reason = meta["finish_reason"]["type"]
+    if choice is not None:
+        reason = choice.finish_reason.type if choice.finish_reason is not None else None
         status = "completed" if reason == "stop" else "incomplete"
         incomplete = None if reason == "stop" else {"reason": "max_output_tokens" if reason == "length" else reason}
-        usage_ = _responses_usage(meta)
+        usage_ = _responses_usage(choice)
     sp = req.native["sampling_params"]
     return {"id": req.native["rid"], "object": "response", "created_at": created, "model": req.model,
             "status": status, "error": None, "incomplete_details": incomplete, "output": output, "usage": usage_,
@@ -197,11 +198,12 @@ def _responses_object(req: OpenAIRequest, created: int, output: list[dict], meta
             "top_p": sp.get("top_p", 1.0), "tools": [], "truncation": "disabled", **req.echoed}
 
 
-def _responses_usage(meta: dict) -> dict[str, Any]:
-    prompt, completion = meta["prompt_tokens"], meta["completion_tokens"]
-    return {"input_tokens": prompt, "output_tokens": completion, "total_tokens": prompt + completion,
-            "input_tokens_details": {"cached_tokens": meta.get("cached_tokens", 0), "cache_write_tokens": 0},
-            "output_tokens_details": {"reasoning_tokens": meta.get("reasoning_tokens", 0)}}
+def _responses_usage(choice: ChoiceState) -> dict[str, Any]:
+    prompt, counts = choice.prompt_tokens, choice.counters
+    return {"input_tokens": prompt, "output_tokens": counts.completion_tokens,
+            "total_tokens": prompt + counts.completion_tokens,
+            "input_tokens_details": {"cached_tokens": counts.cached_tokens, "cache_write_tokens": 0},
+            "output_tokens_details": {"reasoning_tokens": counts.reasoning_tokens}}
 
 
 def _reasoning_item(item_id: str, text: str | None, status: str) -> dict[str, Any]:
@@ -218,28 +220,31 @@ def _output_text(text: str) -> dict[str, Any]:
     return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
 
 
-async def responses_events(req: OpenAIRequest, cumulative: CallStream) -> AsyncIterator[dict]:
-    """Native cumulative results -> the Responses API's stream events, numbered from 0: created,
-    in_progress, each output item's added / deltas / done, then completed (or incomplete)."""
+async def responses_events(req: OpenAIRequest, updates: CallStream) -> AsyncIterator[dict]:
+    """The choice's updates -> the Responses API's stream events, numbered from 0: created,
+    in_progress, each output item's added / deltas / done, then completed (or incomplete). Each
+    update is read once, from a cursor: O(new text) per step."""
     out = _ResponseEvents(req)
     yield out.event("response.created", response=out.snapshot(None))
     yield out.event("response.in_progress", response=out.snapshot(None))
-    splitter = StreamSplitter(req.reasoning) if req.reasoning else None
+    splitter = ReasoningStream(req.reasoning) if req.reasoning else None
     parser = parser_for(req)
     calls = ChoiceCalls(ToolStream(parser)) if parser is not None else None
-    meta, sent = None, 0
-    async for item in cumulative:
-        if cumulative.error is not None:  # the chat stream's error event, numbered in this stream
-            yield {**error_event(req, cumulative.error), "type": "error", "sequence_number": out.next_number()}
+    last: ChoiceState | None = None
+    sent = 0
+    async for c in updates:
+        if updates.error is not None:  # the chat stream's error event, numbered in this stream
+            yield {**error_event(req, updates.error), "type": "error", "sequence_number": out.next_number()}
             return
-        meta, text = item["meta_info"], item["text"]
+        last, final = c, c.finish_reason is not None
+        content = c.text[sent:]
+        sent += len(content)
+        reasoning = ""
         if splitter is not None:
-            reasoning, content = splitter.feed(text, final=meta.get("finish_reason") is not None)
-        else:
-            reasoning, content, sent = "", text[sent:], len(text)
+            reasoning, content = splitter.feed(content, final=final)
         events = out.delta("reasoning", reasoning)
         if calls is not None:
-            content, call_deltas = calls.feed(content, final=meta.get("finish_reason") is not None)
+            content, call_deltas = calls.feed(content, final=final)
             # a call the step goes on with comes before the step's text, a call it starts after it
             events += out.calls([d for d in call_deltas if d.id is None]) + out.delta("message", content)
             events += out.calls([d for d in call_deltas if d.id is not None])
@@ -249,7 +254,7 @@ async def responses_events(req: OpenAIRequest, cumulative: CallStream) -> AsyncI
             yield event
     for event in out.close():
         yield event
-    final = out.snapshot(meta)
+    final = out.snapshot(last)
     yield out.event("response.completed" if final["status"] == "completed" else "response.incomplete", response=final)
 
 
@@ -263,7 +268,8 @@ class _ResponseEvents:
         self.number = 0
         self.output: list[dict] = []  # closed items
         self.kind: str | None = None  # the open item's: "reasoning" | "message" | "function_call"
-        self.item_id, self.text = "", ""
+        self.item_id = ""
+        self.pieces: list[str] = []  # the open item's text so far, joined when it closes
         self.call: tuple[str, str] = ("", "")  # the open function_call item's call id and name
 
     def next_number(self) -> int:
@@ -273,8 +279,8 @@ class _ResponseEvents:
     def event(self, kind: str, **fields: Any) -> dict[str, Any]:
         return {"type": kind, "sequence_number": self.next_number(), **fields}
 
-    def snapshot(self, meta: dict | None) -> dict[str, Any]:
-        return _responses_object(self.req, self.created, list(self.output), meta)
+    def snapshot(self, choice: ChoiceState | None) -> dict[str, Any]:
+        return _responses_object(self.req, self.created, list(self.output), choice)
 
     def _where(self) -> dict[str, Any]:
         return {"item_id": self.item_id, "output_index": len(self.output), "content_index": 0}
@@ -293,11 +299,11 @@ class _ResponseEvents:
         if kind != self.kind:
             events += self.close()
             prefix = "rs_" if kind == "reasoning" else "msg_"
-            self.kind, self.item_id, self.text = kind, prefix + secrets.token_hex(12), ""
+            self.kind, self.item_id, self.pieces = kind, prefix + secrets.token_hex(12), []
             events += [self.event("response.output_item.added", output_index=len(self.output),
                                   item=self._item(None, "in_progress")),
                        self.event("response.content_part.added", **self._where(), part=self._part(""))]
-        self.text += text
+        self.pieces.append(text)
         if kind == "reasoning":
             return events + [self.event("response.reasoning_text.delta", **self._where(), delta=text)]
         return events + [self.event("response.output_text.delta", **self._where(), delta=text, logprobs=[])]
@@ -308,11 +314,11 @@ class _ResponseEvents:
         for d in deltas:
             if d.id is not None:
                 events += self.close()
-                self.kind, self.item_id, self.text, self.call = "function_call", new_item_id(), "", (d.id, d.name or "")
+                self.kind, self.item_id, self.pieces, self.call = "function_call", new_item_id(), [], (d.id, d.name or "")
                 events.append(self.event("response.output_item.added", output_index=len(self.output),
                                          item=call_item(self.item_id, *self.call, "", "in_progress")))
             if d.arguments:
-                self.text += d.arguments
+                self.pieces.append(d.arguments)
                 events.append(self.event("response.function_call_arguments.delta", item_id=self.item_id,
                                          output_index=len(self.output), delta=d.arguments))
         return events
@@ -320,20 +326,21 @@ class _ResponseEvents:
     def close(self) -> list[dict]:
         if self.kind is None:
             return []
+        text = "".join(self.pieces)
         if self.kind == "function_call":
-            item = call_item(self.item_id, *self.call, self.text, "completed")
+            item = call_item(self.item_id, *self.call, text, "completed")
             done = [self.event("response.function_call_arguments.done", item_id=self.item_id,
-                               output_index=len(self.output), arguments=self.text),
+                               output_index=len(self.output), arguments=text),
                     self.event("response.output_item.done", output_index=len(self.output), item=item)]
             self.output.append(item)
             self.kind = None
             return done
         if self.kind == "reasoning":
-            done = [self.event("response.reasoning_text.done", **self._where(), text=self.text)]
+            done = [self.event("response.reasoning_text.done", **self._where(), text=text)]
         else:
-            done = [self.event("response.output_text.done", **self._where(), text=self.text, logprobs=[])]
-        item = self._item(self.text, "completed")
-        done += [self.event("response.content_part.done", **self._where(), part=self._part(self.text)),
+            done = [self.event("response.output_text.done", **self._where(), text=text, logprobs=[])]
+        item = self._item(text, "completed")
+        done += [self.event("response.content_part.done", **self._where(), part=self._part(text)),
                  self.event("response.output_item.done", output_index=len(self.output), item=item)]
         self.output.append(item)
         self.kind = None
