@@ -15,7 +15,7 @@ from tandem.runtime.server_args import ServerArgs
 pytestmark = pytest.mark.timeout(600)
 
 PROMPT_LEN = 40
-# "float32/onednn": the fp32 layout tandem packs off Intel (its ISA-capped checks: test_fp32_row_invariance)
+# "float32/onednn": the fp32 layout tandem packs off Intel (its ISA-capped checks: test_onednn_row_invariance)
 DTYPES = ["float32", "float32/onednn", pytest.param("bfloat16", marks=pytest.mark.skipif(
     not packs_weights(torch.bfloat16), reason="no native bf16 on this CPU: bf16 runs torch's reference linear"))]
 
