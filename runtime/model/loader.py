@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
@@ -20,11 +21,18 @@ _GGUF_ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3"
 
 def load_config(model_path: str) -> ModelConfig:
     if is_gguf(model_path):
-        try:
-            return _gguf_config(_gguf_reader(model_path))
-        except ValueError as e:
-            raise ValueError(e if str(e).startswith(model_path) else f"{model_path}: {e}") from None
+        return _gguf_file_config(model_path, file_cache_key(model_path))
     return ModelConfig.from_hf_folder(Path(model_path))
+
+
+@lru_cache(maxsize=8)
+def _gguf_file_config(model_path: str, file_key: str) -> ModelConfig:
+    """One GGUF file version's config, parsed once a process: gguf's reader walks every metadata
+    field (the tokenizer's vocabulary too). `file_key` changes when the file does."""
+    try:
+        return _gguf_config(_gguf_reader(model_path))
+    except ValueError as e:
+        raise ValueError(e if str(e).startswith(model_path) else f"{model_path}: {e}") from None
 
 
 def load_model(model_path: str, dtype: torch.dtype, device: torch.device | str = "cpu",
