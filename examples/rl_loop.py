@@ -19,7 +19,7 @@ import torch
 
 from tandem.launch.make_tiny_model import build_tiny_model
 from tandem.runtime.engine import Engine
-from tandem.runtime.model.weight_sync import broadcast, init_weights_group
+from tandem.runtime.model.weight_sync import broadcast, flatten, init_weights_group
 
 PROMPTS = [[5, 6, 7, 8], [40, 41, 42, 43, 44], [100, 200, 300]]
 NEW_TOKENS = 8
@@ -47,13 +47,15 @@ def trainer_logprobs(model: torch.nn.Module, prompt: list[int], tokens: list[int
 
 
 def push_weights(engine: Engine, group, model: torch.nn.Module, version: str) -> None:
-    """The trainer broadcasts every weight while the Engine receives them."""
-    named = [(n, p.detach().contiguous()) for n, p in model.state_dict().items()]
-    sender = threading.Thread(target=lambda: [broadcast(group, t) for _, t in named])
+    """The trainer broadcasts every weight in one flattened bucket (SGLang's load_format
+    "flattened_bucket"; a broadcast per tensor works too, with fewer bytes a second) while the
+    Engine receives them."""
+    named = [(n, p.detach()) for n, p in model.state_dict().items()]
+    sender = threading.Thread(target=lambda: broadcast(group, flatten([t for _, t in named])))
     sender.start()
     ok, message = engine.update_weights_from_distributed([n for n, _ in named], [str(t.dtype) for _, t in named],
                                                          [list(t.shape) for _, t in named], group_name="rl",
-                                                         weight_version=version)
+                                                         weight_version=version, load_format="flattened_bucket")
     sender.join()
     assert ok, message
 

@@ -285,6 +285,7 @@ class WeightsReq(_Msg, kw_only=True):
     names: list[str] = []  # update_from_distributed: what the trainer broadcasts, in order
     dtypes: list[str] = []
     shapes: list[list[int]] = []
+    load_format: str = ""  # update_from_distributed: "flattened_bucket" is one broadcast of them all
     group_name: str = "weight_update_group"
     master_address: str = ""  # init_group: the trainer is rank 0 of the group and hosts its store
     master_port: int = 0

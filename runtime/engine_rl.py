@@ -51,13 +51,14 @@ class EngineRL:
 
     def update_weights_from_distributed(self, names: list[str], dtypes: list[Any], shapes: list[list[int]],
                                         group_name: str = "weight_update_group", flush_cache: bool = True,
-                                        abort_all_requests: bool = False,
-                                        weight_version: str | None = None) -> tuple[bool, str]:
-        """Receive these tensors from the trainer's broadcasts (in this order) and serve them."""
+                                        abort_all_requests: bool = False, weight_version: str | None = None,
+                                        load_format: str | None = None) -> tuple[bool, str]:
+        """Receive these tensors from the trainer's broadcasts (in this order) and serve them: one
+        broadcast each, or with load_format="flattened_bucket" one of them all (weight_sync.flatten)."""
         return self._update("update_from_distributed", {
             "names": list(names), "dtypes": [str(d).removeprefix("torch.") for d in dtypes],
             "shapes": [list(s) for s in shapes], "group_name": group_name, "flush_cache": flush_cache,
-            "abort_all_requests": abort_all_requests, "weight_version": weight_version})
+            "abort_all_requests": abort_all_requests, "weight_version": weight_version, "load_format": load_format})
 
     def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> tuple[bool, str]:
         return self._update("destroy_group", {"group_name": group_name})

@@ -28,6 +28,9 @@ FIELDS = {
     "release_memory": ("tags",),
     "resume_memory": ("tags",),
 }
+# "flattened_bucket": the trainer broadcasts every tensor in one buffer (weight_sync.flatten)
+LOAD_FORMATS = {"update_from_disk": ("auto", "safetensors"), "update_from_tensor": ("auto", "safetensors"),
+                "update_from_distributed": ("auto", "flattened_bucket")}
 MEMORY_TAGS = ("kv_cache", "weights")
 PAUSE_MODES = ("abort", "retract", "in_place")
 
@@ -41,14 +44,15 @@ def weights_request(op: str, body: Any) -> tuple[dict[str, Any], str | None]:
         fields["abort_all_requests"] = _bool(body, "abort_all_requests", False)
         _bool(body, "torch_empty_cache", False)
         _bool(body, "recapture_cuda_graph", False)
-        if body.get("load_format") not in (None, "auto", "safetensors"):
-            raise ValidationError("load_format", f"must be \"auto\" or \"safetensors\", got {body['load_format']!r}")
+        formats = LOAD_FORMATS[op]
+        if body.get("load_format") not in (None, *formats):
+            raise ValidationError("load_format", f"must be one of {', '.join(formats)}, got {body['load_format']!r}")
     if op == "update_from_disk":
         fields["model_path"] = _str(body, "model_path")
     elif op == "update_from_tensor":
         fields["tensors"] = _safetensors(body.get("serialized_named_tensors"))
     elif op == "update_from_distributed":
-        fields.update(_tensor_list(body))
+        fields.update(_tensor_list(body), load_format=body.get("load_format") or "")
     elif op == "init_group":
         fields.update(master_address=_str(body, "master_address"), master_port=_int(body, "master_port", 1, 65535),
                       rank_offset=_int(body, "rank_offset", 0), world_size=_int(body, "world_size", 2))

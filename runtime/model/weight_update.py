@@ -5,9 +5,10 @@ packed weights (packed_linear.py). `locate` maps a checkpoint name to the slice 
 parameter its rank's shard fills, by the loader's own fusing and sharding rules.
 
 Invariant: an update changes every named weight or none. Every name, shape and dtype is checked
-before the first copy, and a bad one raises a ValueError naming it while the old weights keep
-serving. After a change the C++ decode step and the fp32 LM head copy, which hold the weights
-they were built on, are made again on first use.
+before the first copy (`check`), and a bad one raises a ValueError naming it while the old weights
+keep serving; the new values are written apart from the serving ones and put in at once
+(`Staged`). After a change the C++ decode step, which holds the weights it was built on, is made
+again on first use, and the LM head's fp32-logits copy is made from the new head.
 """
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ from torch import nn
 
 from tandem.runtime.model.config import ModelConfig
 from tandem.runtime.model.loader import _fuse
-from tandem.runtime.model.packed_linear import PackedLinear, linear, pack
+from tandem.runtime.model.packed_linear import AmxPackedWeight, PackedLinear, linear, pack
+from tandem.runtime.model.packed_rows import write_rows
 from tandem.runtime.model.quant import gguf_load
 from tandem.runtime.model.tensor_parallel import TensorParallel, shard_weights
 
@@ -105,41 +107,94 @@ def check(model: nn.Module, cfg: ModelConfig, tp: TensorParallel,
 
 def apply(model: nn.Module, checked: list[tuple[Target, torch.Tensor]]) -> int:
     """Write checked updates into the model; returns the parameters changed."""
-    by_param: dict[str, list[tuple[Target, torch.Tensor]]] = {}
+    staged = Staged(model, [target for target, _ in checked])
     for target, shard in checked:
-        by_param.setdefault(target.param, []).append((target, shard))
-    for param, parts in by_param.items():
-        module_name, _, attr = param.rpartition(".")
-        module = model.get_submodule(module_name)
-        if isinstance(module, PackedLinear) and attr == "weight":
-            value = _written_whole(parts, module.weight.shape, _packed_dtype(module))
-            if value is None:  # some rows keep their old values: read them back first
-                value = read(model, param).clone()
-            for target, shard in parts:
-                value[target.index] = shard.to(value.dtype)
-            module.weight = pack(value)
+        staged.write(target, shard)
+    return staged.commit()
+
+
+class Staged:
+    """New values of the parameters an update names, held apart from the serving ones: `write`
+    fills them (in any order, as tensors arrive), `commit` puts them all in the model at once.
+
+    Invariant: until `commit` the model is unchanged, so an update that fails part way (a trainer
+    gone mid-broadcast) leaves the old weights serving. A parameter every element of which is
+    written starts uninitialized; one written in part starts as a copy of its current value. An
+    AMX-packed weight is written in its packed layout (packed_rows.write_rows): converting,
+    copying and repacking are one pass."""
+
+    def __init__(self, model: nn.Module, targets: Iterable[Target]) -> None:
+        self.model = model
+        by_param: dict[str, list[Target]] = {}
+        for target in targets:
+            by_param.setdefault(target.param, []).append(target)
+        self.buffers = {param: self._buffer(param, parts) for param, parts in by_param.items()}
+
+    def _buffer(self, param: str, parts: list[Target]) -> torch.Tensor:
+        module, attr = _owner(self.model, param)
+        value = getattr(module, attr)
+        if isinstance(value, AmxPackedWeight):
+            return torch.empty_like(value.packed) if _covers(parts, value.shape) else value.packed.clone()
+        if isinstance(module, PackedLinear) and attr == "weight":  # another packed layout: plain, packed at commit
+            whole = _covers(parts, value.shape)
+            return torch.empty(value.shape, dtype=_packed_dtype(module)) if whole else read(self.model, param).clone()
+        return torch.empty_like(value) if _covers(parts, value.shape) else value.detach().clone()
+
+    def write(self, target: Target, shard: torch.Tensor) -> None:
+        """Stage this rank's part of one checked tensor (dtype converted here)."""
+        buffer = self.buffers[target.param]
+        module, attr = _owner(self.model, target.param)
+        if isinstance(getattr(module, attr), AmxPackedWeight):
+            write_rows(buffer, target.index[0].start if target.index else 0, shard)
         else:
+            buffer[target.index].copy_(shard)
+
+    def commit(self) -> int:
+        """Put every staged value in the model; returns how many parameters changed."""
+        for param, buffer in self.buffers.items():
+            module, attr = _owner(self.model, param)
             value = getattr(module, attr)
-            with torch.no_grad():
-                for target, shard in parts:
-                    value[target.index] = shard.to(dtype=value.dtype, device=value.device)
-    model._decode_step_checked_for = None  # rebuilt on the next decode step, on the new weights
-    model._head_fp32 = None  # the fp32 head copy likewise (CausalLM.logits)
-    return len(by_param)
+            if isinstance(value, AmxPackedWeight):
+                module.weight = AmxPackedWeight(buffer, value.like)
+            elif isinstance(module, PackedLinear) and attr == "weight":
+                module.weight = pack(buffer)
+            elif isinstance(value, nn.Parameter):
+                value.data = buffer  # the Parameter stays the one the model (and a tied head) holds
+            else:
+                setattr(module, attr, buffer)
+        self._refresh_head()
+        self.model._decode_step_checked_for = None  # rebuilt on the next decode step, on the new weights
+        return len(self.buffers)
+
+    def _refresh_head(self) -> None:
+        """The LM head's copy for fp32 logits (CausalLM.logits), from the new head weight: an AMX one
+        is packed here, any other made again on first use."""
+        head = self.model._head_weight()
+        if not any(getattr(*_owner(self.model, param)) is head for param in self.buffers):
+            return
+        old = getattr(self.model, "_head_fp32", None)
+        if isinstance(old, AmxPackedWeight) and head.dtype == torch.bfloat16:
+            packed = torch.empty_like(old.packed)
+            write_rows(packed, 0, head)
+            self.model._head_fp32 = AmxPackedWeight(packed, old.like)
+        else:
+            self.model._head_fp32 = None
 
 
-def _written_whole(parts: list[tuple[Target, torch.Tensor]], shape: torch.Size,
-                   dtype: torch.dtype) -> torch.Tensor | None:
-    """An uninitialized tensor when `parts` write every row of the parameter (a whole checkpoint's
-    q, k and v, say), so its old value need not be read back; else None."""
-    rows: set[int] = set()
-    for target, _ in parts:
-        if target.index == ():
-            return torch.empty(shape, dtype=dtype)
-        if len(target.index) != 1 or not isinstance(target.index[0], slice):
-            return None
-        rows.update(range(target.index[0].start, target.index[0].stop))
-    return torch.empty(shape, dtype=dtype) if len(rows) == shape[0] else None
+def _owner(model: nn.Module, param: str) -> tuple[nn.Module, str]:
+    module_name, _, attr = param.rpartition(".")
+    return model.get_submodule(module_name), attr
+
+
+def _covers(parts: list[Target], shape: torch.Size) -> bool:
+    """Whether the parts' indexes together write every element of a parameter of `shape`."""
+    if any(target.index == () for target in parts):
+        return True
+    depth = max(len(target.index) for target in parts)
+    written = torch.zeros(shape[:depth], dtype=torch.bool)
+    for target in parts:
+        written[target.index] = True
+    return bool(written.all())
 
 
 def shapes(model: nn.Module) -> dict[str, torch.Size]:

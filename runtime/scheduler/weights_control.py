@@ -5,13 +5,15 @@ running requests finish on the old weights), `run_pending` runs them once the sc
 step in flight and, for an update, no request holds KV computed with the old weights. Each runs
 on the forward thread (ForwardWorker.call). An update reads every tensor first (from disk, from the request's
 safetensors bytes, or from the trainer's broadcasts, which must all be received whatever
-fails), checks them all (weight_update.check), then writes them; a refused update changes
-nothing.
+fails), checks them all (weight_update.check; a broadcast update from its names, dtypes and
+shapes, before the first byte), then stages and commits them (weight_update.Staged); a refused
+update changes nothing.
 """
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from contextlib import closing
 
 import torch
 
@@ -20,7 +22,7 @@ from tandem.runtime.host_malloc import release_freed_heap
 from tandem.runtime.model import weight_update
 from tandem.runtime.model.loader import load_config, load_hf_weights
 from tandem.runtime.model.runner import ModelRunner
-from tandem.runtime.model.weight_sync import WeightsGroup, broadcast, init_weights_group, parse_dtype
+from tandem.runtime.model.weight_sync import WeightsGroup, init_weights_group, parse_dtype, receive
 from tandem.runtime.scheduler.core import SchedulerCore
 from tandem.runtime.scheduler.forward_worker import ForwardWorker
 
@@ -99,19 +101,32 @@ class WeightsControl:
         return self._apply(msg, tensors.items())
 
     def _update_from_distributed(self, msg: WeightsReq) -> ControlReply:
+        """Checked from the names, dtypes and shapes before the first byte arrives; each tensor is
+        written (staged) as it arrives, while the later ones are still on the wire."""
         group = self.groups.get(msg.group_name)
         if group is None:
             raise ValueError(f"no weights update group {msg.group_name!r}: call init_weights_update_group first")
-        received = []
-        for name, dtype, shape in zip(msg.names, msg.dtypes, msg.shapes):  # the trainer sends them all
-            tensor = torch.empty(shape, dtype=parse_dtype(dtype), device=self.runner.device)
-            broadcast(group, tensor)
-            received.append((name, tensor))
-        return self._apply(msg, received)
+        r = self.runner
+        specs = [(parse_dtype(dtype), shape) for dtype, shape in zip(msg.dtypes, msg.shapes)]
+        flattened = msg.load_format == "flattened_bucket"
+        metas = [(name, torch.empty(shape, dtype=dtype, device="meta")) for name, (dtype, shape) in zip(msg.names, specs)]
+        try:
+            checked = weight_update.check(r.model, r.config, r.tp, metas)
+        except ValueError:
+            for _ in receive(group, specs, r.device, flattened):  # the trainer sends them all whatever
+                pass
+            raise
+        staged = weight_update.Staged(r.model, [target for target, _ in checked])
+        with closing(receive(group, specs, r.device, flattened)) as tensors:
+            for (target, _), tensor in zip(checked, tensors):
+                staged.write(target, target.shard(tensor))
+        return self._reply(msg, staged.commit())
 
     def _apply(self, msg: WeightsReq, tensors) -> ControlReply:
         model, r = self.runner.model, self.runner
-        changed = weight_update.apply(model, weight_update.check(model, r.config, r.tp, tensors))
+        return self._reply(msg, weight_update.apply(model, weight_update.check(model, r.config, r.tp, tensors)))
+
+    def _reply(self, msg: WeightsReq, changed: int) -> ControlReply:
         logger.info("%s: %d weights updated", msg.op, changed)
         return ControlReply(req_id=msg.req_id, success=True, message=f"{changed} weights updated")
 

@@ -15,7 +15,7 @@ import torch
 from tandem.launch.make_tiny_model import build_tiny_model
 from tandem.runtime.engine import Engine
 from tandem.runtime.model.loader import load_config, load_hf_weights
-from tandem.runtime.model.weight_sync import broadcast, init_weights_group
+from tandem.runtime.model.weight_sync import broadcast, flatten, init_weights_group
 
 pytestmark = pytest.mark.timeout(600)
 GREEDY = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
@@ -70,9 +70,13 @@ def _join(engine: Engine, world_size: int, group_name: str):
 
 
 def _push(engine: Engine, group, weights: dict[str, torch.Tensor], group_name: str, **kw) -> tuple[bool, str]:
-    """The trainer broadcasts every tensor while the engine receives them."""
+    """The trainer broadcasts every tensor (or, flattened_bucket, one buffer of them all) while the
+    engine receives them."""
     names = list(weights)
-    sending = threading.Thread(target=lambda: [broadcast(group, weights[n].contiguous()) for n in names])
+    if kw.get("load_format") == "flattened_bucket":
+        sending = threading.Thread(target=lambda: broadcast(group, flatten([weights[n] for n in names])))
+    else:
+        sending = threading.Thread(target=lambda: [broadcast(group, weights[n].contiguous()) for n in names])
     sending.start()
     result = engine.update_weights_from_distributed(names, [weights[n].dtype for n in names],
                                                     [list(weights[n].shape) for n in names], group_name=group_name,
@@ -124,6 +128,27 @@ def test_update_over_a_trainers_gloo_group(engine, models):
     assert _greedy(engine) == expected["b"]
     assert engine.destroy_weights_update_group("g")[0]
     assert not engine.destroy_weights_update_group("g")[0]
+
+
+def test_a_refused_broadcast_update_still_takes_every_tensor_and_the_group_serves_on(engine, models):
+    """A shape that does not fit is refused before the first byte, but the trainer's broadcasts
+    are all received: the next update over the same group (one flattened bucket) lands exactly."""
+    a, b, expected = models
+    engine.update_weights_from_disk(a)
+    group = _join(engine, 2, "g2")
+    weights = load_hf_weights(b, load_config(b))
+    bad = dict(weights, **{"model.layers.0.mlp.up_proj.weight": torch.zeros(3, 3)})
+    ok, message = _push(engine, group, bad, "g2")
+    assert not ok and "model.layers.0.mlp.up_proj.weight" in message and "does not fit" in message
+    assert _greedy(engine) == expected["a"]
+    ok, message = _push(engine, group, {n: t.to(torch.bfloat16) for n, t in weights.items()}, "g2",
+                        load_format="flattened_bucket")
+    assert ok, message
+    bf16_b = _greedy(engine)
+    engine.update_weights_from_disk(a)
+    assert _push(engine, group, {n: t.to(torch.bfloat16) for n, t in weights.items()}, "g2")[0]
+    assert _greedy(engine) == bf16_b  # one buffer or one broadcast a tensor: the same weights
+    assert engine.destroy_weights_update_group("g2")[0]
 
 
 def test_pause_retract_keeps_a_stream_and_continue_finishes_it(engine):
