@@ -1,4 +1,4 @@
-"""The prompts of a native `/generate` body: their shapes (one or a batch, text or token ids),
+"""The prompts of a native `/generate` request: their shapes (one or a batch, text or token ids),
 their token ids, and fitting each into the context with its max_new_tokens. Part of
 `validation.normalize_generate_request`; errors name the prompt's field."""
 from __future__ import annotations
@@ -7,6 +7,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+from tandem.runtime.frontend.generate_request import GenerateRequest
 from tandem.runtime.frontend.limits import RequestLimits
 from tandem.runtime.sampling.params import SamplingParams
 from tandem.runtime.value_checks import ValidationError, is_int, short, type_name
@@ -16,8 +17,8 @@ Prompt = tuple[str, Any]  # (field name for messages, raw text str or raw id lis
 SGLANG_TRUNCATE_SLACK = 5  # SGLang's scheduler: max_req_input_len = max_req_len - 5
 
 
-def prompts(body: dict) -> tuple[list[Prompt], bool]:
-    text, ids = body.get("text"), body.get("input_ids")
+def prompts(req: GenerateRequest) -> tuple[list[Prompt], bool]:
+    text, ids = req.text, req.input_ids
     if text is not None and ids is not None:
         raise ValidationError("input_ids", "cannot be combined with text; give exactly one")
     if text is None and ids is None:
@@ -93,8 +94,8 @@ def prompt_ids(
     return list(prompt), None
 
 
-def explicit_max_new(body: dict, i: int) -> bool:
-    sp = body.get("sampling_params")
+def explicit_max_new(sp: Any, i: int) -> bool:
+    """Whether item i's sampling params (`sp`: the request's, one object or one per item) name max_new_tokens."""
     d = sp[i] if isinstance(sp, list) else sp
     return isinstance(d, dict) and d.get("max_new_tokens") is not None
 

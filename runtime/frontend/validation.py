@@ -1,6 +1,7 @@
-"""Normalize and validate a native `/generate` body (SGLang `GenerateReqInput` semantics).
+"""Normalize and validate a native `/generate` request (SGLang `GenerateReqInput` semantics).
 
-`normalize_generate_request` turns a single or batched body into one `GenerateItem` per prompt,
+`normalize_generate_request` turns a single or batched request (a JSON body, or the
+GenerateRequest a front end built) into one `GenerateItem` per prompt,
 every field checked; any problem is a `ValidationError` whose text names the field (HTTP 400).
 `n > 1` is not expanded here: it stays in `sampling_params.n` for the tokenizer manager. The
 prompts themselves (shapes, token ids, fitting the context) are `prompts.py`'s.
@@ -25,17 +26,20 @@ import msgspec
 
 from tandem.ipc.messages import LogprobParams
 from tandem.runtime.sampling.params import SamplingParams, params_from_request
+from tandem.runtime.frontend.generate_request import GenerateRequest
 from tandem.runtime.frontend.limits import RequestLimits
 from tandem.runtime.frontend.prompts import check_batch_items, explicit_max_new, fit_context, prompt_ids, prompts
 from tandem.runtime.value_checks import ValidationError, fits_int64, is_int, key_name, short, type_name
 
 __all__ = [
     "GenerateItem",
+    "GenerateRequest",
     "NormalizedBatch",
     "RequestLimits",
     "ValidationError",
     "check_rids_free",
     "normalize_generate_request",
+    "read_body",
 ]
 
 HANDLED_KEYS = frozenset(
@@ -110,41 +114,48 @@ def check_rids_free(items: list[GenerateItem], running: Collection[str]) -> None
             raise ValidationError(field, f"{short(item.rid)} is already used by a running request")
 
 
-def normalize_generate_request(
-    body: Any, limits: RequestLimits, tokenize: Callable[[str], list[int]]
-) -> NormalizedBatch:
+def read_body(body: Any) -> GenerateRequest:
+    """A native JSON body as a GenerateRequest: an object, every key known (see the module doc)."""
     if not isinstance(body, dict):
         raise ValidationError("body", f"must be a JSON object, got {type_name(body)}")
     _check_keys(body)
-    _check_dp_ranks(body)
-    prompts_, is_batch = prompts(body)
+    return GenerateRequest.from_body(body)
+
+
+def normalize_generate_request(
+    body: Any, limits: RequestLimits, tokenize: Callable[[str], list[int]]
+) -> NormalizedBatch:
+    """`body`: a native JSON body, or a GenerateRequest a front end built (checked alike)."""
+    req = body if isinstance(body, GenerateRequest) else read_body(body)
+    _check_dp_ranks(req)
+    prompts_, is_batch = prompts(req)
     n = len(prompts_)
     vocab_size = limits.vocab_size
-    shared = _shared_flags(body)
-    rids = _rids(body.get("rid"), n, is_batch)
-    params = _sampling_params(body.get("sampling_params"), n, is_batch, vocab_size, limits.guided_decoding)
+    shared = _shared_flags(req)
+    rids = _rids(req.rid, n, is_batch)
+    params = _sampling_params(req.sampling_params, n, is_batch, vocab_size, limits.guided_decoding)
     check_batch_items(prompts_, params, limits.max_batch_items)
-    reasoning = _per_item(body, "require_reasoning", n, is_batch, False, _bool)
-    budget_field = _thinking_budget(body.get("max_thinking_tokens"), params)
+    reasoning = _per_item(req, "require_reasoning", n, is_batch, False, _bool)
+    budget_field = _thinking_budget(req.max_thinking_tokens, params)
     for (f, sp), (reasoning_field, require_reasoning) in zip(params, reasoning):
         if require_reasoning and not limits.reasoning_parser:  # the grammar would wait for an end never defined
             msg = "needs --reasoning-parser on the server (it defines where the reasoning ends)"
             raise ValidationError(reasoning_field, msg)
         _check_thinking_budget(budget_field or f"{f}.max_thinking_tokens", sp, require_reasoning,
                                limits.strict_thinking)
-    return_logprob = _per_item(body, "return_logprob", n, is_batch, False, _bool)
-    start_lens = _per_item(body, "logprob_start_len", n, is_batch, -1, _start_len)
+    return_logprob = _per_item(req, "return_logprob", n, is_batch, False, _bool)
+    start_lens = _per_item(req, "logprob_start_len", n, is_batch, -1, _start_len)
     columns = min(vocab_size, limits.max_top_logprobs_num)  # logprobs per position, each a row of the output
-    top_nums = _per_item(body, "top_logprobs_num", n, is_batch, 0, _top_num(columns))
-    token_lists = _token_ids_logprob(body.get("token_ids_logprob"), n, is_batch, vocab_size, columns)
-    extra_keys = _per_item(body, "extra_key", n, is_batch, None, _extra_key)
-    salts = _per_item(body, "cache_salt", n, is_batch, None, _extra_key)
-    hidden = _per_item(body, "return_hidden_states", n, is_batch, False, _bool)
+    top_nums = _per_item(req, "top_logprobs_num", n, is_batch, 0, _top_num(columns))
+    token_lists = _token_ids_logprob(req.token_ids_logprob, n, is_batch, vocab_size, columns)
+    extra_keys = _per_item(req, "extra_key", n, is_batch, None, _extra_key)
+    salts = _per_item(req, "cache_salt", n, is_batch, None, _extra_key)
+    hidden = _per_item(req, "return_hidden_states", n, is_batch, False, _bool)
     items = []
     for i, (field, prompt) in enumerate(prompts_):
         ids, text = prompt_ids(field, prompt, tokenize, limits)
         sp_field, sp = params[i]
-        ids = fit_context(field, ids, sp_field, sp, explicit_max_new(body, i), limits)
+        ids = fit_context(field, ids, sp_field, sp, explicit_max_new(req.sampling_params, i), limits)
         start_field, start = start_lens[i]
         # SGLang refuses a logprob start at the prompt's end (no prompt token left to score);
         # hidden states alone may start there (no prompt rows)
@@ -218,13 +229,13 @@ def _check_keys(body: dict) -> None:
         raise ValidationError(key_name(key), "is not a known /generate field")
 
 
-def _check_dp_ranks(body: dict) -> None:
+def _check_dp_ranks(req: GenerateRequest) -> None:
     """SGLang's routed_dp_rank (and its deprecated name data_parallel_rank) picks a DP rank; this
     server is one rank, 0: another rank is out of range, a 400 as in SGLang and on gRPC, never a
     request silently served by a rank it did not ask for."""
     for name in ("routed_dp_rank", "data_parallel_rank"):
-        if body.get(name) is not None:
-            check_dp_rank(name, body[name])
+        if (rank := getattr(req, name)) is not None:
+            check_dp_rank(name, rank)
 
 
 def check_dp_rank(name: str, rank: Any) -> None:
@@ -294,10 +305,10 @@ Checker = Callable[[str, Any], Any]
 
 
 def _per_item(
-    body: dict, name: str, n: int, is_batch: bool, default: Any, check: Checker
+    req: GenerateRequest, name: str, n: int, is_batch: bool, default: Any, check: Checker
 ) -> list[tuple[str, Any]]:
     """SGLang per-item fields: a scalar shared by the batch, or (batch only) one per prompt."""
-    v = body.get(name)
+    v = getattr(req, name)
     if v is None:
         return [(name, default)] * n
     if is_batch and isinstance(v, list):
@@ -372,12 +383,12 @@ def _id_list(field: str, v: Any, vocab_size: int, cap: int) -> list[int] | None:
 # ---- batch-wide fields -------------------------------------------------------------------
 
 
-def _shared_flags(body: dict) -> dict[str, Any]:
+def _shared_flags(req: GenerateRequest) -> dict[str, Any]:
     out: dict[str, Any] = {}
     names = ("stream", "return_text_in_logprobs", *FLAT_FLAGS, "return_flat_raw_top_logprobs_b64",
              "return_prompt_token_ids")
     for name in names:
-        v = body.get(name)
+        v = getattr(req, name)
         out[name] = False if v is None else _bool(name, v)
     if out["return_flat_raw_top_logprobs_b64"] and not any(out[f] for f in FLAT_FLAGS):
         msg = f"requires {FLAT_FLAGS[0]} or {FLAT_FLAGS[1]}"
@@ -385,6 +396,6 @@ def _shared_flags(body: dict) -> dict[str, Any]:
     if out["return_flat_raw_output_top_logprobs"] and out["stream"]:
         msg = "cannot be used with stream=true (output arrays are built once, at the end)"
         raise ValidationError("return_flat_raw_output_top_logprobs", msg)
-    priority = body.get("priority")
+    priority = req.priority
     out["priority"] = None if priority is None else _int("priority", priority)
     return out

@@ -1,6 +1,6 @@
 """What the gRPC services (grpc_native.py, grpc_scheduler.py) and the server that hosts them
 (grpc_server.py) share: the error a handler raises, the API-key check, the HTTP-to-gRPC status
-map, and a request's native results."""
+map, and a request's choice updates."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -8,7 +8,7 @@ from typing import Any, AsyncIterator
 
 import grpc
 
-from tandem.runtime.frontend.request_groups import RequestError
+from tandem.runtime.frontend.request_groups import ChoiceState, RequestError
 from tandem.runtime.frontend.tokenizer_manager import TokenizerManager
 from tandem.runtime.server.auth import parse_bearer, token_is_admin, token_may_call
 from tandem.runtime.server.grpc_requests import GrpcRequest
@@ -57,11 +57,11 @@ def grpc_error(req: GrpcRequest, exc: ValidationError | RequestError) -> GrpcErr
     return GrpcError(status_of(exc.status_code), exc.message)
 
 
-async def native_results(tm: TokenizerManager, req: GrpcRequest) -> AsyncIterator[dict]:
-    """The cumulative native results of one request (per choice, as /generate streams them);
-    bad input and request errors become GrpcError; closing the iterator aborts the request."""
+async def choice_updates(tm: TokenizerManager, req: GrpcRequest) -> AsyncIterator[ChoiceState]:
+    """One request's choices, each yielded when it changed (to be read at once, before the next
+    await); bad input and request errors become GrpcError; closing the iterator aborts the request."""
     try:
-        stream = await tm.generate_stream(req.native)
+        stream = await tm.generate_stream(req.generate, typed=True)
     except (ValidationError, RequestError) as exc:
         raise grpc_error(req, exc) from None
     try:

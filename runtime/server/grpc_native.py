@@ -12,7 +12,8 @@ import grpc
 import orjson
 
 from tandem.runtime.server.grpc_requests import native_service_request
-from tandem.runtime.server.grpc_common import GrpcAuth, GrpcError, native_results
+from tandem.runtime.frontend.request_groups import ChoiceState
+from tandem.runtime.server.grpc_common import GrpcAuth, GrpcError, choice_updates
 from tandem.runtime.frontend.info import current_loads, health_generate, model_info, served_model_name, server_info
 from tandem.runtime.server.proto import sglang_pb2 as pb
 from tandem.runtime.frontend.tokenize import detokenize, tokenize
@@ -46,20 +47,19 @@ class NativeService:
         last of the call, once every choice of n is done; a client that stops at the first
         `finished` has every choice."""
         req = native_service_request(request, self.tm.limits, text=text)
-        stream = req.native.get("stream", False)
-        n = (req.native.get("sampling_params") or {}).get("n") or 1
-        last: dict[int, dict] = {}
+        stream = bool(req.generate.stream)
+        n = (req.generate.sampling_params or {}).get("n") or 1
+        last: dict[int, ChoiceState] = {}
         done: set[int] = set()
-        async for result in native_results(self.tm, req):
-            index = result.get("index", 0)
-            if stream:
-                if result["meta_info"]["finish_reason"] is not None:
-                    done.add(index)
-                yield result, len(done) == n and result["meta_info"]["finish_reason"] is not None
-            else:
-                last[index] = result
+        async for c in choice_updates(self.tm, req):
+            if stream:  # the protocol's cumulative result, built from the choice when it is sent
+                if c.finished:
+                    done.add(c.index)
+                yield c.result(), len(done) == n and c.finished
+            else:  # only the finished choices' results are built
+                last[c.index] = c
         for k, index in enumerate(sorted(last)):
-            yield last[index], k == len(last) - 1
+            yield last[index].result(), k == len(last) - 1
 
     async def HealthCheck(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         """Healthy when a one-token generation goes through every process in time."""

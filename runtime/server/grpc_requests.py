@@ -1,11 +1,12 @@
-"""gRPC requests -> native `/generate` bodies, so gRPC, HTTP and OpenAI share one request core.
+"""gRPC requests -> the typed GenerateRequest, so gRPC, HTTP and OpenAI share one request core.
 
 Two services arrive here: SGLang's native `sglang.runtime.v1.SglangService` (tandem's proto,
 with seed 004's fields) and the gateway's `sglang.grpc.scheduler.SglangScheduler`
 (smg-grpc-proto). Only fields that are set are forwarded: proto3 `optional` fields by presence,
 and, where a proto has no presence, the zero values that mean "unset" in SGLang's own servicer
 (n = 0, top_p = 0, ...). Everything else is validated by `normalize_generate_request` exactly
-as `/generate` validates it; `rename` maps a native field name in an error back to the proto's.
+as a `/generate` body with the same fields; `rename` maps a native field name in an error back to
+the proto's.
 Torch-free: this runs in the main process.
 """
 from __future__ import annotations
@@ -14,6 +15,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from tandem.runtime.frontend.generate_request import GenerateRequest
 from tandem.runtime.frontend.prompts import refuse_overlong
 from tandem.runtime.frontend.limits import RequestLimits
 from tandem.runtime.value_checks import ValidationError
@@ -28,11 +30,16 @@ _PROMPT_FIELD = re.compile(r"input_ids((?:\[\d+\])?)$")
 
 @dataclass
 class GrpcRequest:
-    """A translated request: the native body, and how to name fields in errors."""
+    """A request: what it asks the tokenizer manager for, and how to name fields in errors."""
 
-    native: dict[str, Any]
+    generate: GenerateRequest
     renames: dict[str, str] = field(default_factory=dict)  # native sampling field -> proto path
     prompt_field: str = "input_ids"  # where the proto carries the prompt
+
+    @property
+    def native(self) -> dict[str, Any]:
+        """The request as the /generate body that asks for the same (the fields it sets)."""
+        return self.generate.fields()
 
     def rename(self, exc: ValidationError) -> ValidationError:
         m = _SAMPLING_FIELD.match(exc.field)
@@ -45,21 +52,21 @@ class GrpcRequest:
 
 # -- SglangService (tandem's proto) ---------------------------------------------------------------------
 def native_service_request(req: Any, limits: RequestLimits, *, text: bool) -> GrpcRequest:
-    """TextGenerateRequest / GenerateRequest -> a /generate body."""
+    """TextGenerateRequest / GenerateRequest -> a GenerateRequest."""
     if text:
-        out = GrpcRequest({"text": req.text}, prompt_field="text")
+        out = GrpcRequest(GenerateRequest(text=req.text), prompt_field="text")
     else:
         refuse_overlong("input_ids", len(req.input_ids), limits)  # before listing them, as the gateway's
-        out = GrpcRequest({"input_ids": list(req.input_ids)})
-    body = out.native
+        out = GrpcRequest(GenerateRequest(input_ids=list(req.input_ids)))
+    gen = out.generate
     if req.HasField("sampling_params"):
-        body["sampling_params"] = _native_sampling(req.sampling_params, out.renames)
+        gen.sampling_params = _native_sampling(req.sampling_params, out.renames)
     for name in ("stream", "return_logprob", "top_logprobs_num", "logprob_start_len", "rid", "priority",
                  "require_reasoning"):
         if req.HasField(name):
-            body[name] = getattr(req, name)
+            setattr(gen, name, getattr(req, name))
     if text and req.HasField("return_text_in_logprobs"):
-        body["return_text_in_logprobs"] = req.return_text_in_logprobs
+        gen.return_text_in_logprobs = req.return_text_in_logprobs
     if req.HasField("lora_path") and req.lora_path:
         raise ValidationError("lora_path", "is not supported by this server")
     if req.HasField("session_id") and req.session_id:
@@ -69,7 +76,7 @@ def native_service_request(req: Any, limits: RequestLimits, *, text: bool) -> Gr
     if req.HasField("routed_dp_rank") and req.routed_dp_rank != 0:  # as the gateway service's data_parallel_rank
         raise ValidationError("routed_dp_rank", f"this server has one rank (0), got {req.routed_dp_rank}")
     if req.HasField("max_thinking_tokens"):
-        body.setdefault("sampling_params", {})["max_thinking_tokens"] = req.max_thinking_tokens
+        gen.sampling_params = {**(gen.sampling_params or {}), "max_thinking_tokens": req.max_thinking_tokens}
         out.renames["max_thinking_tokens"] = "max_thinking_tokens"
     return out
 
@@ -108,7 +115,7 @@ _SMG_CONSTRAINT = {"regex": "regex", "json_schema": "json_schema", "ebnf_grammar
 
 
 def scheduler_service_request(req: Any, limits: RequestLimits) -> GrpcRequest:
-    """smg's GenerateRequest (token ids the gateway tokenized itself) -> a /generate body.
+    """smg's GenerateRequest (token ids the gateway tokenized itself) -> a GenerateRequest.
 
     An explicit max_new_tokens beyond `limits.max_request_len` (the context, or the KV pool when smaller)
     is shortened to what fits, min_new_tokens with it, as SGLang's scheduler does for the
@@ -126,11 +133,11 @@ def scheduler_service_request(req: Any, limits: RequestLimits) -> GrpcRequest:
     # by its length first: listing the ids of a message of tens of millions takes a second of this loop
     refuse_overlong("tokenized.input_ids", len(req.tokenized.input_ids), limits)
     input_ids = list(req.tokenized.input_ids)
-    out = GrpcRequest({"input_ids": input_ids, "stream": req.stream}, prompt_field="tokenized.input_ids")
-    body = out.native
+    out = GrpcRequest(GenerateRequest(input_ids=input_ids, stream=req.stream), prompt_field="tokenized.input_ids")
+    gen = out.generate
     if req.request_id:
-        body["rid"] = req.request_id
-    body["sampling_params"] = sp = _scheduler_sampling(req.sampling_params, out.renames)
+        gen.rid = req.request_id
+    gen.sampling_params = sp = _scheduler_sampling(req.sampling_params, out.renames)
     if (asked := sp["max_new_tokens"]) is not None:
         if sp.get("min_new_tokens", 0) > asked:  # contradicts itself: refused as on /generate, not shortened
             raise ValidationError("sampling_params.min_new_tokens",
@@ -139,14 +146,14 @@ def scheduler_service_request(req: Any, limits: RequestLimits) -> GrpcRequest:
         if "min_new_tokens" in sp:
             sp["min_new_tokens"] = min(sp["min_new_tokens"], sp["max_new_tokens"])
     if req.return_logprob:
-        body.update(return_logprob=True, logprob_start_len=req.logprob_start_len,
-                    top_logprobs_num=req.top_logprobs_num)
+        gen.return_logprob, gen.logprob_start_len = True, req.logprob_start_len
+        gen.top_logprobs_num = req.top_logprobs_num
         if req.token_ids_logprob:
-            body["token_ids_logprob"] = list(req.token_ids_logprob)
+            gen.token_ids_logprob = list(req.token_ids_logprob)
     if req.return_hidden_states:
-        body["return_hidden_states"] = True
+        gen.return_hidden_states = True
     if req.require_reasoning:
-        body["require_reasoning"] = True
+        gen.require_reasoning = True
     return out
 
 

@@ -29,7 +29,8 @@ from smg_grpc_proto.generated import common_pb2
 
 from tandem.runtime.model.config import MODEL_TYPES
 from tandem.runtime.server.grpc_requests import scheduler_service_request
-from tandem.runtime.server.grpc_common import GrpcAuth, native_results
+from tandem.runtime.frontend.request_groups import ChoiceState, spec_meta_info
+from tandem.runtime.server.grpc_common import GrpcAuth, choice_updates
 from tandem.runtime.frontend.info import VERSION, current_loads, health_generate, model_info, served_model_name, server_info
 from tandem.runtime.frontend.tokenizer_manager import TokenizerManager
 from tandem.runtime.value_checks import ValidationError
@@ -60,30 +61,31 @@ def _input_logprobs(meta: dict) -> Any:
         token_ids=[r[1] for r in rows], top_logprobs=_top_rows(meta.get("input_top_logprobs") or []))
 
 
-def _hidden_states(meta: dict, logprob_start_len: int) -> list:
-    """return_hidden_states: meta_info's rows, which cover consecutive positions: the prompt's
+def _hidden_states(c: ChoiceState, logprob_start_len: int) -> list:
+    """return_hidden_states: the choice's rows, which cover consecutive positions: the prompt's
     from logprob_start_len (when >= 0), then each output token's (its last prompt position first)."""
-    rows = meta.get("hidden_states") or []
-    first = logprob_start_len if logprob_start_len >= 0 else meta["prompt_tokens"] - 1
+    rows = c.hidden_states or []
+    first = logprob_start_len if logprob_start_len >= 0 else c.prompt_tokens - 1
     return [pb.HiddenStates(values=list(row), position=first + i) for i, row in enumerate(rows)]
 
 
-def _complete(rid: str, result: dict, start: int = 0, with_prompt: bool = True, logprob_start_len: int = -1) -> Any:
-    """`start`: where the output ids and logprobs it carries begin (a stream's last delta);
-    `with_prompt`: the prompt's logprobs too (a stream sent them in its first chunk)."""
-    meta = result["meta_info"]
-    reason = meta["finish_reason"] or {}
-    matched = reason.get("matched")
+def _complete(rid: str, c: ChoiceState, start: int = 0, with_prompt: bool = True, logprob_start_len: int = -1) -> Any:
+    """A finished choice's message. `start`: where the output ids and logprobs it carries begin
+    (a stream's last delta); `with_prompt`: the prompt's logprobs too (a stream sent them in its
+    first chunk)."""
+    meta, reason, counts = c.logprob_meta(), c.finish_reason, c.counters
+    matched = reason.matched if reason is not None and reason.type == "stop" else None
     stop = {"matched_token_id": matched} if isinstance(matched, int) else (
         {"matched_stop_str": matched} if isinstance(matched, str) else {})
+    spec = spec_meta_info(counts.spec, counts.completion_tokens) if counts.spec is not None else {}
     return pb.GenerateResponse(request_id=rid, complete=pb.GenerateComplete(
-        output_ids=result["output_ids"][start:], finish_reason=reason.get("type", "stop"),
-        prompt_tokens=meta["prompt_tokens"], completion_tokens=meta["completion_tokens"],
-        cached_tokens=meta["cached_tokens"], reasoning_tokens=meta["reasoning_tokens"],
+        output_ids=c.output_ids[start:], finish_reason=reason.type if reason is not None else "stop",
+        prompt_tokens=c.prompt_tokens, completion_tokens=counts.completion_tokens,
+        cached_tokens=counts.cached_tokens, reasoning_tokens=counts.reasoning_tokens,
         output_logprobs=_output_logprobs(meta, start),
-        input_logprobs=_input_logprobs(meta) if with_prompt else None, all_hidden_states=_hidden_states(meta, logprob_start_len),
-        index=result.get("index", 0), spec_accepted_tokens=meta.get("spec_accept_token_num", 0),
-        spec_draft_tokens=meta.get("spec_draft_token_num", 0), **stop))
+        input_logprobs=_input_logprobs(meta) if with_prompt else None, all_hidden_states=_hidden_states(c, logprob_start_len),
+        index=c.index, spec_accepted_tokens=spec.get("spec_accept_token_num", 0),
+        spec_draft_tokens=spec.get("spec_draft_token_num", 0), **stop))
 
 
 def _struct(values: dict) -> Struct:
@@ -101,26 +103,31 @@ class SchedulerService:
     async def Generate(self, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
         req = scheduler_service_request(request, self.tm.limits)
         rid, stream = request.request_id, request.stream
-        start_len = req.native.get("logprob_start_len", -1)
+        start_len = req.generate.logprob_start_len
+        start_len = -1 if start_len is None else start_len
         with_prompt = start_len >= 0  # as SGLang's servicer: no prompt logprobs for -1 (the gateway's chat)
         sent_tokens: dict[int, int] = {}
-        async for result in native_results(self.tm, req):
-            index, meta = result.get("index", 0), result["meta_info"]
-            start = 0
-            if stream:
+        async for c in choice_updates(self.tm, req):
+            # the update's messages are built before the first is sent (the choice may grow meanwhile)
+            index, start, messages = c.index, 0, []
+            if stream:  # the tokens new since this choice's last chunk: a cursor per choice
                 first = index not in sent_tokens
                 start = sent_tokens.get(index, 0)
-                new = result["output_ids"][start:]
+                new = c.output_ids[start:]
                 if new or first:
-                    sent_tokens[index] = len(result["output_ids"])
-                    yield pb.GenerateResponse(request_id=rid, chunk=pb.GenerateStreamChunk(
-                        token_ids=new, prompt_tokens=meta["prompt_tokens"],
-                        completion_tokens=meta["completion_tokens"], cached_tokens=meta["cached_tokens"],
-                        reasoning_tokens=meta["reasoning_tokens"], output_logprobs=_output_logprobs(meta, start),
-                        input_logprobs=_input_logprobs(meta) if first and with_prompt else None, index=index))
-            if meta["finish_reason"] is not None:
+                    sent_tokens[index] = start + len(new)
+                    meta, counts = c.logprob_meta(), c.counters
+                    messages.append(pb.GenerateResponse(request_id=rid, chunk=pb.GenerateStreamChunk(
+                        token_ids=new, prompt_tokens=c.prompt_tokens,
+                        completion_tokens=counts.completion_tokens, cached_tokens=counts.cached_tokens,
+                        reasoning_tokens=counts.reasoning_tokens, output_logprobs=_output_logprobs(meta, start),
+                        input_logprobs=_input_logprobs(meta) if first and with_prompt else None, index=index)))
+            if c.finished:
                 # streaming: the last delta again, as SGLang's servicer (the prompt's logprobs went first)
-                yield _complete(rid, result, start, with_prompt=with_prompt and not stream, logprob_start_len=start_len)
+                messages.append(_complete(rid, c, start, with_prompt=with_prompt and not stream,
+                                          logprob_start_len=start_len))
+            for message in messages:
+                yield message
 
     async def Abort(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         found = self.tm.abort(request.request_id)

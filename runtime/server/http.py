@@ -108,16 +108,16 @@ def create_app(args: ServerArgs, on_child_death: Callable[[str], None] | None = 
 
     async def openai_call(request: Request, req: OpenAIRequest) -> Response:
         tm = app.state.tm
-        req.native = with_header_dp_rank(req.native, header_dp_rank(request))
-        n = req.native["sampling_params"].get("n") or 1
+        req.generate = req.generate.with_dp_rank(header_dp_rank(request))
+        n = req.sampling.get("n") or 1
         try:
             if req.stream:
-                stream = await tm.generate_stream(req.native, req.add_special_tokens, typed=True)
+                stream = await tm.generate_stream(req.generate, req.add_special_tokens, typed=True)
                 openai.decode_echo(req, tm.tokenizer)  # the ids passed validation: they are token ids
                 if req.kind == "response":  # named events, no [DONE], as SGLang's responses stream
                     return _CallResponse(stream, responses_api.responses_events(req, stream), named=True)
                 return _CallResponse(stream, openai_format.stream_chunks(req, stream, n))
-            choices = await tm.generate_choices({**req.native}, request.is_disconnected, req.add_special_tokens)
+            choices = await tm.generate_choices(req.generate, request.is_disconnected, req.add_special_tokens)
         except ValidationError as exc:
             raise req.rename(exc) from None
         openai.decode_echo(req, tm.tokenizer)

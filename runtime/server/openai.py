@@ -1,9 +1,9 @@
-"""The OpenAI API (`/v1/completions`, `/v1/chat/completions`) as a translation onto `/generate`:
-its requests (the answers' shapes: openai_format; `/v1/responses`, a chat request: responses_api).
+"""The OpenAI API (`/v1/completions`, `/v1/chat/completions`): its requests, each filled into
+the typed GenerateRequest the tokenizer manager takes (the answers' shapes, rendered from the
+choices: openai_format; `/v1/responses`, a chat request: responses_api).
 
-A request becomes a native body (so every field is validated exactly as `/generate` validates
-it; a native field name in an error is mapped back to the OpenAI one), runs through the
-tokenizer manager, and the native results become OpenAI's response, chunk or error shapes.
+The GenerateRequest is validated exactly as a `/generate` body with the same fields; a native
+field name in an error is mapped back to the OpenAI one.
 Unknown fields are ignored, as OpenAI-compatible servers do; known fields this server cannot
 honour (OpenAI's audio, ...; SGLang's extensions lora_path, session_params, ...) are a 400
 rather than a silently different answer. SGLang's rid, priority and extra_key pass through.
@@ -16,6 +16,7 @@ from typing import Any, Callable
 
 import orjson
 
+from tandem.runtime.frontend.generate_request import GenerateRequest
 from tandem.runtime.server.openai_request import OpenAIRequest
 from tandem.runtime.server.openai_vllm import apply_vllm_fields
 from tandem.runtime.server.openai_response_format import response_format_constraint
@@ -63,31 +64,31 @@ def completion_request(body: Any, served_model: str) -> OpenAIRequest:
         raise ValidationError("reasoning_effort", "is not supported by this server on /v1/completions "
                                                   "(a chat template's input: /v1/chat/completions takes it)")
     _check_best_of(body)
-    req = OpenAIRequest("completion", _model(body, served_model), _native_base(body), stream=_stream(body))
+    req = OpenAIRequest("completion", _model(body, served_model), _generate_base(body), stream=_stream(body))
     _stream_options(body, req)
-    native = req.native
+    gen = req.generate
     if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt)):
-        native["text"] = prompt
+        gen.text = prompt
         if echo:
             req.echo_texts = [prompt] if isinstance(prompt, str) else prompt
     elif isinstance(prompt, list) and prompt:
-        native["input_ids"] = prompt
+        gen.input_ids = prompt
         if echo:
             req.echo_ids = prompt if all(isinstance(t, list) for t in prompt) else [prompt]
     else:
         raise ValidationError("prompt", "must be a string, a list of strings, token ids or lists of token ids")
-    native["sampling_params"] = _sampling(body, req, default_max_tokens=16)
+    gen.sampling_params = _sampling(body, req, default_max_tokens=16)
     if body.get("require_reasoning") is not None:
-        native["require_reasoning"] = body["require_reasoning"]
+        gen.require_reasoning = body["require_reasoning"]
     logprobs = body.get("logprobs")
     if logprobs is not None:
         if not isinstance(logprobs, int) or isinstance(logprobs, bool) or not 0 <= logprobs <= 20:
             raise ValidationError("logprobs", f"must be an integer in [0, 20], got {logprobs!r}")
         req.logprobs = True
-        native.update(return_logprob=True, top_logprobs_num=logprobs, return_text_in_logprobs=True)
+        gen.return_logprob, gen.top_logprobs_num, gen.return_text_in_logprobs = True, logprobs, True
     if echo and req.logprobs:  # OpenAI's echo + logprobs: the prompt's tokens are scored too
         req.echo_logprobs = True
-        native["logprob_start_len"] = 0
+        gen.logprob_start_len = 0
     return req
 
 
@@ -141,7 +142,7 @@ def chat_request(body: Any, served_model: str, render: Callable[[list, dict], st
         if "tools" in kwargs:  # apply_chat_template would take two
             raise ValidationError("chat_template_kwargs.tools", "cannot be combined with tools; give them as tools")
         kwargs = {**kwargs, "tools": tools.template_tools()}
-    req = OpenAIRequest("chat", _model(body, served_model), _native_base(body), stream=_stream(body),
+    req = OpenAIRequest("chat", _model(body, served_model), _generate_base(body), stream=_stream(body),
                         add_special_tokens=False, tools=tools)
     _stream_options(body, req)
     separate = body.get("separate_reasoning")
@@ -151,19 +152,19 @@ def chat_request(body: Any, served_model: str, render: Callable[[list, dict], st
     if separate is not False:  # SGLang's default: separate when a parser is set
         req.reasoning = parser
     if body.get("input_ids") is not None:  # SGLang's extension: the prompt's ids, no template
-        req.native["input_ids"] = body["input_ids"]
+        req.generate.input_ids = body["input_ids"]
     else:
-        req.native["text"] = _render(messages, kwargs, render, _flag(body, "continue_final_message"))
-    req.native["sampling_params"] = {**(sampling_defaults or {}), **_sampling(body, req, default_max_tokens=None)}
+        req.generate.text = _render(messages, kwargs, render, _flag(body, "continue_final_message"))
+    req.generate.sampling_params = {**(sampling_defaults or {}), **_sampling(body, req, default_max_tokens=None)}
     if tools is not None:
         tool_sampling(tools, tool_call_parser, req)
-    _require_reasoning(body, req.native, parser)
+    _require_reasoning(body, req.generate, parser)
     if _flag(body, "logprobs"):
         top = body.get("top_logprobs") or 0
         if not isinstance(top, int) or isinstance(top, bool) or not 0 <= top <= 20:
             raise ValidationError("top_logprobs", f"must be an integer in [0, 20], got {top!r}")
         req.logprobs = True
-        req.native.update(return_logprob=True, top_logprobs_num=top, return_text_in_logprobs=True)
+        req.generate.return_logprob, req.generate.top_logprobs_num, req.generate.return_text_in_logprobs = True, top, True
     elif body.get("top_logprobs") is not None:
         raise ValidationError("top_logprobs", "needs logprobs: true")
     return req
@@ -263,14 +264,14 @@ def _arguments_object(where: str, arguments: str) -> dict:
     return value
 
 
-def _require_reasoning(body: dict, native: dict[str, Any], parser: ReasoningParser | None) -> None:
+def _require_reasoning(body: dict, gen: GenerateRequest, parser: ReasoningParser | None) -> None:
     """Chat on a reasoning server reasons first unless the client says otherwise or the template
     switched thinking off (SGLang's _get_reasoning_from_request): a constrained answer's grammar
     holds after `</think>`, and the tokens through it count as usage.reasoning_tokens."""
     if body.get("require_reasoning") is not None:
-        native["require_reasoning"] = body["require_reasoning"]
+        gen.require_reasoning = body["require_reasoning"]
     elif parser is not None:
-        native["require_reasoning"] = parser.starts_inside
+        gen.require_reasoning = parser.starts_inside
 
 
 def _check_object(body: Any) -> None:
@@ -318,11 +319,13 @@ def _stream(body: dict) -> bool:
     return _flag(body, "stream")
 
 
-def _native_base(body: dict) -> dict[str, Any]:
+def _generate_base(body: dict) -> GenerateRequest:
     """A streamed answer streams from the scheduler too (else it arrives as one final delta)."""
-    native: dict[str, Any] = {"stream": True} if _stream(body) else {}
-    native.update((name, body[name]) for name in _NATIVE_TOP if body.get(name) is not None)
-    return native
+    gen = GenerateRequest(stream=True if _stream(body) else None)
+    for name in _NATIVE_TOP:
+        if body.get(name) is not None:
+            setattr(gen, name, body[name])
+    return gen
 
 
 def _stream_options(body: dict, req: OpenAIRequest) -> None:

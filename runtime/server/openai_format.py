@@ -23,7 +23,7 @@ _FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
 
 def _id(req: OpenAIRequest) -> str:
     """The client's rid (a batch's first), as SGLang's answer carries its request's id; else a fresh one."""
-    rid = req.native.get("rid")
+    rid = req.generate.rid
     rid = rid[0] if isinstance(rid, list) and rid else rid
     return rid if isinstance(rid, str) else ("chatcmpl-" if req.kind == "chat" else "cmpl-") + secrets.token_hex(12)
 

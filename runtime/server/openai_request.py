@@ -1,10 +1,11 @@
-"""OpenAIRequest: an OpenAI request translated onto /generate, and what shaping its answer needs."""
+"""OpenAIRequest: an OpenAI request as the typed GenerateRequest it asks for, and what shaping its answer needs."""
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from tandem.runtime.frontend.generate_request import GenerateRequest
 from tandem.runtime.reasoning import ReasoningParser
 from tandem.runtime.tools.parser import ToolFormat
 from tandem.runtime.tools.request import ToolRequest
@@ -17,11 +18,11 @@ _PROMPT_FIELD = re.compile(r"(?:text|input_ids)(.*)")
 
 @dataclass
 class OpenAIRequest:
-    """A translated request: the native body and what shaping the answer needs."""
+    """A request: what it asks the tokenizer manager for, and what shaping the answer needs."""
 
     kind: str  # "completion" | "chat" | "response" (/v1/responses: a chat request answered in its shape)
     model: str
-    native: dict[str, Any]
+    generate: GenerateRequest
     # native sampling field -> the name this client sent it under, where that differs per request
     renames: dict[str, str] = field(default_factory=lambda: {"max_new_tokens": "max_tokens"})
     logprobs: bool = False
@@ -39,6 +40,16 @@ class OpenAIRequest:
     tools: ToolRequest | None = None  # chat: the tools a call may name
     tool_format: ToolFormat | None = None  # chat: the format the answer's calls are parsed in (None: not parsed)
 
+    @property
+    def native(self) -> dict[str, Any]:
+        """The request as the /generate body that asks for the same (the fields it sets)."""
+        return self.generate.fields()
+
+    @property
+    def sampling(self) -> dict[str, Any]:
+        """The request's sampling params (native names), shared by its prompts."""
+        return self.generate.sampling_params
+
     def rename(self, exc: ValidationError) -> ValidationError:
         """A native field name in a validation error -> the OpenAI one the client sent."""
         name = exc.field
@@ -48,7 +59,7 @@ class OpenAIRequest:
         elif m := _PROMPT_FIELD.match(name):  # chat: the rendered messages, or the client's input_ids
             if self.kind == "completion":
                 name = "prompt" + m.group(1)
-            elif "text" in self.native:
+            elif self.generate.text is not None:
                 name = "messages" if self.kind == "chat" else "input"
         elif name == "rid" and self.kind == "response":
             name = "request_id"

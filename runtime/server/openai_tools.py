@@ -26,7 +26,7 @@ def tool_sampling(tools: ToolRequest, parser: str | None, req: OpenAIRequest) ->
     """A call that must come runs under its grammar (named "tools" in errors: a schema that does
     not compile is the tools' fault); special tokens stay in the text, where some formats' tags
     are (SGLang's serving_chat does both)."""
-    sp = req.native["sampling_params"]
+    sp = req.sampling
     req.tool_format = answer_format(tools, parser)
     if (kind_text := constraint(tools, parser)) is not None:
         for other in _CONSTRAINTS:

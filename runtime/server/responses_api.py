@@ -75,7 +75,7 @@ def responses_request(body: Any, served_model: str, render: Callable[[list, dict
     req.kind = "response"
     req.renames = {**req.renames, "max_new_tokens": "max_output_tokens",  # a tool call's grammar stays the tools'
                    "json_schema": "tools" if req.renames.get("json_schema") == "tools" else "text.format"}
-    req.native["rid"] = body.get("request_id") or "resp_" + secrets.token_hex(16)
+    req.generate.rid = body.get("request_id") or "resp_" + secrets.token_hex(16)
     req.echoed = {"instructions": instructions, "max_output_tokens": body.get("max_output_tokens"),
                   "metadata": body.get("metadata"), "user": body.get("user"), "reasoning": body.get("reasoning"),
                   "text": body.get("text") or {"format": {"type": "text"}},
@@ -191,8 +191,8 @@ def _responses_object(req: OpenAIRequest, created: int, output: list[dict],
         status = "completed" if reason == "stop" else "incomplete"
         incomplete = None if reason == "stop" else {"reason": "max_output_tokens" if reason == "length" else reason}
         usage_ = _responses_usage(choice)
-    sp = req.native["sampling_params"]
-    return {"id": req.native["rid"], "object": "response", "created_at": created, "model": req.model,
+    sp = req.sampling
+    return {"id": req.generate.rid, "object": "response", "created_at": created, "model": req.model,
             "status": status, "error": None, "incomplete_details": incomplete, "output": output, "usage": usage_,
             "previous_response_id": None, "store": False, "temperature": sp.get("temperature"),
             "top_p": sp.get("top_p", 1.0), "tools": [], "truncation": "disabled", **req.echoed}

@@ -40,6 +40,59 @@ def test_a_fresh_tokenizer_manager_process_has_no_torch(tiny_model_dir, tmp_path
     assert result == {"tokens": 3, "heavy": []}
 
 
+GRPC_SCRIPT = """
+import asyncio, json, sys
+import grpc
+from smg_grpc_proto import sglang_scheduler_pb2 as spb, sglang_scheduler_pb2_grpc as spb_grpc
+from tandem.runtime.launcher import free_port
+from tandem.runtime.server.grpc_common import GrpcAuth
+from tandem.runtime.server.grpc_server import bind_grpc_server
+from tandem.runtime.server.proto import sglang_pb2 as pb
+from tandem.runtime.server_args import ServerArgs
+from tandem.runtime.frontend.tokenizer_manager import TokenizerManager
+
+async def main():
+    tm = TokenizerManager(ServerArgs(model_path=sys.argv[1], max_total_tokens=2000, max_running_requests=4))
+    port = free_port()
+    try:
+        await tm.start()
+        server = bind_grpc_server(tm, "127.0.0.1", port, GrpcAuth())
+        await server.start()
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+            native = ch.unary_stream("/sglang.runtime.v1.SglangService/Generate",
+                                     request_serializer=pb.GenerateRequest.SerializeToString,
+                                     response_deserializer=pb.GenerateResponse.FromString)
+            sp = pb.SamplingParams(temperature=0, max_new_tokens=3)
+            first = [r async for r in native(pb.GenerateRequest(input_ids=[5, 6, 7], sampling_params=sp,
+                                                                stream=True, return_logprob=True))]
+            gateway = spb_grpc.SglangSchedulerStub(ch)
+            second = [r async for r in gateway.Generate(spb.GenerateRequest(
+                request_id="g", tokenized=spb.TokenizedInput(input_ids=[5, 6, 7]), stream=True,
+                return_logprob=True, return_hidden_states=True,
+                sampling_params=spb.SamplingParams(temperature=0, max_new_tokens=3)))]
+        await server.stop(grace=None)
+    finally:
+        tm.close()
+    tokens = [len(first[-1].output_ids), sum(len(r.chunk.token_ids) for r in second if r.HasField("chunk"))]
+    heavy = sorted(m for m in sys.modules if m == "torch" or m.startswith(("torch.", "tandem.runtime.model.",
+                                                                          "tandem.runtime.scheduler.", "triton")))
+    print(json.dumps({"tokens": tokens, "heavy": heavy}))
+
+asyncio.run(main())
+"""
+
+
+def test_the_grpc_front_has_no_torch(tiny_model_dir, tmp_path):
+    """Both gRPC services, streaming with logprobs (and hidden states on the gateway's), in a
+    process that imports no torch, triton, scheduler or model execution code. The one model
+    module it reaches is model.config (GetModelInfo's architecture -> model_type table, torch-free)."""
+    proc = subprocess.run([sys.executable, "-c", GRPC_SCRIPT, tiny_model_dir("llama")], capture_output=True,
+                          text=True, timeout=240, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result == {"tokens": [3, 3], "heavy": ["tandem.runtime.model.config"]}
+
+
 def test_chat_sampling_defaults_follow_the_flag(tmp_path):
     from tandem.runtime.server_args import ServerArgs
     from tandem.runtime.frontend.tokenizer_manager import _chat_sampling_defaults

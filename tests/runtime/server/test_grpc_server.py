@@ -14,7 +14,8 @@ from smg_grpc_proto.generated import common_pb2
 
 from smg_grpc_proto import sglang_scheduler_pb2 as smg_pb
 
-from tandem.runtime.frontend.request_groups import RequestError
+from tandem.ipc.messages import FinishReason, ReqCounters, SpecCounts
+from tandem.runtime.frontend.request_groups import Call, ChoiceState, RequestError, RequestGroup
 from tandem.runtime.server import grpc_native, grpc_scheduler
 from tandem.runtime.server.grpc_native import NativeService
 from tandem.runtime.server.grpc_scheduler import SchedulerService
@@ -289,14 +290,19 @@ def test_a_request_message_over_max_request_bytes_is_refused_before_it_is_parsed
     assert asyncio.run(send(4000)) == grpc.StatusCode.OK
 
 
+def _finished_choice(output_ids: list[int], spec: SpecCounts | None = None) -> ChoiceState:
+    call = Call(is_batch=False, indexed=False, received=0.0)
+    group = RequestGroup(logical_rid="r", group_id="g", call=call)
+    return ChoiceState(rid="g_0", group=group, index=0, prompt_tokens=4, formatter=None, hidden_states=None,
+                       output_ids=output_ids, finish_reason=FinishReason(type="length"),
+                       counters=ReqCounters(completion_tokens=len(output_ids), cached_tokens=0, spec=spec))
+
+
 def test_the_gateway_complete_carries_the_speculative_counts():
     """A speculative answer's meta_info counts (SGLang's spec_accept_token_num / spec_draft_token_num)
     go out in GenerateComplete's spec_accepted_tokens / spec_draft_tokens; without them, 0."""
-    meta = {"finish_reason": {"type": "length"}, "prompt_tokens": 4, "completion_tokens": 6, "cached_tokens": 0,
-            "reasoning_tokens": 0}
-    result = {"output_ids": [1, 2, 3, 4, 5, 6], "meta_info": {**meta, "spec_accept_token_num": 3,
-                                                              "spec_draft_token_num": 8}}
-    done = grpc_scheduler._complete("r", result).complete
+    spec = SpecCounts(verify_ct=2, proposed=8, accepted=3, accept_histogram=[])
+    done = grpc_scheduler._complete("r", _finished_choice([1, 2, 3, 4, 5, 6], spec)).complete
     assert (done.spec_accepted_tokens, done.spec_draft_tokens, done.finish_reason) == (3, 8, "length")
-    plain = grpc_scheduler._complete("r", {"output_ids": [1], "meta_info": meta}).complete
+    plain = grpc_scheduler._complete("r", _finished_choice([1])).complete
     assert (plain.spec_accepted_tokens, plain.spec_draft_tokens) == (0, 0)
