@@ -16,6 +16,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 #include "amx_common.h"
@@ -24,7 +25,8 @@ namespace {
 
 constexpr int64_t kTileRows = 16;  // rows of an A or C tile, and feature columns of a B tile
 constexpr int64_t kStepK = 32;     // bfloat16 inputs one TDPBF16PS reduces
-constexpr int64_t kChunkRows = 256;  // rows of x a pass over the weight holds in L2 (a multiple of 32)
+constexpr int64_t kFewRows = 64;  // up to this many rows, each weight pair is read once for all of them
+constexpr int64_t kPanelBytes = 1 << 20;  // weight a prefill pass holds in L2 while rows stream through it
 
 using tandem_cpu::amx::usable;
 
@@ -63,10 +65,51 @@ inline void epilogue(const float* c, int64_t rows, const float* bias, out_t* out
   for (int64_t r = 0; r < rows; ++r) store_row(_mm512_add_ps(_mm512_loadu_ps(c + r * kTileRows), b), out + r * out_stride);
 }
 
+// What one call computes: x [m, k], the packed weight, bias (or null), out [m, n].
+template <typename out_t>
+struct Problem {
+  const at::BFloat16 *x, *packed;
+  const float* bias;
+  out_t* out;
+  int64_t m, n, k;
+  int64_t steps() const { return k / kStepK; }
+};
+
+// Lines to prefetch into L2 while a block computes: `count` 64-byte lines from `first`.
+struct Prefetch {
+  const char* first = nullptr;
+  int64_t count = 0;
+};
+
+// The full 32 x 32 block: every tile used, no branch in the loop. Each step also requests two of
+// the block's output rows for writing (their lines arrive while the tiles compute) and up to two
+// lines of `ahead`.
+template <typename out_t>
+inline void full_steps(const Problem<out_t>& p, const at::BFloat16* a0, const at::BFloat16* b0, const at::BFloat16* b1,
+                       out_t* out0, Prefetch ahead) {
+  const int64_t x_stride = p.k * 2;
+  const at::BFloat16* a1 = a0 + kTileRows * p.k;
+  for (int64_t s = 0; s < p.steps(); ++s) {
+    _tile_loadd(4, a0 + s * kStepK, x_stride);
+    _tile_loadd(6, b0 + s * kStepK * kTileRows, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_loadd(7, b1 + s * kStepK * kTileRows, 64);
+    _tile_dpbf16ps(1, 4, 7);
+    _tile_loadd(5, a1 + s * kStepK, x_stride);
+    _tile_dpbf16ps(2, 5, 6);
+    _tile_dpbf16ps(3, 5, 7);
+    if (2 * s < 2 * kTileRows) {
+      _m_prefetchw(out0 + 2 * s * p.n);
+      _m_prefetchw(out0 + (2 * s + 1) * p.n);
+    }
+    for (int64_t l = 2 * s; l < std::min(ahead.count, 2 * s + 2); ++l) _mm_prefetch(ahead.first + 64 * l, _MM_HINT_T1);
+  }
+}
+
 // out[m0 : m0 + rows0 + rows1, columns of blocks nb0 and nb1 (nb1 < 0: none)]
 template <typename out_t>
-void block(const at::BFloat16* x, int64_t k, const at::BFloat16* packed, int64_t steps, int64_t nb0, int64_t nb1,
-           int64_t m0, int64_t rows0, int64_t rows1, const float* bias, out_t* out, int64_t n) {
+void block(const Problem<out_t>& p, int64_t nb0, int64_t nb1, int64_t m0, int64_t rows0, int64_t rows1,
+           Prefetch ahead = {}) {
   // a tile configured empty (no second row block) must not be touched: that is #UD
   _tile_zero(0);
   _tile_zero(1);
@@ -74,28 +117,32 @@ void block(const at::BFloat16* x, int64_t k, const at::BFloat16* packed, int64_t
     _tile_zero(2);
     _tile_zero(3);
   }
-  const int64_t x_stride = k * 2, block_elems = steps * kStepK * kTileRows;
-  const at::BFloat16* b0 = packed + nb0 * block_elems;
-  const at::BFloat16* b1 = packed + (nb1 < 0 ? nb0 : nb1) * block_elems;
-  const at::BFloat16* a0 = x + m0 * k;
-  const at::BFloat16* a1 = a0 + kTileRows * k;
-  for (int64_t s = 0; s < steps; ++s) {
-    _tile_loadd(4, a0 + s * kStepK, x_stride);
-    _tile_loadd(6, b0 + s * kStepK * kTileRows, 64);
-    _tile_dpbf16ps(0, 4, 6);
-    if (nb1 >= 0) {
-      _tile_loadd(7, b1 + s * kStepK * kTileRows, 64);
-      _tile_dpbf16ps(1, 4, 7);
-    }
-    if (rows1 > 0) {
-      _tile_loadd(5, a1 + s * kStepK, x_stride);
-      _tile_dpbf16ps(2, 5, 6);
-      if (nb1 >= 0) _tile_dpbf16ps(3, 5, 7);
+  const int64_t x_stride = p.k * 2, block_elems = p.steps() * kStepK * kTileRows;
+  const at::BFloat16* b0 = p.packed + nb0 * block_elems;
+  const at::BFloat16* b1 = p.packed + (nb1 < 0 ? nb0 : nb1) * block_elems;
+  const at::BFloat16* a0 = p.x + m0 * p.k;
+  const at::BFloat16* a1 = a0 + kTileRows * p.k;
+  if (rows1 == kTileRows && nb1 >= 0) {
+    full_steps(p, a0, b0, b1, p.out + m0 * p.n + nb0 * kTileRows, ahead);
+  } else {
+    for (int64_t s = 0; s < p.steps(); ++s) {
+      _tile_loadd(4, a0 + s * kStepK, x_stride);
+      _tile_loadd(6, b0 + s * kStepK * kTileRows, 64);
+      _tile_dpbf16ps(0, 4, 6);
+      if (nb1 >= 0) {
+        _tile_loadd(7, b1 + s * kStepK * kTileRows, 64);
+        _tile_dpbf16ps(1, 4, 7);
+      }
+      if (rows1 > 0) {
+        _tile_loadd(5, a1 + s * kStepK, x_stride);
+        _tile_dpbf16ps(2, 5, 6);
+        if (nb1 >= 0) _tile_dpbf16ps(3, 5, 7);
+      }
     }
   }
   alignas(64) float c[kTileRows * kTileRows];
   auto flush = [&](int64_t nb, int64_t row0, int64_t rows) {
-    epilogue(c, rows, bias != nullptr ? bias + nb * kTileRows : nullptr, out + row0 * n + nb * kTileRows, n);
+    epilogue(c, rows, p.bias != nullptr ? p.bias + nb * kTileRows : nullptr, p.out + row0 * p.n + nb * kTileRows, p.n);
   };
   _tile_stored(0, c, 64);
   flush(nb0, m0, rows0);
@@ -112,32 +159,59 @@ void block(const at::BFloat16* x, int64_t k, const at::BFloat16* packed, int64_t
     }
   }
 }
-#endif
 
-#ifdef TANDEM_AMX
+// The tile configuration a thread has loaded: rows of the first and second row block.
+struct Tiles {
+  int64_t rows0 = -1, rows1 = -1;
+  // the row block at m0: its two row counts, configured
+  std::pair<int64_t, int64_t> at(int64_t m0, int64_t m) {
+    const int64_t r0 = std::min(kTileRows, m - m0), r1 = std::max<int64_t>(0, std::min(kTileRows, m - m0 - kTileRows));
+    if (r0 != rows0 || r1 != rows1) configure(r0, r1), rows0 = r0, rows1 = r1;
+    return {r0, r1};
+  }
+  ~Tiles() {
+    if (rows0 >= 0) _tile_release();
+  }
+};
+
+// Pairs [begin, end) of feature blocks for every row. Few rows (decode): pair by pair, its weight
+// tiles read once for all row blocks. Many rows (prefill): a panel of pairs whose weight stays in
+// L2, every 32-row block (in L1) through the whole panel, the next block's rows fetched meanwhile.
 template <typename out_t>
-void run(const at::BFloat16* xp, const at::BFloat16* pp, const float* bp, out_t* op, int64_t m, int64_t n, int64_t k) {
-  const int64_t steps = k / kStepK, blocks = n / kTileRows, pairs = (blocks + 1) / 2;
-  // one task per pair of feature blocks, every row: an element's sum never leaves its thread.
-  // Rows go kChunkRows at a time through every pair of a thread's feature blocks, so that the
-  // chunk's rows stay in the core's L2 while the pair's weight tiles stay in L1.
-  at::parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) {
-    int64_t configured0 = -1, configured1 = -1;
-    for (int64_t chunk = 0; chunk < m; chunk += kChunkRows)
-    for (int64_t p = begin; p < end; ++p) {
-      const int64_t nb0 = 2 * p, nb1 = 2 * p + 1 < blocks ? 2 * p + 1 : -1;
-      for (int64_t m0 = chunk; m0 < std::min(m, chunk + kChunkRows); m0 += 2 * kTileRows) {
-        const int64_t rows0 = std::min(kTileRows, m - m0);
-        const int64_t rows1 = std::max<int64_t>(0, std::min(kTileRows, m - m0 - kTileRows));
-        if (rows0 != configured0 || rows1 != configured1) {
-          configure(rows0, rows1);
-          configured0 = rows0, configured1 = rows1;
-        }
-        block(xp, k, pp, steps, nb0, nb1, m0, rows0, rows1, bp, op, n);
+void run_pairs(const Problem<out_t>& p, int64_t begin, int64_t end) {
+  const int64_t blocks = p.n / kTileRows;
+  auto pair_block = [&](int64_t pair, int64_t m0, std::pair<int64_t, int64_t> rows, Prefetch ahead) {
+    block(p, 2 * pair, 2 * pair + 1 < blocks ? 2 * pair + 1 : -1, m0, rows.first, rows.second, ahead);
+  };
+  Tiles tiles;
+  if (p.m <= kFewRows) {
+    for (int64_t pair = begin; pair < end; ++pair)
+      for (int64_t m0 = 0; m0 < p.m; m0 += 2 * kTileRows) pair_block(pair, m0, tiles.at(m0, p.m), {});
+    return;
+  }
+  const int64_t most = std::max<int64_t>(1, kPanelBytes / (p.k * 2 * 2 * kTileRows));
+  const int64_t panels = (end - begin + most - 1) / most, panel = (end - begin + panels - 1) / panels;
+  for (int64_t p0 = begin; p0 < end; p0 += panel) {
+    const int64_t p1 = std::min(end, p0 + panel);
+    for (int64_t m0 = 0; m0 < p.m; m0 += 2 * kTileRows) {
+      const auto rows = tiles.at(m0, p.m);
+      // the next row block's lines, a share per pair of the panel
+      const int64_t next_rows = std::clamp<int64_t>(p.m - m0 - 2 * kTileRows, 0, 2 * kTileRows);
+      const int64_t lines = next_rows * p.k * 2 / 64, share = (lines + p1 - p0 - 1) / (p1 - p0);
+      const char* next = reinterpret_cast<const char*>(p.x + (m0 + 2 * kTileRows) * p.k);
+      for (int64_t pair = p0; pair < p1; ++pair) {
+        const int64_t first = (pair - p0) * share;
+        pair_block(pair, m0, rows, {next + 64 * first, std::clamp<int64_t>(lines - first, 0, share)});
       }
     }
-    if (configured0 >= 0) _tile_release();
-  });
+  }
+}
+
+template <typename out_t>
+void run(const Problem<out_t>& p) {
+  const int64_t pairs = (p.n / kTileRows + 1) / 2;
+  // one task per pair of feature blocks, every row: an element's sum never leaves its thread
+  at::parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) { run_pairs(p, begin, end); });
 }
 #endif
 
@@ -163,10 +237,11 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, const c10::
   if (m == 0) return out.view(out_shape);
 #ifdef TANDEM_AMX
   const float* bp = bias.has_value() ? bias_f.data_ptr<float>() : nullptr;
+  const at::BFloat16 *xp = x2.data_ptr<at::BFloat16>(), *pp = packed.data_ptr<at::BFloat16>();
   if (out_fp32) {
-    run(x2.data_ptr<at::BFloat16>(), packed.data_ptr<at::BFloat16>(), bp, out.data_ptr<float>(), m, n, k);
+    run(Problem<float>{xp, pp, bp, out.data_ptr<float>(), m, n, k});
   } else {
-    run(x2.data_ptr<at::BFloat16>(), packed.data_ptr<at::BFloat16>(), bp, out.data_ptr<at::BFloat16>(), m, n, k);
+    run(Problem<at::BFloat16>{xp, pp, bp, out.data_ptr<at::BFloat16>(), m, n, k});
   }
 #endif
   return out.view(out_shape);
