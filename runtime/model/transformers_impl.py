@@ -12,12 +12,15 @@ request's span. The radix cache, chunked prefill, retraction, logprobs and sampl
 and logits come from tandem's fp32 head.
 
 Invariant: a model is served only after a probe (`probe`) ran a short prompt, in two chunks over
-a scratch KV pool, through the path that serves it and got the logits transformers' own eager
-attention gives, with every decoder layer attending through the interface exactly once a pass.
+a scratch KV pool, through the path that serves it (in float32: a model's semantics, not its
+rounding) and got the logits transformers' own eager attention gives, with every decoder layer
+attending through the interface exactly once a pass.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -131,7 +134,10 @@ class TransformersCausalLM(nn.Module):
         at start rather than at its first request."""
         count = pack_linears(self.hf, skip=(self._head_name,))
         self._head_fp32 = fp32_head(self.hf.get_submodule(self._head_name).weight)
-        probe(self)
+        with torch.inference_mode():
+            logits = _probe_tandem(self, _probe_ids(self.cfg), next(self.hf.parameters()).device)
+        if not bool(torch.isfinite(logits).all()):
+            raise ValueError(f"--model-impl transformers cannot serve {self.cfg.arch}: non-finite logits on packed weights")
         return count + 1
 
 
@@ -151,7 +157,9 @@ def load_transformers_model(model_path: str, dtype: torch.dtype, device: torch.d
                                            use_safetensors=True, output_loading_info=True)
     _check_loading(model_path, info)
     model = TransformersCausalLM(hf.to(device).eval(), cfg)
-    probe(model)
+    with _widened(hf):
+        probe(model)
+    model._head_fp32 = None  # made from the widened head: made again from the served one
     logger.info("--model-impl transformers: %s from transformers, attention through tandem's backends",
                 model_class.__name__)
     return model
@@ -176,6 +184,24 @@ def _check_loading(model_path: str, info: dict) -> None:
             raise ValueError(f"{model_path}: checkpoint {what}: {names[:5]}{' ...' if len(names) > 5 else ''}")
 
 
+@contextlib.contextmanager
+def _widened(hf: nn.Module) -> Iterator[None]:
+    """The model in float32 for the block, then each parameter and buffer back in its own dtype
+    (bf16 and fp16 widen and narrow back exactly). In 16 bits a probe would compare rounding: one
+    position of SmolLM2-135M in bf16 differs by 38 between transformers' eager and sdpa attention."""
+    dtypes = {name: t.dtype for name, t in (*hf.named_parameters(), *hf.named_buffers())}
+    hf.float()
+    try:
+        yield
+    finally:
+        for name, t in (*hf.named_parameters(), *hf.named_buffers()):
+            t.data = t.data.to(dtypes[name])
+
+
+def _probe_ids(cfg: ModelConfig) -> torch.Tensor:
+    return (torch.arange(_PROBE_TOKENS, dtype=torch.int64) * 7919 + 3) % cfg.vocab_size
+
+
 @torch.inference_mode()
 def probe(model: TransformersCausalLM) -> None:
     """Refuse (ValueError) a model that tandem's path would not answer as transformers does: run
@@ -183,7 +209,7 @@ def probe(model: TransformersCausalLM) -> None:
     a scratch pool and the torch backend, and compare with transformers' eager attention."""
     cfg, hf = model.cfg, model.hf
     device = next(hf.parameters()).device
-    ids = (torch.arange(_PROBE_TOKENS, dtype=torch.int64) * 7919 + 3) % cfg.vocab_size
+    ids = _probe_ids(cfg)
     hf.set_attn_implementation("eager")
     try:
         want = hf(input_ids=ids[None].to(device), use_cache=False).logits[0].float()
@@ -193,9 +219,9 @@ def probe(model: TransformersCausalLM) -> None:
         got = _probe_tandem(model, ids, device)
     except (RuntimeError, ValueError, TypeError, AttributeError) as e:
         raise ValueError(f"--model-impl transformers cannot serve {cfg.arch}: {e}") from None
-    # fp32: the two attentions differ by summation order only; 16-bit: by each layer's rounding,
-    # which a missing logit scale or transform (several units on real logits) far exceeds
-    tol = (1e-3 if next(hf.parameters()).dtype == torch.float32 else 5e-2) * (1.0 + want.abs().max().item())
+    # in fp32 the two attentions differ by summation order only (~1e-5 on SmolLM2's logits of ~35);
+    # a missing logit scale or transform moves them by units
+    tol = 1e-3 * (1.0 + want.abs().max().item())
     diff = (got - want).abs().max().item()
     if not diff <= tol:
         raise ValueError(f"--model-impl transformers cannot serve {cfg.arch}: its logits through tandem's attention "

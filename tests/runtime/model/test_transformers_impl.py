@@ -101,6 +101,14 @@ def test_cached_prefix_and_batch_neighbour_change_no_bit(runner, arch):
     assert torch.equal(whole[13:], both[len(other):])
 
 
+def test_bf16_model_probed_in_fp32_is_served_in_bf16(tiny_path):
+    """The load-time probe widens the model to fp32 (16-bit rounding is not what it checks) and
+    narrows every weight back: the served model holds bf16 only, its head made from those."""
+    model = load_transformers_model(tiny_path("phi3"), torch.bfloat16)
+    assert {p.dtype for p in model.hf.parameters()} == {torch.bfloat16}
+    assert model._head_fp32 is None
+
+
 def test_transformers_impl_of_a_native_arch_answers_as_the_native_class(tiny_model_dir):
     path = tiny_model_dir("llama")
     runs = {}
