@@ -8,7 +8,6 @@ falls back to transformers for every other architecture.
 """
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -123,8 +122,3 @@ def _ids(value: Any) -> tuple[int, ...]:
     if isinstance(value, int):
         return (value,)
     return tuple(dict.fromkeys(v for v in value if isinstance(v, int))) if isinstance(value, (list, tuple)) else ()
-
-
-def with_observed_kv(cfg: ModelConfig, num_kv_heads: int, head_dim: int) -> ModelConfig:
-    """The config with the K/V shape the model's attention layers hand over (what the pool stores)."""
-    return dataclasses.replace(cfg, num_kv_heads=num_kv_heads, head_dim=head_dim)
