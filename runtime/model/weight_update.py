@@ -38,9 +38,10 @@ class Target:
     shard: Callable[[torch.Tensor], torch.Tensor]
 
 
-def locate(name: str, cfg: ModelConfig, tp: TensorParallel) -> Target:
+def locate(name: str, cfg: ModelConfig, tp: TensorParallel, renamed: dict[str, str] | None = None) -> Target:
     """The target of checkpoint tensor `name` (check() refuses one whose param the model lacks).
-    A tied model's `lm_head.weight` targets the embedding it is tied to."""
+    A tied model's `lm_head.weight` targets the embedding it is tied to. `renamed`: the loader's
+    names of many checkpoint names at once (`loader_names`), where a caller has them."""
     part = lambda t, dim=0: t.chunk(tp.size, dim=dim)[tp.rank].contiguous()  # noqa: E731
     stem, _, kind = name.removeprefix("model.").rpartition(".")
     module, _, proj = stem.rpartition(".")
@@ -52,7 +53,8 @@ def locate(name: str, cfg: ModelConfig, tp: TensorParallel) -> Target:
         first = sum(sizes[:position])
         return Target(f"{module}.{fused}.{kind}", (slice(first, first + sizes[position]),), part)
     # every other name as the loader renames it (prefix, row-parallel biases, Mixtral's experts)
-    local = next(iter(_fuse({name: _PLACEHOLDER}, cfg)), "embed_tokens.weight")  # (a tied head: dropped)
+    local = (renamed or {}).get(name) or next(iter(_fuse({name: _PLACEHOLDER}, cfg)), "embed_tokens.weight")
+    # (a tied head is dropped by the loader: it targets the embedding)
     stem, _, kind = local.rpartition(".")
     module, _, proj = stem.rpartition(".")
     if ".experts." in stem and module.split(".")[-1].isdigit():  # layers.i.mlp.experts.e.{gate,up,down}_proj
@@ -63,6 +65,14 @@ def locate(name: str, cfg: ModelConfig, tp: TensorParallel) -> Target:
         first = rows * _FUSED[proj][1]
         return Target(f"{experts}.gate_up_proj", (int(expert), slice(first, first + rows)), part)
     return Target(local, (), lambda t: shard_weights({local: t}, cfg, tp)[local])
+
+
+def loader_names(names: list[str], cfg: ModelConfig) -> dict[str, str]:
+    """The loader's name (_fuse) of each checkpoint name it keeps whole, found in one pass over the
+    layers rather than one a name. Fused, stacked and dropped names are left out."""
+    placeholders = {name: torch.empty(0) for name in names}
+    local_of = {id(t): local for local, t in _fuse(placeholders, cfg).items()}
+    return {name: local_of[id(t)] for name, t in placeholders.items() if id(t) in local_of}
 
 
 def read(model: nn.Module, param: str) -> torch.Tensor:
@@ -86,9 +96,11 @@ def check(model: nn.Module, cfg: ModelConfig, tp: TensorParallel,
     """Each tensor's target and this rank's part of it; a ValueError names the first that does
     not fit (unknown name, wrong shape, a dtype that is not floating point)."""
     params, quantized = shapes(model), gguf_load.quantized_names(model)
+    tensors = list(tensors)
+    renamed = loader_names([name for name, _ in tensors], cfg)
     out = []
     for name, tensor in tensors:
-        target = locate(name, cfg, tp)
+        target = locate(name, cfg, tp, renamed)
         if target.param in quantized:
             raise ValueError(f"{name}: the model holds this weight quantized (--quantization gguf); weight "
                              f"updates need the dequantized path (--quantization none)")
@@ -128,50 +140,49 @@ class Staged:
         by_param: dict[str, list[Target]] = {}
         for target in targets:
             by_param.setdefault(target.param, []).append(target)
-        self.buffers = {param: self._buffer(param, parts) for param, parts in by_param.items()}
+        self.slots = {param: self._slot(param, parts) for param, parts in by_param.items()}
 
-    def _buffer(self, param: str, parts: list[Target]) -> torch.Tensor:
+    def _slot(self, param: str, parts: list[Target]) -> _Slot:
         module, attr = _owner(self.model, param)
         value = getattr(module, attr)
+        whole = _covers(parts, value.shape)
         if isinstance(value, AmxPackedWeight):
-            return torch.empty_like(value.packed) if _covers(parts, value.shape) else value.packed.clone()
+            return _Slot(module, attr, torch.empty_like(value.packed) if whole else value.packed.clone(), amx=True)
         if isinstance(module, PackedLinear) and attr == "weight":  # another packed layout: plain, packed at commit
-            whole = _covers(parts, value.shape)
-            return torch.empty(value.shape, dtype=_packed_dtype(module)) if whole else read(self.model, param).clone()
-        return torch.empty_like(value) if _covers(parts, value.shape) else value.detach().clone()
+            plain = torch.empty(value.shape, dtype=_packed_dtype(module)) if whole else read(self.model, param).clone()
+            return _Slot(module, attr, plain)
+        return _Slot(module, attr, torch.empty_like(value) if whole else value.detach().clone())
 
     def write(self, target: Target, shard: torch.Tensor) -> None:
         """Stage this rank's part of one checked tensor (dtype converted here)."""
-        buffer = self.buffers[target.param]
-        module, attr = _owner(self.model, target.param)
-        if isinstance(getattr(module, attr), AmxPackedWeight):
-            write_rows(buffer, target.index[0].start if target.index else 0, shard)
+        slot = self.slots[target.param]
+        if slot.amx:
+            write_rows(slot.buffer, target.index[0].start if target.index else 0, shard)
         else:
-            buffer[target.index].copy_(shard)
+            slot.buffer[target.index].copy_(shard)
 
     def commit(self) -> int:
         """Put every staged value in the model; returns how many parameters changed."""
-        for param, buffer in self.buffers.items():
-            module, attr = _owner(self.model, param)
-            value = getattr(module, attr)
-            if isinstance(value, AmxPackedWeight):
-                module.weight = AmxPackedWeight(buffer, value.like)
-            elif isinstance(module, PackedLinear) and attr == "weight":
-                module.weight = pack(buffer)
+        head, head_changed = self.model._head_weight(), False
+        for slot in self.slots.values():
+            value = getattr(slot.module, slot.attr)
+            head_changed |= value is head
+            if slot.amx:
+                slot.module.weight = AmxPackedWeight(slot.buffer, value.like)
+            elif isinstance(slot.module, PackedLinear) and slot.attr == "weight":
+                slot.module.weight = pack(slot.buffer)
             elif isinstance(value, nn.Parameter):
-                value.data = buffer  # the Parameter stays the one the model (and a tied head) holds
+                value.data = slot.buffer  # the Parameter stays the one the model (and a tied head) holds
             else:
-                setattr(module, attr, buffer)
-        self._refresh_head()
+                setattr(slot.module, slot.attr, slot.buffer)
+        if head_changed:
+            self._refresh_head(head)
         self.model._decode_step_checked_for = None  # rebuilt on the next decode step, on the new weights
-        return len(self.buffers)
+        return len(self.slots)
 
-    def _refresh_head(self) -> None:
+    def _refresh_head(self, head: torch.Tensor) -> None:
         """The LM head's copy for fp32 logits (CausalLM.logits), from the new head weight: an AMX one
         is packed here, any other made again on first use."""
-        head = self.model._head_weight()
-        if not any(getattr(*_owner(self.model, param)) is head for param in self.buffers):
-            return
         old = getattr(self.model, "_head_fp32", None)
         if isinstance(old, AmxPackedWeight) and head.dtype == torch.bfloat16:
             packed = torch.empty_like(old.packed)
@@ -179,6 +190,15 @@ class Staged:
             self.model._head_fp32 = AmxPackedWeight(packed, old.like)
         else:
             self.model._head_fp32 = None
+
+
+@dataclass
+class _Slot:
+    """One parameter's staged value: `buffer` is in the AMX packed layout where `amx`, else plain."""
+    module: nn.Module
+    attr: str
+    buffer: torch.Tensor
+    amx: bool = False
 
 
 def _owner(model: nn.Module, param: str) -> tuple[nn.Module, str]:
