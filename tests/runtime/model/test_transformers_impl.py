@@ -22,6 +22,8 @@ from tiny_transformers_models import build_tiny_transformers_model
 pytestmark = pytest.mark.timeout(600)
 
 ARCHS = ["gpt_neox", "phi3"]
+# Phi-3 with an 8-key sliding window: transformers hands it to attention as `sliding_window`
+_VARIANTS = {"phi3_window": ("phi3", {"sliding_window": 8})}
 PROMPTS = [list(range(200, 207)), list(range(1000, 1040)), [5, 17, 300, 4000, 12, 9]]
 MAX_NEW = 16
 # fp32, the same weights: tandem's attention (the C++ op) and fp32 head sum in other orders than
@@ -32,7 +34,10 @@ LOGPROB_ATOL = 1e-4
 @pytest.fixture(scope="module")
 def tiny_path(tmp_path_factory):
     root = tmp_path_factory.mktemp("tiny_transformers")
-    return lambda arch: str(build_tiny_transformers_model(root / arch, arch))
+    def path(name: str) -> str:
+        arch, overrides = _VARIANTS.get(name, (name, {}))
+        return str(build_tiny_transformers_model(root / name, arch, **overrides))
+    return path
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +65,7 @@ def _hf_greedy(hf, ids: list[int]) -> list[int]:
     return out[0, len(ids):].tolist()
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", [*ARCHS, "phi3_window"])
 def test_auto_runs_transformers_and_greedy_equals_generate(runner, tiny_path, arch):
     r = runner(arch)
     assert isinstance(r.model, TransformersCausalLM)  # auto: tandem has no class of its own for it
