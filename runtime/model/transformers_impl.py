@@ -130,12 +130,15 @@ class TransformersCausalLM(nn.Module):
 
     def pack_weights(self) -> int:
         """Every nn.Linear but the LM head on packed weights (runtime/model/packed_linear.py); the
-        probe runs again on them, so a model whose code reads a linear's weight directly is refused
-        at start rather than at its first request."""
+        probe's prompt then runs once on them, so a model whose code reads a linear's weight itself
+        is refused at start rather than at its first request."""
         count = pack_linears(self.hf, skip=(self._head_name,))
         self._head_fp32 = fp32_head(self.hf.get_submodule(self._head_name).weight)
-        with torch.inference_mode():
-            logits = _probe_tandem(self, _probe_ids(self.cfg), next(self.hf.parameters()).device)
+        try:
+            with torch.inference_mode():
+                logits = _probe_tandem(self, _probe_ids(self.cfg), next(self.hf.parameters()).device)
+        except (RuntimeError, ValueError, TypeError, AttributeError) as e:
+            raise ValueError(f"--model-impl transformers cannot serve {self.cfg.arch} on packed weights: {e}") from None
         if not bool(torch.isfinite(logits).all()):
             raise ValueError(f"--model-impl transformers cannot serve {self.cfg.arch}: non-finite logits on packed weights")
         return count + 1
