@@ -8,7 +8,7 @@ from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from tandem.ipc.messages import FinishReason, ReqCounters, SpecCounts
+from tandem.ipc.messages import BatchStrOutput, FinishReason, ReqCounters, SpecCounts
 from tandem.runtime.sampling.logprob_format import LogprobFormatter
 from tandem.runtime.value_checks import ValidationError
 
@@ -59,6 +59,36 @@ class ChoiceState:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    def apply_output(self, msg: BatchStrOutput, i: int, now: float, weight_version: str) -> None:
+        """Row i of a detokenizer output (this choice's): its text, token ids, counters, logprob
+        rows and hidden states join the choice's, and its finish reason ends it."""
+        new_ids = msg.new_token_ids[i].tolist()
+        if new_ids:
+            self.last_output, self.weight_version = now, weight_version
+        self.text += msg.texts[i]
+        self.output_ids.extend(new_ids)
+        self.counters = msg.counters[i]
+        if self.formatter is not None:
+            if msg.input_logprobs and (lp := msg.input_logprobs[i]) is not None:
+                self.formatter.extend_input(lp)
+            if msg.output_logprobs and (lp := msg.output_logprobs[i]) is not None:
+                self.formatter.extend_output(lp)
+        if self.hidden_states is not None and msg.hidden_states and (rows := msg.hidden_states[i]) is not None:
+            self.hidden_states.extend(rows.tolist())
+        if msg.finished_reasons[i] is not None:
+            self.finish_reason, self.finished_at = msg.finished_reasons[i], now
+
+    def fail(self, reason: str, now: float) -> None:
+        """End the choice with a server error (a child died)."""
+        self.finish_reason = FinishReason(type="abort", status_code=500, err_type="InternalServerError", message=reason)
+        self.finished_at = now
+        self.changed()
+
+    def changed(self) -> None:
+        """A new version for its streams to send, and its call's waiters woken."""
+        self.version += 1
+        self.group.call.changed.set()
 
     def result(self) -> dict[str, Any]:
         return self._response(self.text, list(self.output_ids))

@@ -18,36 +18,28 @@ from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.process import BaseProcess
 from typing import Any
 
-import msgspec
-import numpy as np
 import zmq
 import zmq.asyncio
 
-from tandem.ipc.messages import (AbortReq, BatchStrOutput, ChildError, ControlReply, FinishReason, FlushCacheReply,
-                                 FlushCacheReq, GetServerInfoReply, GetServerInfoReq, PauseReq, ReadyMsg,
-                                 TokenizedGenerateReq, WeightsReq)
+from tandem.ipc.messages import AbortReq, BatchStrOutput, ChildError, ReadyMsg
 from tandem.ipc.sockets import IPCAddresses, async_recv, bind_pull, connect_push, send
-from tandem.runtime.frontend.control_replies import ControlReplies
 from tandem.runtime.envs import envs
+from tandem.runtime.frontend.choice_requests import choice_requests
+from tandem.runtime.frontend.control_calls import ControlCalls
+from tandem.runtime.frontend.control_replies import ControlReplies
+from tandem.runtime.frontend.metrics import ServerMetrics
+from tandem.runtime.frontend.request_groups import (Call, CallStream, ChoiceState, ClientDisconnected, RequestError,
+                                                    RequestGroup)
+from tandem.runtime.frontend.request_log import finish_line
+from tandem.runtime.frontend.validation import (GenerateItem, RequestLimits, check_rids_free,
+                                                normalize_generate_request)
 from tandem.runtime.launcher import READY_TIMEOUT_S, dead_child, spawn_children, stop_children
 from tandem.runtime.model_files import chat_sampling_defaults, resolve_model_path
-from tandem.runtime.frontend.request_log import finish_line
-from tandem.runtime.frontend.request_groups import (Call, CallStream, ChoiceState, ClientDisconnected, RequestError,
-                                            RequestGroup)
-from tandem.runtime.sampling.logprob_format import LogprobFormatOptions, LogprobFormatter
-from tandem.runtime.sampling.params import SamplingParams
-from tandem.runtime.frontend.validation import (GenerateItem, RequestLimits, check_rids_free,
-                                              normalize_generate_request)
-from tandem.runtime.frontend.metrics import ServerMetrics
 from tandem.runtime.server_args import ServerArgs
 from tandem.runtime.tokenizer import load_tokenizer, max_chars_per_token, read_chat_template, template_content_format
-from tandem.runtime.value_checks import INT64_MAX, INT64_MIN
 
 logger = logging.getLogger("tandem.tokenizer_manager")
 DISCONNECT_POLL_S = 0.5
-CONTROL_TIMEOUT_S = 10.0
-# a weight update waits for the running requests and may read gigabytes; a trainer joins its group in its own time
-WEIGHTS_TIMEOUT_S = 900.0
 ABORT_GRACE_S = 5.0  # how long a shutdown waits for aborted requests to answer their clients
 SHUTTING_DOWN = "the server is shutting down"
 
@@ -59,8 +51,9 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 TEXT_CHARS_SLACK = 2  # a normalizer may shrink text before it is split into tokens
 
 
-class TokenizerManager:
-    """Owns the child processes of one server instance; create and `await start()` inside the serving loop."""
+class TokenizerManager(ControlCalls):
+    """Owns the child processes of one server instance; create and `await start()` inside the serving loop.
+    Its control calls to the scheduler (flush_cache, server_info, weights, pause) are ControlCalls'."""
 
     def __init__(self, args: ServerArgs, on_child_death: Callable[[str], None] | None = None) -> None:
         self.args = args
@@ -200,20 +193,11 @@ class TokenizerManager:
     def _start_group(self, call: Call, item: GenerateItem) -> RequestGroup:
         group = RequestGroup(logical_rid=item.rid, group_id=self._new_group_id(), call=call)
         self.groups[item.rid] = group
-        sp = item.sampling_params
-        for i in range(sp.n):
-            choice = ChoiceState(rid=f"{group.prefix}{i}", group=group, index=len(call.choices) + len(group.choices),
-                                 prompt_tokens=len(item.input_ids), formatter=self._formatter(item, i),
-                                 hidden_states=[] if item.return_hidden_states else None,
-                                 prompt_token_ids=item.input_ids if item.return_prompt_token_ids else None,
-                                 weight_version=self.weight_version)
+        for choice, req in choice_requests(item, group, len(call.choices), self.weight_version, self._decode_tokens,
+                                           self._priority(item)):
             group.choices.append(choice)
             self.choices[choice.rid] = choice
-            send(self.to_scheduler, TokenizedGenerateReq(
-                rid=choice.rid, input_ids=np.asarray(item.input_ids, dtype=np.int32),
-                sampling_params=_choice_params(sp, i), stream=item.stream, logprob=item.logprob,
-                return_hidden_states=item.return_hidden_states, priority=self._priority(item), extra_key=item.extra_key,
-                require_reasoning=item.require_reasoning))
+            send(self.to_scheduler, req)
         return group
 
     def _priority(self, item: GenerateItem) -> int | None:
@@ -222,16 +206,6 @@ class TokenizerManager:
         if item.priority is None and self.args.enable_priority_scheduling:
             return self.args.default_priority_value
         return item.priority
-
-    def _formatter(self, item: GenerateItem, choice: int) -> LogprobFormatter | None:
-        lp = item.logprob
-        if not lp.return_logprob:
-            return None
-        options = LogprobFormatOptions(
-            top_logprobs_num=lp.top_logprobs_num, token_ids_logprob=lp.token_ids_logprob,
-            return_text_in_logprobs=item.return_text_in_logprobs, flat_input_top=item.return_flat_raw_top_logprobs,
-            flat_output_top=item.return_flat_raw_output_top_logprobs, flat_b64=item.return_flat_raw_top_logprobs_b64)
-        return LogprobFormatter(options, self._decode_tokens, f"{item.rid}[{choice}]")
 
     def _decode_tokens(self, ids: list[int]) -> list[str]:
         return self.tokenizer.batch_decode([[i] for i in ids])
@@ -390,79 +364,22 @@ class TokenizerManager:
             c = self.choices.get(rid)
             if c is None:
                 continue  # its call already ended
-            new_ids = msg.new_token_ids[i].tolist()
             counted = c.group.call.log_metrics
             if counted:
                 self.metrics.on_output(now - c.group.created, None if c.last_output is None else now - c.last_output,
-                                       len(new_ids))
-            if new_ids:
-                c.last_output = now
-                c.weight_version = self.weight_version
-            c.text += msg.texts[i]
-            c.output_ids.extend(new_ids)
-            c.counters = msg.counters[i]
-            if c.formatter is not None:
-                if msg.input_logprobs and (lp := msg.input_logprobs[i]) is not None:
-                    c.formatter.extend_input(lp)
-                if msg.output_logprobs and (lp := msg.output_logprobs[i]) is not None:
-                    c.formatter.extend_output(lp)
-            if c.hidden_states is not None and msg.hidden_states and (rows := msg.hidden_states[i]) is not None:
-                c.hidden_states.extend(rows.tolist())
-            if msg.finished_reasons[i] is not None:
-                c.finish_reason, c.finished_at = msg.finished_reasons[i], now
+                                       len(msg.new_token_ids[i]))
+            c.apply_output(msg, i, now, self.weight_version)
+            if c.finish_reason is not None:
                 del self.choices[rid]
                 if counted:
                     self._count_finish(c, c.finish_reason.type, now)
                 if self.args.log_requests:
                     logger.info(finish_line(c, self.args.log_requests_level))
-            c.version += 1
-            c.group.call.changed.set()
+            c.changed()
 
     def _count_finish(self, c: ChoiceState, finish_type: str, now: float) -> None:
         self.metrics.on_finish(finish_type, now - c.group.created, c.prompt_tokens, c.counters.completion_tokens,
                                c.counters.cached_tokens)
-
-    async def _control_loop(self, sock: zmq.asyncio.Socket) -> None:
-        while True:
-            msg = await async_recv(sock)
-            if isinstance(msg, ChildError):
-                self.fail_all(f"{msg.role} failed: {msg.message}")
-            elif isinstance(msg, (FlushCacheReply, GetServerInfoReply, ControlReply)):
-                self._replies.deliver(msg)
-
-    async def _control(self, make_request: Callable[[int], Any], timeout: float = CONTROL_TIMEOUT_S):
-        """Send a control request and wait for the reply with its req_id; 503 after `timeout`,
-        at once when a child has died (none would answer). Awaited from another event loop (an
-        embedding program's `await engine.tokenizer_manager.flush_cache()`), it runs on this
-        manager's loop: the reply, set there, would not wake the caller's loop until its timeout."""
-        if self._loop is not None and asyncio.get_running_loop() is not self._loop:
-            return await asyncio.wrap_future(
-                asyncio.run_coroutine_threadsafe(self._control(make_request, timeout), self._loop))
-        if self.dead_reason:
-            raise RequestError(500, self.dead_reason)
-        return await self._replies.ask(lambda msg: send(self.to_scheduler, msg), make_request, timeout)
-
-    async def flush_cache(self) -> FlushCacheReply:
-        return await self._control(lambda req_id: FlushCacheReq(req_id=req_id))
-
-    async def weights(self, op: str, fields: dict[str, Any], weight_version: str | None = None) -> ControlReply:
-        """A weight operation (frontend/weights.py builds `fields`); a successful update that names a
-        weight_version makes it the served version."""
-        reply: ControlReply = await self._control(lambda req_id: WeightsReq(req_id=req_id, op=op, **fields),
-                                                  WEIGHTS_TIMEOUT_S)
-        if reply.success and weight_version is not None:
-            self.weight_version = weight_version
-        return reply
-
-    async def pause(self, mode: str) -> ControlReply:
-        """SGLang's pause_generation (abort | retract | in_place), or continue_generation ("continue")."""
-        reply: ControlReply = await self._control(lambda req_id: PauseReq(req_id=req_id, mode=mode))
-        self.paused = mode != "continue"
-        return reply
-
-    async def server_info(self, timeout: float = CONTROL_TIMEOUT_S) -> dict[str, Any]:
-        reply: GetServerInfoReply = await self._control(lambda req_id: GetServerInfoReq(req_id=req_id), timeout)
-        return {**reply.info, **{f"{p.name.removeprefix('tandem-')}_pid": p.pid for p in self.procs}}
 
     def fail_all(self, reason: str) -> None:
         """A child died: every in-flight request ends with an error now, and new ones are refused."""
@@ -470,10 +387,7 @@ class TokenizerManager:
         self._replies.fail_all(reason)  # control requests waiting for the scheduler
         now = time.perf_counter()
         for c in list(self.choices.values()):
-            c.finish_reason = FinishReason(type="abort", status_code=500, err_type="InternalServerError", message=reason)
-            c.finished_at = now
-            c.version += 1
-            c.group.call.changed.set()
+            c.fail(reason, now)
         self.choices.clear()
 
     def close(self) -> None:
@@ -483,17 +397,6 @@ class TokenizerManager:
         stop_children(self.procs)
         self.ctx.destroy(linger=0)
         self.addrs.cleanup()
-
-
-def _choice_params(sp: SamplingParams, choice: int) -> SamplingParams:
-    """Choice i of an n>1 request: n=1, and a seeded request uses seed + i (wrapped to int64) so
-    the choices differ and stay reproducible."""
-    if sp.n == 1:
-        return sp
-    seed = sp.sampling_seed
-    if seed is not None:
-        seed = (seed + choice - INT64_MIN) % (INT64_MAX - INT64_MIN + 1) + INT64_MIN
-    return msgspec.structs.replace(sp, n=1, sampling_seed=seed)
 
 
 def _chat_sampling_defaults(args: ServerArgs) -> dict[str, float | int]:
