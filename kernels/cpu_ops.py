@@ -18,7 +18,8 @@ _SOURCES = ("amx_linear_cpu.cpp", "decode_attention_cpu.cpp", "decode_layers_cpu
             "fused_moe_cpu.cpp", "gguf_linear_cpu.cpp", "greedy_cpu.cpp")
 # hashed with the sources: a change rebuilds
 _HEADERS = ("amx_common.h", "attention_amx.h", "attention_amx_pack.h", "cpu_dtype.h", "decode_attention_common.h",
-            "decode_attention_avx512.h")
+            "decode_attention_avx512.h",
+            "gguf_amx_bf16.h", "gguf_units.h")
 _CFLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-std=c++17", "-ffast-math"]
 
 

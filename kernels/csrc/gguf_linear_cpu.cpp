@@ -1,7 +1,14 @@
 // Linears on GGUF-quantized weights (Q4_0, Q4_1, Q8_0), kept quantized: x @ W.T with W as the
-// file stores it, repacked once at load (runtime/model/quant/gguf_blocks.py `pack`).
+// file stores it, repacked once at load (runtime/model/quant/gguf_blocks.py `pack`; the unit's
+// layout: gguf_units.h).
 //
-// Arithmetic: each 32-input block of an activation row is quantized to 16 bits with one float
+// Which arithmetic a call gets depends on x's dtype and the CPU only, never on the row count:
+// - bfloat16 x on a CPU with AMX-BF16: the weights dequantized on the fly to bfloat16 tiles and
+//   multiplied by TDPBF16PS (gguf_amx_bf16.h): the dequantized bf16 path's arithmetic, for every
+//   row count from 1.
+// - float32 or float16 x, or bfloat16 x on a CPU without AMX-BF16: the integer arithmetic below.
+//
+// Integer arithmetic: each 32-input block of an activation row is quantized to 16 bits with one float
 // scale, dx = max|x| / 32512 and q = round(x / dx) (1/128 of a bf16 rounding at the block's largest
 // input), held as two int8 planes q = 256 * hi + lo for VPDPBUSD; a weight block is d * (u - z)
 // (+ m for Q4_1) with u unsigned (z = 8 for Q4_0, 128 for Q8_0 stored as q ^ 0x80, 0 for Q4_1). For
@@ -15,14 +22,7 @@
 // tiles for 4 rows and more, AVX-512 VNNI, or the portable loop: the same bits on a CPU that has them).
 // (llama.cpp quantizes activations to 8 bits instead: 256 times coarser, which moved this model's
 // logprobs 5x farther from the dequantized fp32 path than bf16 rounding does.)
-//
-// Packed layout: [N/16, K/32, U] bytes; a unit (16 features x 32 inputs) holds the 16 features'
-// fp16 scales d (32 bytes), for Q4_1 their fp16 mins m (32 bytes), then the data:
-//   Q4_0/Q4_1 (U = 288 / 320): 4 x 64 bytes; byte 4f + i of the t-th 64 holds the file's qs byte
-//     4t + i of feature f: low nibble = input 4t + i, high nibble = input 16 + 4t + i.
-//   Q8_0 (U = 544): 8 x 64 bytes; byte 4f + i of the g-th 64 = (q of input 4g + i) ^ 0x80.
 // A lane of VPDPBUSD is a feature; its 4 bytes meet 4 consecutive inputs of one activation row.
-// Rows of features past N (N % 16 != 0) are zeros, never stored.
 #include <torch/library.h>
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -38,6 +38,8 @@
 
 #include "amx_common.h"
 #include "cpu_dtype.h"
+#include "gguf_amx_bf16.h"
+#include "gguf_units.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #include <immintrin.h>
@@ -49,18 +51,12 @@
 
 namespace {
 
-constexpr int64_t kFeat = 16;   // features in a unit
-constexpr int64_t kBlock = 32;  // inputs in a block
+using namespace tandem_cpu::gguf;
+
 constexpr int64_t kRowTile = 8;  // rows one pass over a unit's weights serves (accumulators in registers)
 constexpr int64_t kRowTileAmx = 16;  // rows of an AMX tile
 constexpr int64_t kAmxMinRows = 4;  // calls with fewer rows take the VNNI path (the same bits either way)
 constexpr int64_t kChunkRows = 256;  // rows whose int8 activations stay in L2 during a pass over the weights
-
-enum QType : int { kQ4_0 = 0, kQ4_1 = 1, kQ8_0 = 2 };
-
-int64_t unit_bytes(QType t) { return t == kQ4_0 ? 288 : t == kQ4_1 ? 320 : 544; }
-int64_t data_offset(QType t) { return t == kQ4_1 ? 64 : 32; }
-int32_t zero_point(QType t) { return t == kQ4_0 ? 8 : t == kQ8_0 ? 128 : 0; }
 
 QType qtype_of(const at::Tensor& packed) {
   TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kByte && packed.is_contiguous(),
@@ -452,8 +448,8 @@ bool amx_int8_available() {
 #endif
 }
 
-// path: 0 the fastest here (AMX-INT8 from kAmxMinRows rows, else VNNI, else portable), 1 portable, 2 VNNI, 3 AMX;
-// all give the same bits (a path this CPU lacks falls back to the next)
+// path (integer arithmetic): 0 the fastest here (AMX-INT8 from kAmxMinRows rows, else VNNI, else portable),
+// 1 portable, 2 VNNI, 3 AMX; all give the same bits (a path this CPU lacks falls back to the next)
 template <typename out_t>
 void dispatch(QType t, int64_t path, const uint8_t* packed, int64_t nb, int64_t kb, int64_t n, const Acts& acts,
               int64_t m, const float* bias, out_t* out) {
@@ -478,6 +474,32 @@ void dispatch(QType t, int64_t path, const uint8_t* packed, int64_t nb, int64_t 
   run_portable(t, packed, nb, kb, n, acts, m, bias, out);
 }
 
+constexpr int64_t kPathAmxBf16 = 4;  // the bf16-tile arithmetic (bfloat16 x, AMX-BF16 only)
+
+// Whether the call takes the bf16-tile arithmetic: bfloat16 x under path 0 where the CPU has it, or path 4
+bool bf16_tiles_take(const at::Tensor& x, int64_t path) {
+  TORCH_CHECK(path >= 0 && path <= kPathAmxBf16, "path: ", path, " is not 0 to ", kPathAmxBf16);
+  if (path == kPathAmxBf16) {
+    TORCH_CHECK(x.scalar_type() == at::kBFloat16, "path amx_bf16: x must be bfloat16, got ", x.scalar_type());
+    TORCH_CHECK(amx_bf16_available(), "path amx_bf16: this CPU (or kernel) gives no AMX-BF16 to the process");
+    return true;
+  }
+  return path == 0 && x.scalar_type() == at::kBFloat16 && amx_bf16_available();
+}
+
+template <typename out_t>
+void run_amx_bf16(QType t, const at::BFloat16* x, const uint8_t* packed, int64_t nb, int64_t kb, int64_t n, int64_t m,
+                  const float* bias, out_t* out) {
+#ifdef TANDEM_GGUF_AMX_BF16
+  switch (t) {
+    case kQ4_0: return linear_amx_bf16<kQ4_0>(x, packed, nb, kb, n, m, bias, out);
+    case kQ4_1: return linear_amx_bf16<kQ4_1>(x, packed, nb, kb, n, m, bias, out);
+    case kQ8_0: return linear_amx_bf16<kQ8_0>(x, packed, nb, kb, n, m, bias, out);
+  }
+#endif
+  TORCH_CHECK(false, "gguf_linear: built without AMX-BF16");
+}
+
 // x [..., K] (float32 / bfloat16 / float16) -> [..., n] in x's dtype, or float32 with out_fp32
 at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n, const c10::optional<at::Tensor>& bias,
                        bool out_fp32, int64_t path) {
@@ -496,6 +518,17 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n,
     bias_f = bias->to(at::kFloat).contiguous();
   }
   if (m == 0) return out.view(out_shape);
+  const float* bp = bias.has_value() ? bias_f.data_ptr<float>() : nullptr;
+  const uint8_t* pp = packed.data_ptr<uint8_t>();
+  if (bf16_tiles_take(x2, path)) {
+    const at::BFloat16* xp = x2.data_ptr<at::BFloat16>();
+    if (out_fp32) {
+      run_amx_bf16(t, xp, pp, nb, kb, n, m, bp, out.data_ptr<float>());
+    } else {
+      run_amx_bf16(t, xp, pp, nb, kb, n, m, bp, out.data_ptr<at::BFloat16>());
+    }
+    return out.view(out_shape);
+  }
   Acts acts(m, k, kb);
   const int32_t z = zero_point(t);
   tandem_cpu::dispatch_float_types(x2.scalar_type(), "gguf_linear x", [&](auto tag) {
@@ -508,8 +541,6 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n,
                      acts.sx.data() + r * kb, acts.cq.data() + r * kb);
     });
   });
-  const float* bp = bias.has_value() ? bias_f.data_ptr<float>() : nullptr;
-  const uint8_t* pp = packed.data_ptr<uint8_t>();
   if (out_fp32) {
     dispatch(t, path, pp, nb, kb, n, acts, m, bp, out.data_ptr<float>());
   } else {
@@ -589,7 +620,8 @@ int64_t stream_read(const at::Tensor& buf) {
 }
 
 std::string gguf_isa() {
-  return amx_int8_available() ? "amx_int8+avx512_vnni" : vnni_available() ? "avx512_vnni" : "portable";
+  const std::string ints = amx_int8_available() ? "amx_int8+avx512_vnni" : vnni_available() ? "avx512_vnni" : "portable";
+  return amx_bf16_available() ? "amx_bf16+" + ints : ints;
 }
 
 }  // namespace

@@ -1,7 +1,8 @@
 """The GGUF linear (kernels/csrc/gguf_linear_cpu.cpp) against a float64 reference of the
 dequantized weights (gguf's own dequantize), for every block type, odd shapes, batch 1, 7 and 64;
 and its determinism: a row's bits alone equal its bits in any batch, at 1 or 2 threads, on the
-AVX-512 VNNI path and on the portable one."""
+integer arithmetic's kernels (AMX-INT8, AVX-512 VNNI, portable) and on the bf16-tile one
+(tests/kernels/test_gguf_bf16_tiles.py)."""
 from __future__ import annotations
 
 import numpy as np
@@ -74,10 +75,11 @@ def test_against_float64_of_the_dequantized_weights(ops, name, n, k, rows):
     out = gb.linear(x, weight, out_fp32=True)
     assert out.shape == (rows, n) and out.dtype == torch.float32
     assert ((out.double() - ref).abs() <= bound).all(), ((out.double() - ref).abs() / bound).max()
-    # bf16 activations: the same bound on the bf16 values, then one rounding to bf16
+    # bf16 activations on the integer arithmetic: the same bound on the bf16 values, then one
+    # rounding to bf16 (the bf16-tile arithmetic, bf16's default on AMX: test_gguf_bf16_tiles.py)
     xb = x.to(torch.bfloat16)
     refb = xb.double() @ torch.from_numpy(deq).double().T
-    outb = gb.linear(xb, weight)
+    outb = gb.linear(xb, weight, path="amx")
     assert outb.dtype == torch.bfloat16
     assert ((outb.double() - refb).abs() <= _bound(xb.float(), raw, name, n, k) + refb.abs() * 2.0 ** -8).all()
 
@@ -109,9 +111,12 @@ def test_a_row_gets_the_same_bits_alone_in_any_batch_at_any_thread_count(ops, na
                 assert torch.equal(gb.linear(x[:rows], weight), batched[:rows]), (count, rows)
     finally:
         torch.set_num_threads(threads)
-    for path in ("portable", "vnni", "amx"):  # every kernel computes the same sums
-        assert torch.equal(gb.linear(x, weight, path=path), batched), path
-        assert torch.equal(gb.linear(x[:3], weight, path=path), batched[:3]), path
+    integer = gb.linear(x, weight, path="portable")
+    if dtype == torch.float32:
+        assert torch.equal(integer, batched)  # float32 takes the integer arithmetic
+    for path in ("vnni", "amx"):  # every kernel of the integer arithmetic computes the same sums
+        assert torch.equal(gb.linear(x, weight, path=path), integer), path
+        assert torch.equal(gb.linear(x[:3], weight, path=path), integer[:3]), path
 
 
 @pytest.mark.parametrize("name", TYPES)

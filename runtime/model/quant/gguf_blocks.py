@@ -1,11 +1,14 @@
 """GGUF blocks (Q4_0, Q4_1, Q8_0) repacked once for kernels/csrc/gguf_linear_cpu.cpp, and the
 weight object the model's linears, its embedding and the C++ decode step take.
 
-Arithmetic (the kernel file says it in full): activations are quantized per 32-input block to
-int8 (scale max|x| / 127), dotted with the weight's integers exactly, and each block's integer
-sum is scaled and added in float32 in ascending block order: a row's bits never depend on the
-batch or the thread count. The weights are used exactly as the file stores them (no rounding of
-d * q + m to the activation dtype, as the dequantized path does).
+Arithmetic (kernels/csrc/gguf_linear_cpu.cpp says it in full), by activation dtype, never by row count:
+- bfloat16 on a CPU with AMX-BF16: each weight unit dequantized on the fly to bfloat16 (the
+  dequantized path's weight, bit for bit) and multiplied by AMX-BF16 tiles, float32 sums over K in
+  ascending order: the dequantized bf16 path's arithmetic (kernels/csrc/gguf_amx_bf16.h).
+- otherwise (float32, float16, bfloat16 without AMX-BF16): activations quantized per 32-input block
+  to 16 bits, dotted with the weight's integers exactly, each block's integer sum scaled and added
+  in float32 in ascending block order; the weights used exactly as the file stores them.
+Either way a row's bits never depend on the batch or the thread count.
 
 Invariant: a packed weight is opaque to everything but this module and the C++ ops; its
 `like` is a zero-storage [out, in] view that gives shape and the in-feature count.
@@ -79,13 +82,15 @@ def _ops():
     return ops
 
 
-PATHS = {"auto": 0, "portable": 1, "vnni": 2, "amx": 3}
+# "portable", "vnni", "amx": the integer arithmetic's kernels; "amx_bf16": the bf16-tile arithmetic
+PATHS = {"auto": 0, "portable": 1, "vnni": 2, "amx": 3, "amx_bf16": 4}
 
 
 def linear(x: torch.Tensor, weight: GgufWeight, bias: torch.Tensor | None = None, out_fp32: bool = False,
            path: str = "auto") -> torch.Tensor:
     """x @ W.T (+ bias) in x's dtype (float32 with out_fp32). `path` (tests): which kernel computes it,
-    "auto" the fastest here; every path gives the same bits (one this CPU lacks falls back)."""
+    "auto" the arithmetic of x's dtype on this CPU. The integer paths give the same bits as each other
+    (one this CPU lacks falls back); "amx_bf16" takes bfloat16 x on a CPU with AMX-BF16 only."""
     return _ops().gguf_linear(x, weight.packed, weight.shape[0], bias, out_fp32, PATHS[path])
 
 

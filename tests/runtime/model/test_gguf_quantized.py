@@ -11,7 +11,9 @@ Bounds with 4x margin: LOGPROB_BOUND for chosen tokens, ANY_LOGPROB_BOUND for ev
 entry (measured: 0.0026 and 0.019). Greedy ids must be equal, except where the reference's top
 two are within 2 * LOGPROB_BOUND (a perturbation inside the bound may swap them). In bf16 both
 paths round every activation to bf16: the quantized one must be no farther from the fp32 reference
-than the dequantized bf16 path is (within 1.5x).
+than the dequantized bf16 path is (within 1.5x). On a CPU with AMX-BF16, bf16 activations take the
+bf16-tile arithmetic (weights dequantized on the fly to the dequantized path's bf16 values, summed by
+the same TDPBF16PS sequence as its AMX linear): there the two paths' logits are equal bit for bit.
 """
 from __future__ import annotations
 
@@ -114,6 +116,18 @@ def test_bf16_is_no_farther_from_the_fp32_reference_than_the_dequantized_bf16_pa
             gaps.append((lp.gather(1, target) - lp_ref.gather(1, target)).abs().max().item())
         worst[quantization] = max(gaps)
     assert worst["gguf"] <= 1.5 * worst["none"], worst
+
+
+def test_bf16_on_amx_is_the_dequantized_bf16_path_bit_for_bit(runners, smol_tokenizer):
+    from tandem.kernels.cpu_ops import load_cpu_ops
+
+    if not load_cpu_ops().gguf_isa().startswith("amx_bf16"):
+        pytest.skip("this CPU (or kernel) gives no AMX-BF16 to the process: bf16 takes the integer arithmetic")
+    prompts = [smol_tokenizer(p)["input_ids"] for p in PROMPTS]
+    ref = BareLoop(runners("q4_1", "bfloat16", "none")).generate(prompts, 16, keep_logits=True)
+    ours = BareLoop(runners("q4_1", "bfloat16", "gguf")).generate(prompts, 16, keep_logits=True)
+    assert ours.output_ids == ref.output_ids
+    assert all(torch.equal(a, b) for a, b in zip(ours.step_logits, ref.step_logits))
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
