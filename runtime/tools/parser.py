@@ -7,11 +7,11 @@ arguments have begun; from then on it stays a call, however its arguments end (a
 max_tokens keeps the arguments written so far, as OpenAI answers it). Whitespace between content
 and a call is dropped, as SGLang's parsers strip it.
 
-The stream parses the whole answer so far at each step (from the end of the last closed region,
-which no later text can change), holding back a tail that could start a call and trailing
-whitespace; every split of a longer answer extends the split of a shorter one, so the deltas
-concatenate to the whole-text parse at any split point. The whole-text parse is the stream's last
-step.
+The stream parses the answer so far at each step from where it is settled (the end of the last
+closed region, or of the content already sent: no later text changes either), holding back a tail
+that could start a call and trailing whitespace; every split of a longer answer extends the split
+of a shorter one, so the deltas concatenate to the whole-text parse at any split point. The
+whole-text parse is the stream's last step.
 """
 from __future__ import annotations
 
@@ -97,12 +97,15 @@ class ToolParser:
             pos = search = region.end
             after_call = True
             resume = (pos, "".join(pieces), tuple(found), True)
-        tail = self._piece(text[pos:hold_from], after_call)
+        raw = text[pos:hold_from]
+        tail = piece = self._piece(raw, after_call)
         if not final:
             if hold_from == len(text):
                 tail = tail[:len(tail) - partial_tag_len(tail, fmt.start_tags)]
             tail = tail.rstrip()  # whitespace may precede a call
         pieces.append(tail)
+        if tail:  # content no later text changes: the next parse starts after it
+            resume = (pos + len(raw) - len(piece) + len(tail), "".join(pieces), tuple(found), False)
         return Parsed("".join(pieces), tuple(found), resume or (0, "", (), False))
 
     def _piece(self, text: str, after_call: bool) -> str:
@@ -125,24 +128,33 @@ def new_call_id() -> str:
 
 @dataclass
 class ToolStream:
-    """Deltas of content and calls from a choice's cumulative answers."""
+    """Deltas of content and calls from a choice's cumulative answers. Each step parses from where
+    the answer is settled (past the last closed region, or the content already sent); what came
+    before is counted (its content length, its calls), not carried, so a step's work is the
+    unsettled text's."""
 
     parser: ToolParser
-    content: TextCursor = field(default_factory=TextCursor)
     args: list[TextCursor] = field(default_factory=list)
     ids: list[str] = field(default_factory=list)
-    calls: tuple[Call, ...] = ()
-    _resume: tuple[int, str, tuple[Call, ...], bool] | None = None
+    _pos: int = 0  # where the next parse starts
+    _after_call: bool = False  # a closed region ends there
+    _base: int = 0  # length of the content before _pos
+    _sent: int = 0  # length of the content sent
+    _closed: int = 0  # calls before _pos
 
     def feed(self, text: str, final: bool) -> tuple[str, list[CallDelta]]:
-        parsed = self.parser.parse(text, final, self._resume)
-        self._resume, self.calls = parsed.resume, parsed.calls
+        parsed = self.parser.parse(text, final, (self._pos, "", (), self._after_call))
+        delta = parsed.content[self._sent - self._base:]
+        self._sent = max(self._sent, self._base + len(parsed.content))
         deltas = []
-        for i, call in enumerate(parsed.calls):
+        for i, call in enumerate(parsed.calls, self._closed):
             if i == len(self.args):
                 self.args.append(TextCursor())
                 self.ids.append(new_call_id())
                 deltas.append(CallDelta(i, self.args[i].delta(call.arguments), self.ids[i], call.name))
             elif args := self.args[i].delta(call.arguments):
                 deltas.append(CallDelta(i, args))
-        return self.content.delta(parsed.content), deltas
+        pos, content, calls, after_call = parsed.resume
+        self._pos, self._after_call = pos, after_call
+        self._base, self._closed = self._base + len(content), self._closed + len(calls)
+        return delta, deltas
