@@ -74,6 +74,17 @@ def test_auto_runs_transformers_and_greedy_equals_generate(runner, tiny_path, ar
     assert ours == [_hf_greedy(hf, ids) for ids in PROMPTS]
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_other_attention_backends_greedy_equals_generate(tiny_path, backend):
+    """The torch (reference) and triton (GPU; its interpreter here) backends behind the same
+    interface, on the windowed Phi-3: the window reaches each backend."""
+    path = tiny_path("phi3_window")
+    r = ModelRunner(ServerArgs(model_path=path, max_total_tokens=1024, max_running_requests=4, dtype="float32",
+                               attention_backend=backend))
+    hf = _hf(path)
+    assert BareLoop(r).generate(PROMPTS[:2], MAX_NEW).output_ids == [_hf_greedy(hf, ids) for ids in PROMPTS[:2]]
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_logprobs_match_transformers_log_softmax(runner, tiny_path, arch):
     r = runner(arch)
