@@ -1,7 +1,8 @@
 """`python -m tandem.launch.bench_kernels`: time each Triton kernel against its torch reference
 (and attention against torch SDPA) on serving-sized bf16 shapes, and report achieved memory
 bandwidth as a fraction of the device's peak. The kernels: the small ops (norms, SiLU-and-mul,
-rotary, KV store), decode and extend attention, the grammar token bitmask and the fused MoE.
+rotary, KV store), decode and extend attention, the grammar token bitmask, the fused MoE and the
+weight-only quantized linears (w4a16, w8a16; timed against the dense bf16 linear they replace).
 
 `--check-only` instead runs every kernel against its reference on small shapes, on CPU under the
 Triton interpreter when there is no GPU, and exits 0 when all agree, 1 otherwise.
@@ -146,6 +147,23 @@ def _check_fused_moe(dtype: torch.dtype, dev: str, tol: float) -> list[Check]:
     return [_close("fused_moe", fused_moe(x, w13, w2, weights, ids), want, tol)]
 
 
+def _check_dequant_gemm(dtype: torch.dtype, dev: str, tol: float) -> list[Check]:
+    from tandem.kernels import dequant_gemm
+    from tandem.kernels.dequant_reference import dequant_linear_ref, quantize_int4, quantize_int8
+
+    tokens, n, k = 7, 72, 128  # N a multiple of 8 but not of the block
+    x = torch.randn(tokens, k, dtype=dtype, device=dev)
+    w = torch.randn(n, k)
+    q4, s4, z4 = (t.to(dev) for t in quantize_int4(w, 32))
+    q8, s8 = (t.to(dev) for t in quantize_int8(w[:, :100]))  # K not a multiple of the block
+    w4 = (q4, s4.to(dtype), z4, 32, 4)
+    w8 = (q8, s8.to(dtype), None, -1, 8)
+    # the reference in float64: the kernel's products are exact and its sums fp32
+    return [_close("dequant_gemm_w4a16", dequant_gemm.dequant_linear(x, *w4), dequant_linear_ref(x.double(), *w4), tol),
+            _close("dequant_gemm_w8a16", dequant_gemm.dequant_linear(x[:, :100], *w8),
+                   dequant_linear_ref(x[:, :100].double(), *w8), tol)]
+
+
 def run_checks() -> list[Check]:
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     dtypes = [torch.float32, torch.float16] + ([torch.bfloat16] if dev == "cuda" else [])  # bf16: no interpreter
@@ -156,6 +174,7 @@ def run_checks() -> list[Check]:
         torch.manual_seed(0)
         results += _check_small_ops(dtype, dev, tols[dtype]) + _check_attention(dtype, dev, tols[dtype])
         results += _check_token_bitmask(dtype, dev) + _check_fused_moe(dtype, dev, tols[dtype])
+        results += _check_dequant_gemm(dtype, dev, tols[dtype])
     print(f"{sum(c.ok for c in results)}/{len(results)} checks passed")
     return results
 
@@ -301,6 +320,33 @@ def _bench_fused_moe(tokens: int) -> Row:
                6 * tokens * k * i * h / 1e12)
 
 
+def _bench_dequant_gemm(tokens: int) -> list[Row]:
+    """x [tokens, HIDDEN] @ W.T for an up-projection-sized W [INTERMEDIATE, HIDDEN] held as int4
+    (group 128, with zeros) and as per-channel int8, against the dense bf16 linear on the
+    dequantized weight (what --quantization none serves). Bytes: the stored weight, x and the output."""
+    from tandem.kernels.dequant_reference import quantize_int4, quantize_int8
+
+    dt, dev, n, k = torch.bfloat16, "cuda", INTERMEDIATE, HIDDEN
+    x = torch.randn(tokens, k, dtype=dt, device=dev)
+    w = torch.randn(n, k, device=dev) * k ** -0.5
+    q4, s4, z4 = quantize_int4(w, 128)
+    q8, s8 = quantize_int8(w)
+    return [_bench_dequant_linear("dequant_w4a16", x, (q4, s4.to(dt), z4, 128, 4)),
+            _bench_dequant_linear("dequant_w8a16", x, (q8, s8.to(dt), None, -1, 8))]
+
+
+def _bench_dequant_linear(name: str, x: torch.Tensor, args: tuple) -> Row:
+    from tandem.kernels.dequant_gemm import dequant_linear
+    from tandem.kernels.dequant_reference import dequantize
+
+    (tokens, k), n = x.shape, args[1].shape[-1]
+    dense = dequantize(*args, x.dtype)
+    stored = sum(t.numel() * t.element_size() for t in args[:3] if t is not None)
+    return Row(name, f"T={tokens} N={n} K={k}", _time_us(lambda: dequant_linear(x, *args)),
+               _time_us(lambda: torch.nn.functional.linear(x, dense)), None,
+               (stored + x.element_size() * tokens * (n + k)) / 1e9, 2 * tokens * n * k / 1e12)
+
+
 def peak_gbps(name: str) -> float | None:
     return next((gbps for key, gbps in PEAK_GBPS if key.lower() in name.lower()), None)
 
@@ -328,6 +374,7 @@ def run_bench(args: argparse.Namespace) -> list[Row]:
     for tokens in args.tokens:
         rows += _bench_small_ops(tokens)
         rows.append(_bench_fused_moe(tokens))
+        rows += _bench_dequant_gemm(tokens)
         torch.cuda.empty_cache()
     for bs in args.batch:
         rows.append(_bench_token_bitmask(bs))
@@ -354,7 +401,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="batch sizes for decode attention and the token bitmask")
     parser.add_argument("--ctx", type=int, nargs="+", default=[1024, 8192, 32768])
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 256, 8192],
-                        help="token counts for the small ops and the fused MoE")
+                        help="token counts for the small ops, the fused MoE and the quantized linears")
     parser.add_argument("--output-file", "--json", dest="output_file", default=None,
                         help="also write the rows (or, with --check-only, the checks) to this JSON file")
     args = parser.parse_args(argv)
