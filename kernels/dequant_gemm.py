@@ -5,10 +5,11 @@ Activations are fp16, bf16 or fp32; products and sums are in fp32; the output is
 Layouts: kernels/dequant_reference.py (int4 packed 8 per int32 along K, GPTQ's qweight/qzeros;
 int8 [N, K] with one scale per output feature). That file's `dequant_linear_ref` is the reference.
 
-Arithmetic. int4: a K block lies in one group, so the block's product is x times the exact
-integers (q - zero) (exact in any activation dtype), accumulated in fp32 and then scaled by the
-group's scale in fp32: one rounding per group partial, none on the weights. int8: x times q (exact
-in any activation dtype), fp32 sums over all of K, times the feature's scale once at the end.
+Arithmetic. int4: a K block lies in one group, so the block's dot takes x and the integers
+(q - zero), exactly representable in every activation dtype, sums in fp32, and then scales the
+partial by the group's scale in fp32: one rounding per group partial, none on the weights. int8: x
+times q (q exact in every activation dtype), fp32 sums over all of K, times the feature's scale
+once at the end.
 
 Batch invariance: one program owns a block of rows and features and walks K from 0 up in fixed
 blocks; block sizes depend on the weight and dtype, never on the row count, and there is no split
