@@ -23,8 +23,9 @@
 //
 // Keys and values are packed per KV head into TDPBF16PS's B layout: K per block of 16 keys a
 // [head_dim / 32][16 pairs][16 keys] tile of element pairs, V per chunk of 32 keys a
-// [head_dim / 16][16 key pairs][16 columns] tile. Decode packs a sequence's keys as it reads them
-// (in cache, per thread); extend packs a request's keys once and shares them among its tokens.
+// [head_dim / 16][16 key pairs][16 columns] tile. Decode packs a sequence's values as it reads them
+// (in cache, per thread) and takes its keys as they are (decode_scores: the same scores transposed);
+// extend packs a request's keys once and shares them among its tokens.
 #pragma once
 #include "amx_common.h"
 #include "attention_amx_pack.h"
@@ -101,10 +102,12 @@ __attribute__((noinline)) void finish_row(const float* o, float inv_sum, at::BFl
   }
 }
 
-// tmm0-3: output sums (4 x 16 columns), tmm4: scores, tmm5: A (queries or weights), tmm6-7: B
-inline void configure(int64_t rows) {
+// tmm0-3: output sums (4 x 16 columns), tmm4: scores, tmm5: A (queries or weights), tmm6-7: B.
+// score_rows: tmm4's rows (decode's transposed scores: 16 keys).
+inline void configure(int64_t rows, int64_t score_rows) {
   amx::TileConfig cfg;
   for (int t = 0; t < 6; ++t) cfg.set(t, rows, 64);
+  cfg.set(4, score_rows, 64);
   cfg.set(6, 16, 64);
   cfg.set(7, 16, 64);
   cfg.load();
@@ -115,11 +118,22 @@ struct Scratch {
   std::vector<float> scores, sums;
   std::vector<at::BFloat16> weights, q;
   std::vector<float> inv_sum;
-  int64_t configured = -1;
+  int64_t configured = -1, configured_scores = -1;
+  // decode: the queries' transposed pairs, then a block of 16 keys copied where not read in place
+  alignas(64) uint32_t tiles[4 * 256 + 16 * 64];
+
+  void configure_for(int64_t rows, int64_t score_rows) {
+    if (configured != rows || configured_scores != score_rows) configure(rows, score_rows);
+    configured = rows, configured_scores = score_rows;
+  }
   ~Scratch() {
     if (configured >= 0) _tile_release();
   }
 };
+
+template <int kD, typename Tick>
+void weigh(int64_t rows, const int64_t* lo, const int64_t* n, int64_t k0, int64_t n_pad, const uint32_t* v_tiles,
+           float scale, at::BFloat16* const* out_rows, Scratch& s, Tick&& tick);
 
 // `rows` query rows (rows x kD bfloat16, contiguous) against one KV head's keys packed over
 // [0, n_packed); row r attends over keys [lo[r], n[r]) (n_max the largest n); out[r] = out_rows[r].
@@ -129,7 +143,7 @@ template <int kD, typename Tick>
 void attend(const at::BFloat16* q, int64_t rows, const int64_t* lo, const int64_t* n, int64_t n_max,
             const uint32_t* packed, int64_t n_packed, float scale, at::BFloat16* const* out_rows, Scratch& s,
             Tick&& tick) {
-  if (s.configured != rows) configure(rows), s.configured = rows;
+  s.configure_for(rows, rows);
   const int64_t k0 = *std::min_element(lo, lo + rows) / kChunk * kChunk;
   const int64_t n_pad = round_up(n_max, kChunk), width = n_pad - k0;
   s.scores.resize(rows * width);
@@ -137,7 +151,6 @@ void attend(const at::BFloat16* q, int64_t rows, const int64_t* lo, const int64_
   s.sums.resize(rows * kD);
   s.inv_sum.resize(rows);
   const uint32_t* k_tiles = packed;
-  const uint32_t* v_tiles = packed + Packed<kD>::k_words(n_packed);
   for (int64_t b = k0 / kBlock; b < round_up(n_max, kBlock) / kBlock; ++b) {
     _tile_zero(4);
     for (int c = 0; c < kD / 32; ++c) {
@@ -148,6 +161,15 @@ void attend(const at::BFloat16* q, int64_t rows, const int64_t* lo, const int64_
     _tile_stored(4, s.scores.data() + b * kBlock - k0, width * 4);
     tick();
   }
+  weigh<kD>(rows, lo, n, k0, n_pad, packed + Packed<kD>::k_words(n_packed), scale, out_rows, s, tick);
+}
+
+// The rest of attend once s.scores holds the rows' scores over [k0, n_pad): softmax, weighted V
+// (v_tiles: the head's V chunks from key 0), each row times 1 / sum into out_rows.
+template <int kD, typename Tick>
+void weigh(int64_t rows, const int64_t* lo, const int64_t* n, int64_t k0, int64_t n_pad, const uint32_t* v_tiles,
+           float scale, at::BFloat16* const* out_rows, Scratch& s, Tick&& tick) {
+  const int64_t width = n_pad - k0;
   for (int64_t r = 0; r < rows; ++r)
     s.inv_sum[r] = softmax_row(s.scores.data() + r * width, lo[r] - k0, n[r] - k0, width, scale,
                                s.weights.data() + r * width);
@@ -176,6 +198,62 @@ void attend(const at::BFloat16* q, int64_t rows, const int64_t* lo, const int64_
     _tile_stored(3, o + 48, kD * 4);
   }
   for (int64_t r = 0; r < rows; ++r) finish_row<kD>(s.sums.data() + r * kD, s.inv_sum[r], out_rows[r]);
+}
+
+// whether slots[0, 16) are 16 consecutive slots
+inline bool consecutive16(const int64_t* slots) {
+  const __m512i step = _mm512_set_epi64(7, 6, 5, 4, 3, 2, 1, 0), first = _mm512_set1_epi64(slots[0]);
+  const __m512i lo = _mm512_add_epi64(first, step), hi = _mm512_add_epi64(lo, _mm512_set1_epi64(8));
+  return _mm512_cmpeq_epi64_mask(_mm512_loadu_si512(slots), lo) == 0xff &&
+         _mm512_cmpeq_epi64_mask(_mm512_loadu_si512(slots + 8), hi) == 0xff;
+}
+
+// Decode's scores of `rows` query rows (rows x kD, contiguous) over one KV head's keys [lo, n) of
+// `slots`, with K unpacked: per block of 16 keys the transposed tile K q^T, keys as A rows (read in
+// place from the pool where their slots are consecutive, else copied; zero below lo and past n)
+// and the queries' element pairs as B columns, from zero over the head dim in steps of 32. Each
+// score is the same products summed in the same order as attend's q K^T tile; a row's scores go
+// to s.scores (row stride round_up(n, kChunk)).
+template <int kD, typename Tick>
+void decode_scores(const at::BFloat16* q, int64_t rows, int64_t lo, int64_t n, const at::BFloat16* k_pool,
+                   const int64_t* slots, int64_t slot_elems, int64_t head_offset, Scratch& s, Tick&& tick) {
+  const int64_t width = round_up(n, kChunk);
+  uint32_t* qt = s.tiles;  // tile c, row p, column j: row j's elements (32c + 2p, 32c + 2p + 1)
+  const uint32_t* qw = reinterpret_cast<const uint32_t*>(q);
+  for (int c = 0; c < kD / 32; ++c)
+    for (int p = 0; p < 16; ++p)
+      for (int j = 0; j < 16; ++j) qt[(c * 16 + p) * 16 + j] = j < rows ? qw[j * (kD / 2) + c * 16 + p] : 0;
+  at::BFloat16* copied = reinterpret_cast<at::BFloat16*>(s.tiles + 4 * 256);  // 16 keys x kD
+  alignas(64) float st[kBlock * 16];
+  const __m512i column = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                            _mm512_set1_epi32(16));
+  for (int64_t k0 = 0; k0 < n; k0 += kBlock) {
+    const int64_t* sl = slots + k0;
+    const at::BFloat16* keys;
+    int64_t stride;
+    if (k0 >= lo && k0 + kBlock <= n && consecutive16(sl)) {
+      keys = k_pool + sl[0] * slot_elems + head_offset, stride = slot_elems * 2;
+    } else {
+      for (int64_t j = 0; j < kBlock; ++j) {
+        const bool in = k0 + j >= lo && k0 + j < n;
+        for (int e = 0; e < kD; e += 32)
+          _mm512_storeu_si512(copied + j * kD + e, in ? _mm512_loadu_si512(k_pool + sl[j] * slot_elems + head_offset + e)
+                                                       : _mm512_setzero_si512());
+      }
+      keys = copied, stride = kD * 2;
+    }
+    _tile_zero(4);
+    for (int c = 0; c < kD / 32; ++c) {
+      _tile_loadd(6, qt + c * 256, 64);
+      _tile_loadd(7, keys + 32 * c, stride);
+      _tile_dpbf16ps(4, 7, 6);
+    }
+    _tile_stored(4, st, 64);
+    for (int64_t r = 0; r < rows; ++r)
+      _mm512_storeu_ps(s.scores.data() + r * width + k0,
+                       _mm512_i32gather_ps(_mm512_add_epi32(column, _mm512_set1_epi32(int(r))), st, 4));
+    tick();
+  }
 }
 
 struct Args {
@@ -216,15 +294,13 @@ inline std::vector<Run> find_runs(const Args& a) {
   return runs;
 }
 
-// Queries [t0, t0 + tokens) of a run, heads [g0, g0 + heads) of KV head h's group, as one tile,
-// over that head's keys packed for [base, base + n_packed) (base: a multiple of kChunk).
-template <int kD, typename Tick>
-void attend_tile(const Args& a, const Run& run, int64_t h, int64_t t0, int64_t tokens, int64_t g0, int64_t heads,
-                 const uint32_t* packed, int64_t base, int64_t n_packed, Scratch& s, Tick&& tick) {
+// Queries [t0, t0 + tokens) of a run, heads [g0, g0 + heads) of KV head h's group, as one tile's
+// rows: their queries into s.q, their keys [lo, n) counted from `base`, their output rows. Returns the row count.
+template <int kD>
+int64_t gather_rows(const Args& a, const Run& run, int64_t h, int64_t t0, int64_t tokens, int64_t g0, int64_t heads,
+                    int64_t base, Scratch& s, int64_t* lo, int64_t* n, at::BFloat16** out_rows) {
   const int64_t group = a.hq / a.hkv, rows = tokens * heads;
   s.q.resize(rows * kD);
-  int64_t lo[kRows], n[kRows];
-  at::BFloat16* out_rows[kRows];
   for (int64_t i = 0; i < tokens; ++i)
     for (int64_t g = 0; g < heads; ++g) {
       const int64_t b = run.first + t0 + i, head = h * group + g0 + g, r = i * heads + g;
@@ -233,6 +309,16 @@ void attend_tile(const Args& a, const Run& run, int64_t h, int64_t t0, int64_t t
       n[r] = a.seq_lens[b] - base;
       out_rows[r] = a.out + (b * a.hq + head) * kD;
     }
+  return rows;
+}
+
+// The same tile over that head's keys packed for [base, base + n_packed) (base: a multiple of kChunk).
+template <int kD, typename Tick>
+void attend_tile(const Args& a, const Run& run, int64_t h, int64_t t0, int64_t tokens, int64_t g0, int64_t heads,
+                 const uint32_t* packed, int64_t base, int64_t n_packed, Scratch& s, Tick&& tick) {
+  int64_t lo[kRows], n[kRows];
+  at::BFloat16* out_rows[kRows];
+  const int64_t rows = gather_rows<kD>(a, run, h, t0, tokens, g0, heads, base, s, lo, n, out_rows);
   attend<kD>(s.q.data(), rows, lo, n, a.seq_lens[run.first + t0 + tokens - 1] - base, packed, n_packed, a.scale,
              out_rows, s, tick);
 }
@@ -255,7 +341,7 @@ void decode_runs(const Args& a, const std::vector<Run>& runs) {
       const int64_t words = Packed<kD>::words(n);
       if (int64_t(packed.size()) < a.hkv * words + 16) packed.resize(a.hkv * words + 16);
       uint32_t* aligned = reinterpret_cast<uint32_t*>((reinterpret_cast<uintptr_t>(packed.data()) + 63) & ~uintptr_t(63));
-      Packed<kD>::pack(a.k, a.v, slots, n, first - base, a.hkv, aligned, 0, round_up(n, kChunk) / kChunk);
+      Packed<kD>::pack(a.k, a.v, slots, n, first - base, a.hkv, aligned, 0, round_up(n, kChunk) / kChunk, false);
       // memory would idle while the heads compute from cache: the next query's keys and values
       // come meanwhile, spread evenly over the tiles' steps (a burst stalled on the fill buffers)
       const int64_t steps = a.hkv * ((group + heads - 1) / heads) * (round_up(n, kBlock) / kBlock + round_up(n, kChunk) / kChunk);
@@ -265,10 +351,21 @@ void decode_runs(const Args& a, const std::vector<Run>& runs) {
         next.slots = a.req_to_token + a.rows[runs[i + 1].first] * a.row_stride + next_first;
         next.count = next_n - next_first;
       }
+      int64_t lo[kRows], lens[kRows];
+      at::BFloat16* out_rows[kRows];
+      auto tick = [&] { next.tick(); };
       for (int64_t h = 0; h < a.hkv; ++h)
-        for (int64_t g0 = 0; g0 < group; g0 += heads)
-          attend_tile<kD>(a, run, h, 0, 1, g0, std::min(heads, group - g0), aligned + h * words, base, n, s,
-                          [&] { next.tick(); });
+        for (int64_t g0 = 0; g0 < group; g0 += heads) {
+          const int64_t rows = gather_rows<kD>(a, run, h, 0, 1, g0, std::min(heads, group - g0), base, s, lo, lens, out_rows);
+          s.configure_for(rows, kBlock);
+          s.scores.resize(rows * round_up(n, kChunk));
+          s.weights.resize(rows * round_up(n, kChunk));
+          s.sums.resize(rows * kD);
+          s.inv_sum.resize(rows);
+          decode_scores<kD>(s.q.data(), rows, first - base, n, a.k, slots, a.hkv * kD, h * kD, s, tick);
+          weigh<kD>(rows, lo, lens, 0, round_up(n, kChunk), aligned + h * words + Packed<kD>::k_words(n), a.scale,
+                    out_rows, s, tick);
+        }
     }
   });
 }

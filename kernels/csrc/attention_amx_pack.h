@@ -95,11 +95,11 @@ struct Packed {
   static int64_t words(int64_t n) { return k_words(n) + v_words(n); }
 
   // chunks [first, last) of 32 keys, every KV head (head h at out + h * words(n)): their two K
-  // blocks and one V chunk, keys below `skip` as zeros (unread). One sweep over the slots, each
+  // blocks (unless !with_k: left as they were) and one V chunk, keys below `skip` as zeros (unread). One sweep over the slots, each
   // slot's rows for every head together, the slots kAhead chunks on prefetched (a request's
   // slots are scattered in the pool).
   static void pack(const at::BFloat16* k, const at::BFloat16* v, const int64_t* slots, int64_t n, int64_t skip,
-                   int64_t hkv, uint32_t* out, int64_t first, int64_t last) {
+                   int64_t hkv, uint32_t* out, int64_t first, int64_t last, bool with_k = true) {
     constexpr int64_t kAhead = 2;
     const int64_t slot_elems = hkv * kD, head_words = words(n), v_offset = k_words(n);
     for (int64_t c = first; c < last; ++c) {
@@ -109,7 +109,7 @@ struct Packed {
       }
       for (int64_t h = 0; h < hkv; ++h) {
         uint32_t* head_out = out + h * head_words;
-        for (int64_t k0 = c * kChunk; k0 < std::min(n, (c + 1) * kChunk); k0 += kBlock)
+        for (int64_t k0 = c * kChunk; with_k && k0 < std::min(n, (c + 1) * kChunk); k0 += kBlock)
           pack_k_block<kD>(k, slots, k0, n, skip, slot_elems, h * kD, head_out + k0 / kBlock * (kD / 32) * 256);
         pack_v_chunk<kD>(v, slots, c * kChunk, n, skip, slot_elems, h * kD, head_out + v_offset + c * (kD / 16) * 256);
       }
