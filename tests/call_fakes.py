@@ -22,8 +22,8 @@ class _Choice:
 
 
 class FakeChoice(dict):
-    """A native result dict that reads as a ChoiceState (text, index, prompt_tokens, counters,
-    finish_reason, logprob_meta), each field read from the dict when asked."""
+    """A native result dict that reads as a ChoiceState (text, text_from, index, prompt_tokens,
+    counters, finish_reason, logprob_meta), each field read from the dict when asked."""
 
     @property
     def text(self) -> str:
@@ -47,6 +47,9 @@ class FakeChoice(dict):
     def finish_reason(self) -> FinishReason | None:
         fr = self["meta_info"]["finish_reason"]
         return None if fr is None else FinishReason(**fr)
+
+    def text_from(self, start: int) -> str:
+        return self["text"][start:]
 
     def logprob_meta(self) -> dict[str, Any]:
         return self["meta_info"]

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tandem.ipc.messages import BatchStrOutput, FinishReason, ReqCounters, SpecCounts
+from tandem.runtime.frontend.text_pieces import TextPieces
 from tandem.runtime.sampling.logprob_format import LogprobFormatter
 from tandem.runtime.value_checks import ValidationError
 
@@ -42,7 +43,7 @@ class ChoiceState:
     formatter: LogprobFormatter | None
     hidden_states: list[list[float]] | None  # None: not asked for
     prompt_token_ids: list[int] | None = None  # return_prompt_token_ids: the prompt's ids, as SGLang's
-    text: str = ""
+    pieces: TextPieces = field(default_factory=TextPieces)  # the answer text, as it arrived
     output_ids: list[int] = field(default_factory=list)
     counters: ReqCounters = field(default_factory=lambda: ReqCounters(completion_tokens=0, cached_tokens=0))
     finish_reason: FinishReason | None = None
@@ -60,13 +61,26 @@ class ChoiceState:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    @property
+    def text(self) -> str:
+        """The answer text so far (joined from its pieces when read)."""
+        return self.pieces.whole()
+
+    @text.setter
+    def text(self, value: str) -> None:
+        self.pieces = TextPieces(value)
+
+    def text_from(self, start: int) -> str:
+        """The answer text from character `start` on: O(that text), for readers with a cursor."""
+        return self.pieces.since(start)
+
     def apply_output(self, msg: BatchStrOutput, i: int, now: float, weight_version: str) -> None:
         """Row i of a detokenizer output (this choice's): its text, token ids, counters, logprob
         rows and hidden states join the choice's, and its finish reason ends it."""
         new_ids = msg.new_token_ids[i].tolist()
         if new_ids:
             self.last_output, self.weight_version = now, weight_version
-        self.text += msg.texts[i]
+        self.pieces.append(msg.texts[i])
         self.output_ids.extend(new_ids)
         self.counters = msg.counters[i]
         if self.formatter is not None:
@@ -97,8 +111,8 @@ class ChoiceState:
         """The next chunk of an --incremental-streaming-output stream: the text, output_ids and
         output logprob lists new since this choice's previous chunk (SGLang's
         slice_streaming_output_meta_info), so a client that joins the chunks has result()'s."""
-        out = self._response(self.text[self.streamed_chars:], self.output_ids[self.streamed_ids:])
-        self.streamed_chars, self.streamed_ids = len(self.text), len(self.output_ids)
+        out = self._response(self.text_from(self.streamed_chars), self.output_ids[self.streamed_ids:])
+        self.streamed_chars, self.streamed_ids = len(self.pieces), len(self.output_ids)
         meta = out["meta_info"]
         for key in INCREMENTAL_META_KEYS:
             if key in meta:

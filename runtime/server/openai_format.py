@@ -144,7 +144,7 @@ async def stream_chunks(req: OpenAIRequest, updates: CallStream, n: int) -> Asyn
         last[i] = c
         first = i not in sent_text
         text_start = sent_text.get(i, 0)
-        delta_text = c.text[text_start:]
+        delta_text = c.text_from(text_start)
         sent_text[i] = text_start + len(delta_text)
         if req.kind == "chat":
             chunks = [chunk(choice, c if counted else None) for choice, counted in chat.step(i, c, first, delta_text)]

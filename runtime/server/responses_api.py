@@ -237,7 +237,7 @@ async def responses_events(req: OpenAIRequest, updates: CallStream) -> AsyncIter
             yield {**error_event(req, updates.error), "type": "error", "sequence_number": out.next_number()}
             return
         last, final = c, c.finish_reason is not None
-        content = c.text[sent:]
+        content = c.text_from(sent)
         sent += len(content)
         reasoning = ""
         if splitter is not None:

@@ -39,6 +39,9 @@ class LiveChoice:
         self.counters = ReqCounters(completion_tokens=0, cached_tokens=0)
         self.finish_reason: FinishReason | None = None
 
+    def text_from(self, start: int) -> str:
+        return self.text[start:]
+
     def logprob_meta(self) -> dict:
         return {}
 
