@@ -10,9 +10,11 @@
 // amx_linear_cpu.cpp computes on the same bf16 weight. Which rows are tiled together, how many
 // there are and the thread count never change it: a row gets the same bits alone, in any batch.
 //
-// Blocking: a task owns a pair of 16-feature blocks; for each chunk of up to kChunkRows rows it
-// dequantizes the pair's K units once (2 x K/32 KiB, kept in L2) and runs every 32-row tile pair
-// of the chunk over them, so the dequantization is shared by all rows of the chunk.
+// Blocking: up to 16 rows, a task runs four 16-feature blocks at once, their C tiles held over all
+// of K, each step's four units dequantized into L1 just before TDPBF16PS reads them. More rows: a
+// task owns a pair of feature blocks; for each chunk of up to kChunkRows rows it runs every 32-row
+// tile pair of the chunk over the pair's K units dequantized once (2 x K/32 KiB, in L2), while
+// dequantizing the next pair's units a few between tile steps (the vector work beside the tiles').
 #pragma once
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -185,9 +187,9 @@ inline void flush(const float* c, int64_t rows, const float* bias, int64_t count
 }
 
 // out[m0 : m0 + rows0 + rows1, feature blocks fb[0] and fb[1] (fb[1] < 0: none)]; w: the pair's B tiles [2][kb][512]
-template <typename out_t>
+template <typename out_t, typename Hook>
 void tile_block(const at::BFloat16* x, int64_t k, const uint16_t* w, int64_t kb, const int64_t* fb, int64_t m0,
-                int64_t rows0, int64_t rows1, int64_t n, const float* bias, out_t* out) {
+                int64_t rows0, int64_t rows1, int64_t n, const float* bias, out_t* out, Hook&& between_steps) {
   const bool two = fb[1] >= 0;
   _tile_zero(0);
   if (two) _tile_zero(1);
@@ -212,6 +214,7 @@ void tile_block(const at::BFloat16* x, int64_t k, const uint16_t* w, int64_t kb,
       _tile_dpbf16ps(2, 5, 6);
       if (two) _tile_dpbf16ps(3, 5, 7);
     }
+    between_steps();
   }
   alignas(64) float c[kTileRows * kTileRows];
   auto out_of = [&](int j, int64_t row0, int64_t rows) {
@@ -304,21 +307,42 @@ void linear_amx_bf16(const at::BFloat16* x, const uint8_t* packed, int64_t nb, i
   using namespace bf16_tiles;
   constexpr int64_t ub = unit_bytes(T);
   if (m <= kTileRows) return few_rows<T>(x, packed, nb, kb, n, m, bias, out);
-  const int64_t k = kb * kBlock, pairs = (nb + 1) / 2;
+  const int64_t k = kb * kBlock, pairs = (nb + 1) / 2, units = 2 * kb;
   at::parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) {
-    uint16_t* w = static_cast<uint16_t*>(std::aligned_alloc(64, 2 * kb * kTileElems * sizeof(uint16_t)));
-    int64_t configured0 = -1, configured1 = -1;
+    uint16_t* buffers = static_cast<uint16_t*>(std::aligned_alloc(64, 2 * units * kTileElems * sizeof(uint16_t)));
+    // units [from, to) of pair p's 2 x kb (feature block j = u / kb, step u % kb) into dst
+    auto dequantize_pair = [&](int64_t p, uint16_t* dst, int64_t from, int64_t to) {
+      for (int64_t u = from; u < to; ++u) {
+        const int64_t fb = 2 * p + u / kb;
+        if (fb >= nb) break;
+        const uint8_t* unit = packed + (fb * kb + u % kb) * ub;
+        for (int64_t line = 0; line < ub; line += 64)
+          _mm_prefetch(reinterpret_cast<const char*>(unit + 8 * ub + line), _MM_HINT_T0);
+        dequantize_unit<T>(unit, dst + u * kTileElems);
+      }
+    };
+    int64_t configured0 = -1, configured1 = -1, cur = 0;
+    bool ready = false;  // buffers[cur] holds the next pair to run
     for (int64_t chunk = 0; chunk < m; chunk += kChunkRows) {
       const int64_t chunk_end = std::min(m, chunk + kChunkRows);
+      const int64_t tiles = (chunk_end - chunk + 2 * kTileRows - 1) / (2 * kTileRows);
       for (int64_t p = begin; p < end; ++p) {
-        const int64_t fb[2] = {2 * p, 2 * p + 1 < nb ? 2 * p + 1 : -1};
-        for (int j = 0; j < 2 && fb[j] >= 0; ++j)
-          for (int64_t b = 0; b < kb; ++b) {
-            const uint8_t* unit = packed + (fb[j] * kb + b) * ub;
-            for (int64_t line = 0; line < ub; line += 64)
-              _mm_prefetch(reinterpret_cast<const char*>(unit + 8 * ub + line), _MM_HINT_T0);
-            dequantize_unit<T>(unit, w + (j * kb + b) * kTileElems);
+        uint16_t* w = buffers + cur * units * kTileElems;
+        if (!ready) dequantize_pair(p, w, 0, units);
+        // the pair after this one (the first of the next chunk after the last) is dequantized
+        // a few units between the tile steps of this one, so the vector work overlaps the tiles'
+        const int64_t next = p + 1 < end ? p + 1 : chunk_end < m ? begin : -1;
+        uint16_t* w_next = buffers + (cur ^ 1) * units * kTileElems;
+        const int64_t per_step = next < 0 ? 0 : (units + tiles * kb - 1) / (tiles * kb);
+        int64_t done = 0;
+        auto between_steps = [&] {
+          if (done < units && per_step > 0) {
+            const int64_t to = std::min(units, done + per_step);
+            dequantize_pair(next, w_next, done, to);
+            done = to;
           }
+        };
+        const int64_t fb[2] = {2 * p, 2 * p + 1 < nb ? 2 * p + 1 : -1};
         for (int64_t m0 = chunk; m0 < chunk_end; m0 += 2 * kTileRows) {
           const int64_t rows0 = std::min(kTileRows, chunk_end - m0);
           const int64_t rows1 = std::max<int64_t>(0, std::min(kTileRows, chunk_end - m0 - kTileRows));
@@ -326,12 +350,15 @@ void linear_amx_bf16(const at::BFloat16* x, const uint8_t* packed, int64_t nb, i
             configure(rows0, rows1);
             configured0 = rows0, configured1 = rows1;
           }
-          tile_block(x, k, w, kb, fb, m0, rows0, rows1, n, bias, out);
+          tile_block(x, k, w, kb, fb, m0, rows0, rows1, n, bias, out, between_steps);
         }
+        if (next >= 0) dequantize_pair(next, w_next, done, units);
+        ready = next >= 0;
+        cur ^= 1;
       }
     }
     if (configured0 >= 0) _tile_release();
-    std::free(w);
+    std::free(buffers);
   });
 }
 #endif
