@@ -202,6 +202,30 @@ def test_served_quantized_against_the_dequantized_reference(checkpoints, kind):
     assert all((top2[0] - top2[1]).item() < 2 * bound for top2 in steps)
 
 
+def test_bf16_on_amx_symmetric_gptq_is_the_dequantized_bf16_path_bit_for_bit(checkpoints):
+    """Q4_0 holds the checkpoint's weights exactly, and bf16 activations on AMX-BF16 dequantize them
+    to the bf16 the plain checkpoint holds, summed as its linear sums them."""
+    from tandem.kernels.cpu_ops import load_cpu_ops
+
+    if not load_cpu_ops().gguf_isa().startswith("amx_bf16"):
+        pytest.skip("this CPU (or kernel) gives no AMX-BF16 to the process: bf16 takes the integer arithmetic")
+    quant, plain = checkpoints["gptq_sym_v1_g128"]
+    args = {"max_total_tokens": 512, "max_running_requests": 4, "dtype": "bfloat16"}
+    ref = BareLoop(ModelRunner(ServerArgs(model_path=str(plain), **args))).generate(PROMPTS, 8, keep_logits=True)
+    ours = BareLoop(ModelRunner(ServerArgs(model_path=str(quant), **args))).generate(PROMPTS, 8, keep_logits=True)
+    assert ours.output_ids == ref.output_ids
+    assert all(torch.equal(a, b) for a, b in zip(ours.step_logits, ref.step_logits))
+
+
+def test_a_row_gets_the_same_logits_alone_and_batched(checkpoints):
+    loop = BareLoop(_runner(checkpoints["awq_g64"][0]))
+    batched = loop.generate(PROMPTS, 6, keep_logits=True)
+    for i, ids in enumerate(PROMPTS):
+        alone = loop.generate([ids], 6, keep_logits=True)
+        assert alone.output_ids[0] == batched.output_ids[i]
+        assert all(torch.equal(a[0], b[i]) for a, b in zip(alone.step_logits, batched.step_logits))
+
+
 def test_quantization_none_is_the_reference_bit_for_bit(checkpoints):
     quant, plain = checkpoints["gptq_asym_v1_g32"]
     ref, ours = _runner(plain), _runner(quant, "none")
