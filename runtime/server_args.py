@@ -25,7 +25,7 @@ DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "default.t
 # auto: the model dtype; fp8: one byte per element, no scales (runner.py maps them to torch dtypes)
 KV_CACHE_DTYPES = ("auto", "fp8_e5m2", "fp8_e4m3")
 # --quantization values served (runtime/model/quant/gguf_load.py, gptq_awq.py); SGLang's others are refused naming these
-QUANTIZATIONS = (None, "auto", "gguf", "gptq", "awq", "none")
+QUANTIZATIONS = (None, "auto", "gguf", "gptq", "awq", "w8a8_int8", "none")
 # SGLang's other spellings of a value, taken as tandem's
 _VALUE_ALIASES = {"dtype": {"half": "float16", "float": "float32"}, "attention_backend": {"torch_native": "torch"}}
 _CHOICES = {
@@ -59,8 +59,9 @@ class ServerArgs:
     attention_backend: str = "auto"  # auto = triton on CUDA, cpu (torch + the paged decode op) on CPU
     kv_cache_dtype: str = "auto"  # the KV pool's element: auto = the model dtype; fp8: one byte, no scales
     # SGLang's: gguf = a GGUF file's Q4_0/Q4_1/Q8_0 tensors served as stored (CPU); gptq/awq = an int4 checkpoint's
-    # linears served on the GGUF int4 kernels (CPU); none = weights dequantized to --dtype; None/auto = none (gguf for
-    # a GGUF file on CPU where TANDEM_GGUF_QUANTIZED=1; gptq/awq where config.json's quantization_config says so)
+    # linears served on the GGUF int4 kernels (CPU); w8a8_int8 = int8 weights, per-token int8 activations (CPU); none =
+    # weights dequantized to --dtype; None/auto = none (gguf for a GGUF file on CPU where TANDEM_GGUF_QUANTIZED=1;
+    # gptq/awq/w8a8_int8 where config.json's quantization_config says so)
     quantization: str | None = None
     # SGLang's: sglang = tandem's own model classes only; transformers = transformers' modeling code with
     # tandem's paged KV and attention (any causal LM it can build, attention-only); auto = tandem's class where
@@ -207,9 +208,9 @@ class ServerArgs:
         self._check_triton()
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"--quantization: {self.quantization!r} is not served; tandem serves gguf (a GGUF "
-                             f"file's Q4_0, Q4_1 and Q8_0 tensors kept quantized, on CPU), gptq and awq (int4 "
-                             f"checkpoints, detected from config.json's quantization_config, on CPU) and none "
-                             f"(weights dequantized to --dtype, the default)")
+                             f"file's Q4_0, Q4_1 and Q8_0 tensors kept quantized, on CPU), gptq, awq (int4) and "
+                             f"w8a8_int8 checkpoints (detected from config.json's quantization_config, on CPU) "
+                             f"and none (weights dequantized to --dtype, the default)")
 
     def _check_field_types(self) -> None:
         """A Python caller's (Engine(**kwargs)) value of the wrong type is a ValueError naming the

@@ -37,7 +37,8 @@ class CpuDecodeStep:
         """A step for `model` under `attn`, or None where the modules must run (see the module doc)."""
         if (type(attn) is not CpuAttnBackend or attn.ops is None or not isinstance(model.norm.ops, CpuOps)
                 or model.tp.size != 1 or not envs.CPU_DECODE_STEP.get() or model.cfg.family != "llama"
-                or model.cfg.num_experts or model.cfg.hidden_act != "silu"):
+                or model.cfg.num_experts or model.cfg.hidden_act != "silu"
+                or not all(getattr(m, "cpu_decode_step", True) for m in model.modules())):  # int8 linears
             return None
         return CpuDecodeStep(model, attn)
 

@@ -11,7 +11,7 @@ import torch
 from tandem.runtime.model.config import SUPPORTED_ARCHS, ModelConfig
 from tandem.runtime.model.gemma3 import Gemma3ForCausalLM
 from tandem.runtime.model.llama import CausalLM
-from tandem.runtime.model.quant import gguf_load, gptq_awq
+from tandem.runtime.model.quant import gguf_load, gptq_awq, w8a8_int8
 from tandem.runtime.model.tensor_parallel import SINGLE, TensorParallel, check_divisible, shard_weights
 from tandem.runtime.model_files import cache_dir, file_cache_key, is_gguf
 
@@ -37,21 +37,26 @@ def _gguf_file_config(model_path: str, file_key: str) -> ModelConfig:
 
 def load_model(model_path: str, dtype: torch.dtype, device: torch.device | str = "cpu",
                tp: TensorParallel = SINGLE, quantization: str | None = "none") -> CausalLM:
-    """`quantization`: --quantization (runtime/model/quant/gguf_load.py, gptq_awq.py); "none"
-    dequantizes a GGUF or a GPTQ/AWQ checkpoint."""
+    """`quantization`: --quantization (runtime/model/quant/gguf_load.py, gptq_awq.py, w8a8_int8.py);
+    "none" dequantizes a GGUF or a GPTQ/AWQ/w8a8_int8 checkpoint."""
     cfg = load_config(model_path)
     check_divisible(cfg, tp.size)
     with torch.device("meta"):
         model = (Gemma3ForCausalLM if cfg.family == "gemma3" else CausalLM)(cfg, tp)
-    int4 = gptq_awq.checkpoint_format(model_path, quantization)
+    quantized = gptq_awq.checkpoint_format(model_path, quantization)
     plan = gguf_load.GgufPlan() if gguf_load.wanted(quantization, model_path, device, tp.size) else None
     raw = _gguf_weights(model_path, cfg, plan) if plan is not None else load_hf_weights(model_path, cfg)
-    if int4 is not None:  # GPTQ/AWQ linears -> GGUF int4 rows (or dequantized)
-        plan = gptq_awq.convert(raw, int4, keep=gptq_awq.served(int4, quantization, device, tp.size))
+    if quantized is not None:  # GPTQ/AWQ linears -> GGUF int4 rows, w8a8_int8's kept int8 (or dequantized)
+        keep = gptq_awq.served(quantized, quantization, device, tp.size)
+        plan = (w8a8_int8.convert(raw, keep) if quantized.method == w8a8_int8.METHOD
+                else gptq_awq.convert(raw, quantized, keep))
     weights = shard_weights(_fuse(raw, cfg), cfg, tp)
     held = plan.take(weights) if plan is not None else {}
     _load_into(model, weights, dtype, device, model_path, held=held.keys())
-    gguf_load.install(model, held, dtype)
+    if isinstance(plan, w8a8_int8.Int8Plan):
+        w8a8_int8.install(model, held)
+    else:
+        gguf_load.install(model, held, dtype)
     model.build_rotary(device)  # its tables were made on the meta device
     return model.eval()
 

@@ -1,6 +1,7 @@
 """GPTQ and AWQ int4 checkpoints (`--quantization gptq | awq`, or detected from config.json's
 `quantization_config`): each quantized linear's (qweight, qzeros, scales[, g_idx]) converted once at
-load into GGUF blocks of 32 inputs, served by the GGUF int4 kernels (gguf_blocks / gguf_load).
+load into GGUF blocks of 32 inputs, served by the GGUF int4 kernels (gguf_blocks / gguf_load). The
+quantization_config reading (`checkpoint_format`, `served`) also takes w8a8_int8's (w8a8_int8.py).
 
 The formats (N output features, K inputs, group g of input k: g_idx[k], else k // group_size):
 - GPTQ: qweight [K/8, N] int32, input k of column n in nibble k % 8 of word [k // 8, n]; qzeros
@@ -32,10 +33,13 @@ import torch
 
 from tandem.runtime.model.quant.gguf_blocks import BLOCK, TYPE_IDS
 from tandem.runtime.model.quant.gguf_load import GgufPlan
+from tandem.runtime.model.quant.w8a8_int8 import METHOD as W8A8_INT8
+from tandem.runtime.model.quant.w8a8_int8 import Int8Format
 
 logger = logging.getLogger(__name__)
 
 METHODS = ("gptq", "awq")
+CHECKPOINT_METHODS = (*METHODS, W8A8_INT8)  # the --quantization values a checkpoint's config declares
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of an AWQ word holds column AWQ_ORDER[i] of its 8
 _AWQ_COLUMN_NIBBLE = tuple(AWQ_ORDER.index(c) for c in range(8))  # column c's nibble
 _GPTQ_FORMATS = {"gptq": 1, "gptq_v2": 0}  # checkpoint_format -> what is added to a stored zero
@@ -58,13 +62,15 @@ def _field(qc: dict, *keys: str, default=None):
     return default
 
 
-def parse(qc: dict) -> Int4Format:
+def parse(qc: dict) -> Int4Format | Int8Format:
     """config.json's quantization_config -> the layout; ValueError naming the field tandem cannot serve."""
     method = str(qc.get("quant_method", "")).lower()
     where = "config.json quantization_config"
+    if method == W8A8_INT8:
+        return Int8Format()
     if method not in METHODS:
         raise ValueError(f"{where}.quant_method {qc.get('quant_method')!r} is not served; tandem serves "
-                         f"{', '.join(METHODS)} (int4) checkpoints")
+                         f"{', '.join(METHODS)} (int4) and {W8A8_INT8} checkpoints")
     bits = _field(qc, "bits", "w_bit")
     if bits != 4:
         raise ValueError(f"{where}.bits {bits!r} is not served: tandem serves {method} at 4 bits")
@@ -88,13 +94,13 @@ def parse(qc: dict) -> Int4Format:
     return Int4Format("gptq", group, _GPTQ_FORMATS[fmt])
 
 
-def checkpoint_format(model_path: str, quantization: str | None) -> Int4Format | None:
-    """The checkpoint's int4 layout when its config.json declares one (None: a plain checkpoint).
-    ValueError where --quantization names gptq/awq and the checkpoint is not that."""
+def checkpoint_format(model_path: str, quantization: str | None) -> Int4Format | Int8Format | None:
+    """The checkpoint's quantized layout when its config.json declares one (None: a plain checkpoint).
+    ValueError where --quantization names gptq/awq/w8a8_int8 and the checkpoint is not that."""
     config = Path(model_path) / "config.json"
     qc = json.loads(config.read_text()).get("quantization_config") if config.is_file() else None
     if qc is None:
-        if quantization in METHODS:
+        if quantization in CHECKPOINT_METHODS:
             raise ValueError(f"--quantization {quantization}: {model_path} declares no quantization_config "
                              f"(not a {quantization} checkpoint)")
         return None
@@ -104,23 +110,23 @@ def checkpoint_format(model_path: str, quantization: str | None) -> Int4Format |
         fmt = parse(qc)
     except ValueError as e:
         raise ValueError(f"{config}: {e}") from None
-    if quantization in ("gguf", *METHODS) and quantization != fmt.method:
+    if quantization in ("gguf", *CHECKPOINT_METHODS) and quantization != fmt.method:
         raise ValueError(f"--quantization {quantization}: {model_path} is a {fmt.method} checkpoint "
                          f"(quantization_config.quant_method); use --quantization {fmt.method} or leave it unset")
     return fmt
 
 
-def served(fmt: Int4Format, quantization: str | None, device: torch.device | str, tp_size: int) -> bool:
-    """Whether the int4 linears stay quantized (else dequantized to --dtype). Asked for by name
-    (gptq/awq) where the kernels cannot serve it: ValueError."""
+def served(fmt: Int4Format | Int8Format, quantization: str | None, device: torch.device | str, tp_size: int) -> bool:
+    """Whether the quantized linears stay quantized (else dequantized to --dtype). Asked for by name
+    (gptq/awq/w8a8_int8) where the kernels cannot serve it: ValueError."""
     if quantization == "none":
         return False
     why_not = None
     if torch.device(device).type != "cpu":
-        why_not = "the int4 kernels run on CPU only"
+        why_not = "the quantized linears run on CPU only"
     elif tp_size != 1:
         why_not = "quantized weights are not split across tensor-parallel ranks"
-    else:
+    elif fmt.method != W8A8_INT8:  # int8 runs on torch._int_mm
         from tandem.kernels.cpu_ops import load_cpu_ops
 
         if load_cpu_ops() is None:

@@ -258,7 +258,7 @@ def test_fused_parts_of_two_types_become_q4_1_exactly():
 
 @pytest.mark.parametrize("change, field", [
     ({"bits": 8}, "quantization_config.bits 8"),
-    ({"quant_method": "fp8"}, "quantization_config.quant_method 'fp8'"),
+    ({"quant_method": "fp8"}, "quantization_config.quant_method 'fp8' is not served; tandem serves gptq, awq"),
     ({"group_size": 16}, "quantization_config.group_size 16"),
     ({"checkpoint_format": "marlin"}, "quantization_config.checkpoint_format 'marlin'"),
     ({"lm_head": True}, "quantization_config.lm_head"),
@@ -296,5 +296,5 @@ def test_quantization_flag_must_match_the_checkpoint(checkpoints, tiny_model_dir
     with pytest.raises(ValueError, match="--quantization gptq: .*gguf declares no quantization_config"):
         _runner(Path(default_model_path()), "gptq")
     with pytest.raises(ValueError, match="--quantization: 'bitsandbytes' is not served; tandem serves gguf .* "
-                                         "gptq and awq"):
+                                         "gptq, awq .* w8a8_int8"):
         ServerArgs(model_path=str(quant), quantization="bitsandbytes")

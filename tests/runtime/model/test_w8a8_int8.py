@@ -1,0 +1,156 @@
+"""SGLang's w8a8_int8 (runtime/model/quant/w8a8_int8.py): per-channel int8 weights, per-token dynamic
+int8 activations. A tiny checkpoint written here in the format's tensors (`weight` int8 [N, K],
+`weight_scale` float32 [N, 1], quantization_config quant_method w8a8_int8), served against a plain
+float32 checkpoint of the same dequantized weights q * s.
+
+The bound: the int8 sums are exact, so the op equals the float64 product of the quantized operands
+up to float32's two scale multiplications (3 * 2^-24 relative). Against the dequantized weights the
+only difference is the activations' rounding, at most max|x| / 254 per input: the same relative size
+as the weights' own int8 rounding (max|w| / 254 per weight), so served logprobs move from the
+reference's by about as much as the int8 weight rounding moved them from the unquantized model's
+(`shift`); activations have heavier tails than these random weights, so the bound is 4 * shift.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from tandem.launch.bare_loop import BareLoop
+from tandem.runtime.model.quant.w8a8_int8 import Int8Linear, Int8Weight, linear, quantize_rows
+from tandem.runtime.model.runner import ModelRunner
+from tandem.runtime.server_args import ServerArgs
+
+pytestmark = pytest.mark.timeout(600)
+
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8], [400, 9000, 77, 12345, 31, 2024], [5] * 12]
+SHIFT_FACTOR = 4
+
+
+def _quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    scale = w.float().abs().amax(dim=1, keepdim=True) / 127
+    return (w.float() / scale).round().clamp(-127, 127).to(torch.int8), scale
+
+
+def _write(src: Path, root: Path) -> tuple[Path, Path]:
+    from safetensors.torch import load_file, save_file
+
+    quant, plain = root / "w8a8", root / "w8a8_reference"
+    weights = load_file(str(src / "model.safetensors"))
+    qweights, refs = {}, {}
+    for key, w in weights.items():
+        if key.removesuffix(".weight").rsplit(".", 1)[-1] in LINEARS:
+            q, scale = _quantize(w)
+            qweights[key], qweights[key.replace(".weight", ".weight_scale")] = q, scale
+            refs[key] = q.float() * scale
+        else:
+            qweights[key] = refs[key] = w
+    config = json.loads((src / "config.json").read_text())
+    qc = {"quant_method": "w8a8_int8", "activation_scheme": "dynamic"}
+    for folder, tensors, cfg in ((quant, qweights, config | {"quantization_config": qc}), (plain, refs, config)):
+        shutil.copytree(src, folder, ignore=shutil.ignore_patterns("*.safetensors", "config.json"))
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(folder / "model.safetensors"))
+        (folder / "config.json").write_text(json.dumps(cfg))
+    return quant, plain
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    from tandem.launch.make_tiny_model import build_tiny_model
+
+    root = tmp_path_factory.mktemp("int8")
+    src = build_tiny_model(root / "src", arch="llama", hidden=128, layers=2, heads=4, kv_heads=2)
+    return (src, *_write(src, root))
+
+
+def _runner(path: Path, quantization: str | None = None) -> ModelRunner:
+    return ModelRunner(ServerArgs(model_path=str(path), max_total_tokens=512, max_running_requests=4,
+                                  dtype="float32", quantization=quantization))
+
+
+def _logprobs(runner: ModelRunner, ids: list[int]) -> torch.Tensor:
+    row = runner.req_to_token_pool.alloc()
+    loop = BareLoop(runner)
+    try:
+        return torch.log_softmax(loop.prefill([ids], [row], all_logits=True).double(), -1)
+    finally:
+        loop.release([row], [len(ids)])
+
+
+def _weight(n: int, k: int) -> tuple[Int8Weight, torch.Tensor, torch.Tensor]:
+    q, scale = _quantize(torch.randn(n, k))
+    return Int8Weight(q.t().contiguous(), scale.view(1, -1), torch.zeros(()).expand(n, k)), q, scale
+
+
+def test_the_op_is_the_exact_integer_product_scaled():
+    torch.manual_seed(0)
+    weight, q, scale = _weight(48, 96)
+    x = torch.randn(7, 96) * torch.logspace(-2, 1, 7)[:, None]
+    xq, s_x = quantize_rows(x)
+    assert xq.abs().max() == 127 and torch.all((x / s_x - xq.float()).abs() <= 0.5 + 1e-6)
+    want = (xq.double() @ q.double().t()) * s_x.double() * scale.double().t()
+    got = linear(x, weight)
+    assert torch.all((got.double() - want).abs() <= 3 * 2 ** -24 * want.abs())
+    bias = torch.randn(48)
+    assert torch.equal(linear(x, weight, bias), (got + bias).float())
+    assert linear(x.view(7, 1, 96), weight).shape == (7, 1, 48)
+
+
+def test_a_row_is_the_same_alone_and_batched():
+    torch.manual_seed(1)
+    weight, _, _ = _weight(64, 128)
+    x = torch.randn(33, 128, dtype=torch.bfloat16)
+    batched = linear(x, weight)
+    assert batched.dtype == torch.bfloat16
+    assert all(torch.equal(linear(x[i:i + 1], weight)[0], batched[i]) for i in range(33))
+
+
+def test_served_int8_against_the_dequantized_reference(checkpoints):
+    src, quant, plain = checkpoints
+    ref, ours, unquantized = _runner(plain), _runner(quant), _runner(src)  # detected from quantization_config
+    layer = ours.model.layers[1]
+    assert all(isinstance(m, Int8Linear) for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                                                   layer.mlp.gate_up_proj, layer.mlp.down_proj))
+    assert layer.self_attn.qkv_proj.weight.shape == (128 + 2 * 64, 128)
+    worst, shift, steps = 0.0, 0.0, []
+    for ids in PROMPTS:
+        want = BareLoop(ref).generate([ids], 12).output_ids[0]
+        got = BareLoop(ours).generate([ids], 12).output_ids[0]  # decode runs the modules (no C++ step)
+        lp_ref = _logprobs(ref, ids + want)
+        worst = max(worst, (_logprobs(ours, ids + want) - lp_ref).abs().max().item())
+        shift = max(shift, (_logprobs(unquantized, ids + want) - lp_ref).abs().max().item())
+        if got != want:
+            step = next(i for i, (a, b) in enumerate(zip(got, want)) if a != b)
+            steps.append(lp_ref[len(ids) - 1 + step].topk(2).values)
+    print(f"w8a8_int8: max |logprob - reference| {worst:.2e}, the int8 weight rounding's {shift:.2e}")
+    assert worst <= SHIFT_FACTOR * shift, (worst, shift)
+    assert all((top2[0] - top2[1]).item() < 2 * SHIFT_FACTOR * shift for top2 in steps)
+    assert ref.model._decode_step is not None and ours.model._decode_step is None  # the C++ step: plain weights only
+
+
+def test_quantization_none_is_the_reference_bit_for_bit(checkpoints):
+    _, quant, plain = checkpoints
+    ours, ref = _runner(quant, "none"), _runner(plain)
+    assert not any(isinstance(m, Int8Linear) for m in ours.model.modules())
+    assert torch.equal(_logprobs(ours, PROMPTS[0]), _logprobs(ref, PROMPTS[0]))
+
+
+def test_refusals_name_what_is_wrong(checkpoints, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    src, quant, _ = checkpoints
+    with pytest.raises(ValueError, match="--quantization w8a8_int8: .* declares no quantization_config"):
+        _runner(src, "w8a8_int8")
+    with pytest.raises(ValueError, match="--quantization gptq: .* is a w8a8_int8 checkpoint"):
+        _runner(quant, "gptq")
+    bad = tmp_path / "bad"
+    shutil.copytree(quant, bad)
+    weights = load_file(str(bad / "model.safetensors"))
+    del weights["model.layers.0.mlp.down_proj.weight_scale"]
+    save_file(weights, str(bad / "model.safetensors"))
+    with pytest.raises(ValueError, match="model.layers.0.mlp.down_proj.weight: an int8 weight without weight_scale"):
+        _runner(bad)
