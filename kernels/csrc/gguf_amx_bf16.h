@@ -10,11 +10,12 @@
 // amx_linear_cpu.cpp computes on the same bf16 weight. Which rows are tiled together, how many
 // there are and the thread count never change it: a row gets the same bits alone, in any batch.
 //
-// Blocking: up to 16 rows, a task runs four 16-feature blocks at once, their C tiles held over all
-// of K, each step's four units dequantized into L1 just before TDPBF16PS reads them. More rows: a
-// task owns a pair of feature blocks; for each chunk of up to kChunkRows rows it runs every 32-row
-// tile pair of the chunk over the pair's K units dequantized once (2 x K/32 KiB, in L2), while
-// dequantizing the next pair's units a few between tile steps (the vector work beside the tiles').
+// Blocking (how rows and features are grouped, never what an element sums): up to 16 rows, a task
+// runs four 16-feature blocks at once, their C tiles held over all of K, each step's four units
+// dequantized into L1 just before TDPBF16PS reads them. 17 to kChunkRows rows: a task owns pairs of
+// feature blocks; it runs every 32-row tile pair over a pair's K units dequantized once, while
+// dequantizing the next pair's units a few between tile steps. More rows: a panel of pairs (<= 1 MiB
+// of bf16 tiles, in L2) is dequantized once for the whole call and every 32-row block runs through it.
 #pragma once
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -298,6 +299,48 @@ void few_rows(const at::BFloat16* x, const uint8_t* packed, int64_t nb, int64_t 
   });
 }
 
+// More than kChunkRows rows: a task dequantizes a panel of feature-block pairs at a time (<= kPanelBytes
+// of bf16 tiles, in L2) once for the whole call, and runs every 32-row block of x through the panel
+// (the block's rows stay in L1/L2 across the panel's pairs).
+constexpr int64_t kPanelBytes = 1 << 20;
+
+template <QType T, typename out_t>
+void many_rows(const at::BFloat16* x, const uint8_t* packed, int64_t nb, int64_t kb, int64_t n, int64_t m,
+               const float* bias, out_t* out) {
+  constexpr int64_t ub = unit_bytes(T);
+  const int64_t k = kb * kBlock, pairs = (nb + 1) / 2, pair_elems = 2 * kb * kTileElems;
+  const int64_t panel = std::max<int64_t>(1, kPanelBytes / (pair_elems * 2));
+  at::parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) {
+    const int64_t held = std::min(panel, end - begin);
+    uint16_t* buffer = static_cast<uint16_t*>(std::aligned_alloc(64, held * pair_elems * sizeof(uint16_t)));
+    int64_t configured0 = -1, configured1 = -1;
+    for (int64_t p0 = begin; p0 < end; p0 += held) {
+      const int64_t p1 = std::min(end, p0 + held);
+      for (int64_t p = p0; p < p1; ++p)
+        for (int64_t u = 0; u < 2 * kb && 2 * p + u / kb < nb; ++u) {
+          const uint8_t* unit = packed + ((2 * p + u / kb) * kb + u % kb) * ub;
+          for (int64_t line = 0; line < ub; line += 64)
+            _mm_prefetch(reinterpret_cast<const char*>(unit + 8 * ub + line), _MM_HINT_T0);
+          dequantize_unit<T>(unit, buffer + (p - p0) * pair_elems + u * kTileElems);
+        }
+      for (int64_t m0 = 0; m0 < m; m0 += 2 * kTileRows) {
+        const int64_t rows0 = std::min(kTileRows, m - m0);
+        const int64_t rows1 = std::max<int64_t>(0, std::min(kTileRows, m - m0 - kTileRows));
+        if (rows0 != configured0 || rows1 != configured1) {
+          configure(rows0, rows1);
+          configured0 = rows0, configured1 = rows1;
+        }
+        for (int64_t p = p0; p < p1; ++p) {
+          const int64_t fb[2] = {2 * p, 2 * p + 1 < nb ? 2 * p + 1 : -1};
+          tile_block(x, k, buffer + (p - p0) * pair_elems, kb, fb, m0, rows0, rows1, n, bias, out, [] {});
+        }
+      }
+    }
+    if (configured0 >= 0) _tile_release();
+    std::free(buffer);
+  });
+}
+
 }  // namespace bf16_tiles
 
 // x [m, kb * 32] bfloat16 rows @ W.T (+ bias) -> out [m, n]; packed: [nb, kb, unit] (gguf_units.h)
@@ -307,6 +350,7 @@ void linear_amx_bf16(const at::BFloat16* x, const uint8_t* packed, int64_t nb, i
   using namespace bf16_tiles;
   constexpr int64_t ub = unit_bytes(T);
   if (m <= kTileRows) return few_rows<T>(x, packed, nb, kb, n, m, bias, out);
+  if (m > kChunkRows) return many_rows<T>(x, packed, nb, kb, n, m, bias, out);
   const int64_t k = kb * kBlock, pairs = (nb + 1) / 2, units = 2 * kb;
   at::parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) {
     uint16_t* buffers = static_cast<uint16_t*>(std::aligned_alloc(64, 2 * units * kTileElems * sizeof(uint16_t)));
