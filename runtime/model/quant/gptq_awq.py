@@ -163,7 +163,8 @@ def _block_groups(fmt: Int4Format, k: int, g_idx: torch.Tensor | None, name: str
     blocks = g_idx.to(torch.long).view(k // BLOCK, BLOCK)
     if not torch.equal(blocks, blocks[:, :1].expand_as(blocks)):
         raise ValueError(f"{name}.g_idx: an act-order (desc_act) permutation puts inputs of one {BLOCK}-input "
-                         f"block in different groups; tandem's int4 blocks take one scale each")
+                         f"block in different groups; tandem's int4 blocks take one scale each (--quantization "
+                         f"none serves it dequantized)")
     return blocks[:, 0]
 
 

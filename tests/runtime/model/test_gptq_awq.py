@@ -106,8 +106,9 @@ def _g_idx(k: int, qc: dict) -> torch.Tensor:
     return blocks[torch.randperm(len(blocks), generator=torch.Generator().manual_seed(1))].repeat_interleave(32)
 
 
-def write_checkpoints(src: Path, root: Path, name: str, qc: dict) -> tuple[Path, Path]:
-    """`src`'s linears quantized: (the quantized checkpoint, the plain one with the dequantized weights)."""
+def write_checkpoints(src: Path, root: Path, name: str, qc: dict, g_idx_of=None) -> tuple[Path, Path]:
+    """`src`'s linears quantized: (the quantized checkpoint, the plain one with the dequantized weights).
+    `g_idx_of(k, qc)`: the inputs' groups (default _g_idx)."""
     from safetensors.torch import load_file, save_file
 
     quant, plain = root / name, root / f"{name}_reference"
@@ -115,7 +116,7 @@ def write_checkpoints(src: Path, root: Path, name: str, qc: dict) -> tuple[Path,
     qweights, refs = {}, {}
     for key, w in weights.items():
         if key.removesuffix(".weight").rsplit(".", 1)[-1] in LINEARS:
-            tensors, ref = _quantized_linear(w.float(), qc, _g_idx(w.shape[1], qc))
+            tensors, ref = _quantized_linear(w.float(), qc, (g_idx_of or _g_idx)(w.shape[1], qc))
             qweights |= {f"{key.removesuffix('weight')}{k}": v for k, v in tensors.items()}
             refs[key] = ref
         else:
@@ -283,6 +284,18 @@ def test_awq_version_and_a_real_act_order_permutation_are_refused():
     tensors, _ = _quantized_linear(w, KINDS["gptq_asym_v2_g64_act_order"] | {"desc_act": False}, g_idx)
     with pytest.raises(ValueError, match=r"lin.g_idx: an act-order \(desc_act\) permutation"):
         to_gguf_rows(fmt, tensors["qweight"], tensors["qzeros"], tensors["scales"], g_idx, name="lin")
+
+
+def test_a_real_act_order_checkpoint_is_refused_and_served_dequantized_by_none(checkpoints, tmp_path):
+    """Inputs dealt to groups one by one (GPTQ's desc_act order): no 32-input block has one scale."""
+    def dealt(k: int, qc: dict) -> torch.Tensor:
+        return torch.randperm(k, generator=torch.Generator().manual_seed(k)) // qc["group_size"]
+
+    qc = KINDS["gptq_asym_v2_g64_act_order"]
+    quant, plain = write_checkpoints(checkpoints["unquantized"][0], tmp_path, "dealt", qc, dealt)
+    with pytest.raises(ValueError, match=r"model\.layers\.\d+\.\S+_proj\.g_idx: an act-order \(desc_act\)"):
+        _runner(quant)
+    assert torch.equal(_logprobs(_runner(quant, "none"), PROMPTS[0]), _logprobs(_runner(plain), PROMPTS[0]))
 
 
 def test_quantization_flag_must_match_the_checkpoint(checkpoints, tiny_model_dir):
