@@ -125,3 +125,8 @@ def install(model: nn.Module, held: dict[str, Int8Weight]) -> None:
         if attr != "weight" or not isinstance(module, nn.Linear):
             raise ValueError(f"{name}: only linear weights are held as int8")
         setattr(model.get_submodule(parent_name), child, Int8Linear(weight, module.bias))
+
+
+def held_as(model: nn.Module) -> str | None:
+    """"w8a8_int8" where the model's linears hold int8 weights (what /server_info reports), else None."""
+    return METHOD if any(isinstance(m, Int8Linear) for m in model.modules()) else None

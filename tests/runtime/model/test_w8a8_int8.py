@@ -116,6 +116,8 @@ def test_served_int8_against_the_dequantized_reference(checkpoints):
     assert all(isinstance(m, Int8Linear) for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
                                                    layer.mlp.gate_up_proj, layer.mlp.down_proj))
     assert layer.self_attn.qkv_proj.weight.shape == (128 + 2 * 64, 128)
+    info, ref_info = ours.weight_info(), ref.weight_info()
+    assert (info["weight_quantization"], ref_info["weight_quantization"]) == ("w8a8_int8", "none")
     worst, shift, steps = 0.0, 0.0, []
     for ids in PROMPTS:
         want = BareLoop(ref).generate([ids], 12).output_ids[0]
