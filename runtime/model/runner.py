@@ -147,9 +147,9 @@ class ModelRunner:
         """The served model: tandem's own class, or transformers' (--model-impl, transformers_impl.py)."""
         if not self.use_transformers:
             return load_model(self.model_path, self.dtype, self.device, self.tp, quantization=quantization)
-        if quantization == "gguf":
-            raise ValueError("--quantization gguf serves a GGUF file through tandem's own classes, not with "
-                             "--model-impl transformers")
+        if quantization in ("gguf", "gptq", "awq", "w8a8_int8"):
+            raise ValueError(f"--quantization {quantization} serves its weights through tandem's own classes, not "
+                             f"with --model-impl transformers")
         from tandem.runtime.model.transformers_impl import load_transformers_model
 
         return load_transformers_model(self.model_path, self.dtype, self.device, self.tp)

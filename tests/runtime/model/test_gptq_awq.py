@@ -304,6 +304,9 @@ def test_quantization_flag_must_match_the_checkpoint(checkpoints, tiny_model_dir
         _runner(quant, "gptq")
     with pytest.raises(ValueError, match="--quantization awq: .* declares no quantization_config"):
         _runner(Path(tiny_model_dir("llama")), "awq")
+    with pytest.raises(ValueError, match="--quantization awq serves its weights through tandem's own classes"):
+        ModelRunner(ServerArgs(model_path=str(quant), max_total_tokens=512, max_running_requests=4, dtype="float32",
+                               quantization="awq", model_impl="transformers"))
     from tandem.runtime.model_files import default_model_path
 
     with pytest.raises(ValueError, match="--quantization gptq: .*gguf declares no quantization_config"):
