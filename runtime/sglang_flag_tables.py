@@ -195,8 +195,8 @@ IGNORED: dict[str, str] = {
 }
 
 REFUSED: dict[str, str] = {
-    "tandem's quantized kernels take GGUF blocks (--quantization gguf); it has no other quantized formats: "
-    "serve a GGUF file or an unquantized checkpoint": """
+    "tandem serves GGUF blocks, GPTQ/AWQ int4 and w8a8_int8 checkpoints (--quantization gguf, gptq, awq, "
+    "w8a8_int8) and no ModelOpt or calibration flow: serve one of those or an unquantized checkpoint": """
         --quantization-param-path= --modelopt-quant= --modelopt-checkpoint-restore-path=
         --modelopt-checkpoint-save-path= --modelopt-export-path= --quantize-and-serve --rl-quant-profile=
         --kt-weight-path= --enable-quant-communications""",

@@ -124,7 +124,7 @@ def test_an_sglang_launch_command_starts_tandem():
     assert any(n.startswith("--disable-cuda-graph ignored") for n in notes) and len(notes) == 4
     with pytest.raises(ValueError, match="^--dp-size: tandem runs one rank of it, got 2"):
         sglang_flags.check(parser.parse_args(["--dp", "2"]))
-    for argv, reason in ((["--modelopt-quant", "fp8"], "no other quantized formats"), (["--lora-paths", "a=/x"], "no LoRA"),
+    for argv, reason in ((["--modelopt-quant", "fp8"], "no ModelOpt"), (["--lora-paths", "a=/x"], "no LoRA"),
                          (["--enable-lora"], "no LoRA")):  # they would change the answer: refused, saying why
         with pytest.raises(ValueError, match=f"^{argv[0]}: .*{reason}"):
             sglang_flags.check(parser.parse_args(argv))
