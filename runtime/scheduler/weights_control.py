@@ -135,11 +135,9 @@ class WeightsControl:
         model, r, clock = self.runner.model, self.runner, clock or _Clock()
         checked = weight_update.check(model, r.config, r.tp, tensors)
         clock.lap("check")
-        staged = weight_update.Staged(model, [target for target, _ in checked], in_place=True)  # all in hand
-        for target, shard in checked:
-            staged.write(target, shard)
+        changed = weight_update.apply(model, checked)  # every tensor in hand: written in place
         clock.lap("copy + repack")
-        return self._reply(msg, staged.commit(), clock)
+        return self._reply(msg, changed, clock)
 
     def _reply(self, msg: WeightsReq, changed: int, clock: _Clock) -> ControlReply:
         clock.lap("commit")
