@@ -77,7 +77,7 @@ class ReasoningStream:
     are those `split` of the answer so far would give over the previous step's (held back whole,
     with `stream_reasoning` off, until it closes or the answer finishes unaborted)."""
 
-    __slots__ = ("parser", "phase", "pending", "lead", "held", "closed")
+    __slots__ = ("parser", "phase", "pending", "lead", "held")
 
     def __init__(self, parser: ReasoningParser) -> None:
         self.parser = parser
@@ -85,7 +85,6 @@ class ReasoningStream:
         self.pending = ""
         self.lead = True  # THINK / AFTER: still dropping the part's leading whitespace
         self.held: list[str] = []  # stream_reasoning off: reasoning read but not sent yet
-        self.closed = False  # `</think>` was read
 
     def feed(self, delta: str, final: bool, aborted: bool = False) -> tuple[str, str]:
         """(reasoning delta, content delta) for the step that adds `delta`. `final`: the answer
@@ -95,7 +94,7 @@ class ReasoningStream:
             return reasoning, content
         if reasoning:
             self.held.append(reasoning)
-        if not (self.closed or (final and not aborted)):
+        if not (self.phase == _AFTER or (final and not aborted)):  # AFTER: `</think>` was read
             return "", content
         reasoning, self.held = "".join(self.held), []
         return reasoning, content
@@ -128,7 +127,7 @@ class ReasoningStream:
         text = self.pending + delta
         end = text.find(THINK_END)
         if end >= 0:
-            self.pending, self.phase, self.closed, self.lead = "", _AFTER, True, True
+            self.pending, self.phase, self.lead = "", _AFTER, True
             return text[:end].rstrip(), self._content(text[end + len(THINK_END):])
         if final:
             self.pending = ""
