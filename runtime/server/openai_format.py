@@ -194,8 +194,10 @@ class _ChatStream:
             if reasoning:  # the think end inside this step's text: one delta each, as SGLang's
                 deltas.append({"reasoning_content": reasoning, "reasoning": reasoning})  # SGLang's and vLLM's names
         called = False
-        if (parser := parser_for(self.req)) is not None:
-            calls = self.calls.setdefault(i, ChoiceCalls(ToolStream(parser)))
+        calls = self.calls.get(i)
+        if calls is None and (parser := parser_for(self.req)) is not None:  # a parser per choice, not per step
+            calls = self.calls[i] = ChoiceCalls(ToolStream(parser))
+        if calls is not None:
             delta_text, call_deltas = calls.feed(delta_text, reason is not None)
             called = calls.called
         else:
