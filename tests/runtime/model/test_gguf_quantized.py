@@ -26,6 +26,8 @@ from tandem.runtime.model.runner import ModelRunner
 from tandem.runtime.model_files import default_model_path
 from tandem.runtime.server_args import ServerArgs
 
+from quant_checkpoints import prefill_logprobs
+
 LOGPROB_BOUND = 0.01
 ANY_LOGPROB_BOUND = 0.03
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,",
@@ -57,13 +59,6 @@ def runners(q8_path):
     return get
 
 
-def _prefill_logprobs(runner: ModelRunner, ids: list[int]) -> torch.Tensor:
-    row = runner.req_to_token_pool.alloc()
-    loop = BareLoop(runner)
-    try:
-        return torch.log_softmax(loop.prefill([ids], [row], all_logits=True).double(), -1)
-    finally:
-        loop.release([row], [len(ids)])
 
 
 def _compare(ref: ModelRunner, ours: ModelRunner, ids: list[int]) -> tuple[list[int], list[int], torch.Tensor, torch.Tensor]:
@@ -71,7 +66,7 @@ def _compare(ref: ModelRunner, ours: ModelRunner, ids: list[int]) -> tuple[list[
     want = BareLoop(ref).generate([ids], TOKENS).output_ids[0]
     got = BareLoop(ours).generate([ids], TOKENS).output_ids[0]
     seq = ids + want
-    return want, got, _prefill_logprobs(ref, seq)[len(ids) - 1:-1], _prefill_logprobs(ours, seq)[len(ids) - 1:-1]
+    return want, got, prefill_logprobs(ref, seq)[len(ids) - 1:-1], prefill_logprobs(ours, seq)[len(ids) - 1:-1]
 
 
 def test_the_shipped_file_is_served_quantized(runners, smol_tokenizer):

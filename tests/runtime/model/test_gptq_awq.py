@@ -31,6 +31,8 @@ from tandem.runtime.model.quant.gptq_awq import Int4Format, _as_q4_1, convert, p
 from tandem.runtime.model.runner import ModelRunner
 from tandem.runtime.server_args import ServerArgs
 
+from quant_checkpoints import fp32_runner, prefill_logprobs, save_pair
+
 pytestmark = pytest.mark.timeout(600)
 
 SHIFT_FRACTION = {"q4_0": 1 / 1024, "q4_1": 1 / 32}  # the logprob bound, a fraction of the int4 rounding's
@@ -109,7 +111,7 @@ def _g_idx(k: int, qc: dict) -> torch.Tensor:
 def write_checkpoints(src: Path, root: Path, name: str, qc: dict, g_idx_of=None) -> tuple[Path, Path]:
     """`src`'s linears quantized: (the quantized checkpoint, the plain one with the dequantized weights).
     `g_idx_of(k, qc)`: the inputs' groups (default _g_idx)."""
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load_file
 
     quant, plain = root / name, root / f"{name}_reference"
     weights = load_file(str(src / "model.safetensors"))
@@ -121,12 +123,7 @@ def write_checkpoints(src: Path, root: Path, name: str, qc: dict, g_idx_of=None)
             refs[key] = ref
         else:
             qweights[key] = refs[key] = w
-    config = json.loads((src / "config.json").read_text())
-    for folder, tensors, cfg in ((quant, qweights, config | {"quantization_config": qc}), (plain, refs, config)):
-        shutil.copytree(src, folder, ignore=shutil.ignore_patterns("*.safetensors", "config.json"))
-        save_file({k: v.contiguous() for k, v in tensors.items()}, str(folder / "model.safetensors"))
-        (folder / "config.json").write_text(json.dumps(cfg))
-    return quant, plain
+    return save_pair(src, quant, plain, qweights, refs, qc)
 
 
 @pytest.fixture(scope="module")
@@ -138,18 +135,6 @@ def checkpoints(tmp_path_factory):
     return {name: write_checkpoints(src, root, name, qc) for name, qc in KINDS.items()} | {"unquantized": (src, src)}
 
 
-def _runner(path: Path, quantization: str | None = None) -> ModelRunner:
-    return ModelRunner(ServerArgs(model_path=str(path), max_total_tokens=512, max_running_requests=4,
-                                  dtype="float32", quantization=quantization))
-
-
-def _logprobs(runner: ModelRunner, ids: list[int]) -> torch.Tensor:
-    row = runner.req_to_token_pool.alloc()
-    loop = BareLoop(runner)
-    try:
-        return torch.log_softmax(loop.prefill([ids], [row], all_logits=True).double(), -1)
-    finally:
-        loop.release([row], [len(ids)])
 
 
 @pytest.mark.parametrize("kind", list(KINDS))
@@ -179,7 +164,7 @@ def test_rows_are_the_checkpoint_weights(checkpoints, kind):
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_served_quantized_against_the_dequantized_reference(checkpoints, kind):
     quant, plain = checkpoints[kind]
-    ref, ours, unquantized = _runner(plain), _runner(quant), _runner(checkpoints["unquantized"][0])
+    ref, ours, unquantized = fp32_runner(plain), fp32_runner(quant), fp32_runner(checkpoints["unquantized"][0])
     layer = ours.model.layers[0]  # unset --quantization: detected from quantization_config
     linears = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
     qtype = "q4_0" if KINDS[kind].get("sym") else "q4_1"
@@ -191,9 +176,9 @@ def test_served_quantized_against_the_dequantized_reference(checkpoints, kind):
     for ids in PROMPTS:
         want = BareLoop(ref).generate([ids], 12).output_ids[0]
         got = BareLoop(ours).generate([ids], 12).output_ids[0]
-        lp_ref = _logprobs(ref, ids + want)
-        worst = max(worst, (_logprobs(ours, ids + want) - lp_ref).abs().max().item())
-        shift = max(shift, (_logprobs(unquantized, ids + want) - lp_ref).abs().max().item())
+        lp_ref = prefill_logprobs(ref, ids + want)
+        worst = max(worst, (prefill_logprobs(ours, ids + want) - lp_ref).abs().max().item())
+        shift = max(shift, (prefill_logprobs(unquantized, ids + want) - lp_ref).abs().max().item())
         if got != want:
             step = next(i for i, (a, b) in enumerate(zip(got, want)) if a != b)
             steps.append(lp_ref[len(ids) - 1 + step].topk(2).values)
@@ -219,7 +204,7 @@ def test_bf16_on_amx_symmetric_gptq_is_the_dequantized_bf16_path_bit_for_bit(che
 
 
 def test_a_row_gets_the_same_logits_alone_and_batched(checkpoints):
-    loop = BareLoop(_runner(checkpoints["awq_g64"][0]))
+    loop = BareLoop(fp32_runner(checkpoints["awq_g64"][0]))
     batched = loop.generate(PROMPTS, 6, keep_logits=True)
     for i, ids in enumerate(PROMPTS):
         alone = loop.generate([ids], 6, keep_logits=True)
@@ -229,10 +214,10 @@ def test_a_row_gets_the_same_logits_alone_and_batched(checkpoints):
 
 def test_quantization_none_is_the_reference_bit_for_bit(checkpoints):
     quant, plain = checkpoints["gptq_asym_v1_g32"]
-    ref, ours = _runner(plain), _runner(quant, "none")
+    ref, ours = fp32_runner(plain), fp32_runner(quant, "none")
     assert not any(isinstance(m, GgufLinear) for m in ours.model.modules())
     ids = PROMPTS[1]
-    assert torch.equal(_logprobs(ours, ids), _logprobs(ref, ids))
+    assert torch.equal(prefill_logprobs(ours, ids), prefill_logprobs(ref, ids))
 
 
 def test_fused_parts_of_two_types_become_q4_1_exactly():
@@ -272,7 +257,7 @@ def test_unserved_configs_are_refused_naming_the_field(checkpoints, tmp_path, ch
     config["quantization_config"] |= change
     (bad / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match=f"config.json: config.json {field}".replace("(", r"\(")):
-        _runner(bad)
+        fp32_runner(bad)
 
 
 def test_awq_version_and_a_real_act_order_permutation_are_refused():
@@ -294,23 +279,23 @@ def test_a_real_act_order_checkpoint_is_refused_and_served_dequantized_by_none(c
     qc = KINDS["gptq_asym_v2_g64_act_order"]
     quant, plain = write_checkpoints(checkpoints["unquantized"][0], tmp_path, "dealt", qc, dealt)
     with pytest.raises(ValueError, match=r"model\.layers\.\d+\.\S+_proj\.g_idx: an act-order \(desc_act\)"):
-        _runner(quant)
-    assert torch.equal(_logprobs(_runner(quant, "none"), PROMPTS[0]), _logprobs(_runner(plain), PROMPTS[0]))
+        fp32_runner(quant)
+    assert torch.equal(prefill_logprobs(fp32_runner(quant, "none"), PROMPTS[0]), prefill_logprobs(fp32_runner(plain), PROMPTS[0]))
 
 
 def test_quantization_flag_must_match_the_checkpoint(checkpoints, tiny_model_dir):
     quant, _ = checkpoints["awq_g64"]
     with pytest.raises(ValueError, match="--quantization gptq: .* is a awq checkpoint"):
-        _runner(quant, "gptq")
+        fp32_runner(quant, "gptq")
     with pytest.raises(ValueError, match="--quantization awq: .* declares no quantization_config"):
-        _runner(Path(tiny_model_dir("llama")), "awq")
+        fp32_runner(Path(tiny_model_dir("llama")), "awq")
     with pytest.raises(ValueError, match="--quantization awq serves its weights through tandem's own classes"):
         ModelRunner(ServerArgs(model_path=str(quant), max_total_tokens=512, max_running_requests=4, dtype="float32",
                                quantization="awq", model_impl="transformers"))
     from tandem.runtime.model_files import default_model_path
 
     with pytest.raises(ValueError, match="--quantization gptq: .*gguf declares no quantization_config"):
-        _runner(Path(default_model_path()), "gptq")
+        fp32_runner(Path(default_model_path()), "gptq")
     with pytest.raises(ValueError, match="--quantization: 'bitsandbytes' is not served; tandem serves gguf .* "
                                          "gptq, awq .* w8a8_int8"):
         ServerArgs(model_path=str(quant), quantization="bitsandbytes")

@@ -12,7 +12,6 @@ reference's by about as much as the int8 weight rounding moved them from the unq
 """
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 
@@ -21,8 +20,8 @@ import torch
 
 from tandem.launch.bare_loop import BareLoop
 from tandem.runtime.model.quant.w8a8_int8 import Int8Linear, Int8Weight, linear, quantize_rows
-from tandem.runtime.model.runner import ModelRunner
-from tandem.runtime.server_args import ServerArgs
+
+from quant_checkpoints import fp32_runner, prefill_logprobs, save_pair
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -37,7 +36,7 @@ def _quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _write(src: Path, root: Path) -> tuple[Path, Path]:
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load_file
 
     quant, plain = root / "w8a8", root / "w8a8_reference"
     weights = load_file(str(src / "model.safetensors"))
@@ -49,13 +48,8 @@ def _write(src: Path, root: Path) -> tuple[Path, Path]:
             refs[key] = q.float() * scale
         else:
             qweights[key] = refs[key] = w
-    config = json.loads((src / "config.json").read_text())
     qc = {"quant_method": "w8a8_int8", "activation_scheme": "dynamic"}
-    for folder, tensors, cfg in ((quant, qweights, config | {"quantization_config": qc}), (plain, refs, config)):
-        shutil.copytree(src, folder, ignore=shutil.ignore_patterns("*.safetensors", "config.json"))
-        save_file({k: v.contiguous() for k, v in tensors.items()}, str(folder / "model.safetensors"))
-        (folder / "config.json").write_text(json.dumps(cfg))
-    return quant, plain
+    return save_pair(src, quant, plain, qweights, refs, qc)
 
 
 @pytest.fixture(scope="module")
@@ -67,18 +61,6 @@ def checkpoints(tmp_path_factory):
     return (src, *_write(src, root))
 
 
-def _runner(path: Path, quantization: str | None = None) -> ModelRunner:
-    return ModelRunner(ServerArgs(model_path=str(path), max_total_tokens=512, max_running_requests=4,
-                                  dtype="float32", quantization=quantization))
-
-
-def _logprobs(runner: ModelRunner, ids: list[int]) -> torch.Tensor:
-    row = runner.req_to_token_pool.alloc()
-    loop = BareLoop(runner)
-    try:
-        return torch.log_softmax(loop.prefill([ids], [row], all_logits=True).double(), -1)
-    finally:
-        loop.release([row], [len(ids)])
 
 
 def _weight(n: int, k: int) -> tuple[Int8Weight, torch.Tensor, torch.Tensor]:
@@ -111,7 +93,7 @@ def test_a_row_is_the_same_alone_and_batched():
 
 def test_served_int8_against_the_dequantized_reference(checkpoints):
     src, quant, plain = checkpoints
-    ref, ours, unquantized = _runner(plain), _runner(quant), _runner(src)  # detected from quantization_config
+    ref, ours, unquantized = fp32_runner(plain), fp32_runner(quant), fp32_runner(src)  # detected from quantization_config
     layer = ours.model.layers[1]
     assert all(isinstance(m, Int8Linear) for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
                                                    layer.mlp.gate_up_proj, layer.mlp.down_proj))
@@ -122,9 +104,9 @@ def test_served_int8_against_the_dequantized_reference(checkpoints):
     for ids in PROMPTS:
         want = BareLoop(ref).generate([ids], 12).output_ids[0]
         got = BareLoop(ours).generate([ids], 12).output_ids[0]  # decode runs the modules (no C++ step)
-        lp_ref = _logprobs(ref, ids + want)
-        worst = max(worst, (_logprobs(ours, ids + want) - lp_ref).abs().max().item())
-        shift = max(shift, (_logprobs(unquantized, ids + want) - lp_ref).abs().max().item())
+        lp_ref = prefill_logprobs(ref, ids + want)
+        worst = max(worst, (prefill_logprobs(ours, ids + want) - lp_ref).abs().max().item())
+        shift = max(shift, (prefill_logprobs(unquantized, ids + want) - lp_ref).abs().max().item())
         if got != want:
             step = next(i for i, (a, b) in enumerate(zip(got, want)) if a != b)
             steps.append(lp_ref[len(ids) - 1 + step].topk(2).values)
@@ -136,9 +118,9 @@ def test_served_int8_against_the_dequantized_reference(checkpoints):
 
 def test_quantization_none_is_the_reference_bit_for_bit(checkpoints):
     _, quant, plain = checkpoints
-    ours, ref = _runner(quant, "none"), _runner(plain)
+    ours, ref = fp32_runner(quant, "none"), fp32_runner(plain)
     assert not any(isinstance(m, Int8Linear) for m in ours.model.modules())
-    assert torch.equal(_logprobs(ours, PROMPTS[0]), _logprobs(ref, PROMPTS[0]))
+    assert torch.equal(prefill_logprobs(ours, PROMPTS[0]), prefill_logprobs(ref, PROMPTS[0]))
 
 
 def test_refusals_name_what_is_wrong(checkpoints, tmp_path):
@@ -146,13 +128,13 @@ def test_refusals_name_what_is_wrong(checkpoints, tmp_path):
 
     src, quant, _ = checkpoints
     with pytest.raises(ValueError, match="--quantization w8a8_int8: .* declares no quantization_config"):
-        _runner(src, "w8a8_int8")
+        fp32_runner(src, "w8a8_int8")
     with pytest.raises(ValueError, match="--quantization gptq: .* is a w8a8_int8 checkpoint"):
-        _runner(quant, "gptq")
+        fp32_runner(quant, "gptq")
     bad = tmp_path / "bad"
     shutil.copytree(quant, bad)
     weights = load_file(str(bad / "model.safetensors"))
     del weights["model.layers.0.mlp.down_proj.weight_scale"]
     save_file(weights, str(bad / "model.safetensors"))
     with pytest.raises(ValueError, match="model.layers.0.mlp.down_proj.weight: an int8 weight without weight_scale"):
-        _runner(bad)
+        fp32_runner(bad)
