@@ -21,12 +21,11 @@ import torch
 from torch import nn
 
 from tandem.runtime.envs import envs
+from tandem.runtime.model.quant import siblings
 from tandem.runtime.model.quant.gguf_blocks import GgufWeight, linear, pack, rows, supported
 from tandem.runtime.server_args import QUANTIZATIONS
 
 logger = logging.getLogger(__name__)
-
-_FUSED_GROUPS = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "gate_proj": "gate_up", "up_proj": "gate_up"}
 
 
 def wanted(quantization: str | None, model_path: str, device: torch.device | str, tp_size: int) -> bool:
@@ -66,7 +65,6 @@ class GgufPlan:
     def fill(self, reader, hf_name) -> None:
         """Decides for every tensor of `reader` (a GGUFReader); `hf_name(tensor)`: the loader's
         Hugging Face name of a file tensor (None: not read)."""
-        groups: dict[str, list[str]] = {}
         for t in reader.tensors:
             name = hf_name(t)
             shape = tuple(int(d) for d in reversed(t.shape))
@@ -75,14 +73,9 @@ class GgufPlan:
                     or not (name.startswith("model.layers.") or name in ("model.embed_tokens.weight", "lm_head.weight"))):
                 continue
             self.types[name] = int(t.tensor_type)
-            module, proj, _ = name.rsplit(".", 2)
-            if proj in _FUSED_GROUPS:
-                groups.setdefault(f"{module}.{_FUSED_GROUPS[proj]}", []).append(name)
         # a fused linear stays quantized only if all its parts are, in one type
-        for group in groups:
-            module, fused = group.rsplit(".", 1)
-            parts = ("q_proj", "k_proj", "v_proj") if fused == "qkv" else ("gate_proj", "up_proj")
-            names = [f"{module}.{p}.weight" for p in parts]
+        groups = {tuple(f"{p}.weight" for p in siblings(name.removesuffix(".weight"))) for name in self.types}
+        for names in groups:
             kinds = {self.types.get(n) for n in names}
             if len(kinds) != 1 or None in kinds:
                 for n in names:

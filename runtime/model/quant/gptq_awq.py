@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from tandem.runtime.model.quant import siblings
 from tandem.runtime.model.quant.gguf_blocks import BLOCK, TYPE_IDS
 from tandem.runtime.model.quant.gguf_load import GgufPlan
 from tandem.runtime.model.quant.w8a8_int8 import METHOD as W8A8_INT8
@@ -43,8 +44,6 @@ CHECKPOINT_METHODS = (*METHODS, W8A8_INT8)  # the --quantization values a checkp
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of an AWQ word holds column AWQ_ORDER[i] of its 8
 _AWQ_COLUMN_NIBBLE = tuple(AWQ_ORDER.index(c) for c in range(8))  # column c's nibble
 _GPTQ_FORMATS = {"gptq": 1, "gptq_v2": 0}  # checkpoint_format -> what is added to a stored zero
-_FUSED = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "gate_proj": "gate_up", "up_proj": "gate_up"}
-_PARTS = {"qkv": ("q_proj", "k_proj", "v_proj"), "gate_up": ("gate_proj", "up_proj")}
 
 
 @dataclass(frozen=True)
@@ -229,7 +228,7 @@ def convert(weights: dict[str, torch.Tensor], fmt: Int4Format, keep: bool) -> Gg
         parts = [weights.pop(f"{prefix}.{p}", None) for p in ("qweight", "qzeros", "scales", "g_idx")]
         if parts[1] is None or parts[2] is None:
             raise ValueError(f"{prefix}: qweight without {'qzeros' if parts[1] is None else 'scales'}")
-        if keep and _whole_group_quantized(prefix, prefixes):
+        if keep and all(p in prefixes for p in siblings(prefix)):  # modules_to_not_convert may leave parts out
             weights[f"{prefix}.weight"], plan.types[f"{prefix}.weight"] = to_gguf_rows(fmt, *parts, name=prefix)
         else:
             weights[f"{prefix}.weight"] = dequantize(fmt, *parts)
@@ -237,21 +236,10 @@ def convert(weights: dict[str, torch.Tensor], fmt: Int4Format, keep: bool) -> Gg
     return plan
 
 
-def _whole_group_quantized(prefix: str, prefixes: list[str]) -> bool:
-    """Whether every part of `prefix`'s fused linear (itself alone if unfused) is quantized
-    (modules_to_not_convert may leave some out)."""
-    module, _, proj = prefix.rpartition(".")
-    if proj not in _FUSED:
-        return True
-    return all(f"{module}.{p}" in prefixes for p in _PARTS[_FUSED[proj]])
-
-
 def _one_type_per_fusion(weights: dict[str, torch.Tensor], plan: GgufPlan) -> None:
     """The parts of one fused linear in one type: with Q4_0 and Q4_1 parts, all Q4_1."""
     for name, ggml_type in list(plan.types.items()):
-        module, proj, _ = name.rsplit(".", 2)
-        if proj not in _FUSED or ggml_type != TYPE_IDS["q4_0"]:
+        if ggml_type != TYPE_IDS["q4_0"]:
             continue
-        siblings = [f"{module}.{p}.weight" for p in _PARTS[_FUSED[proj]]]
-        if any(plan.types[n] == TYPE_IDS["q4_1"] for n in siblings):
+        if any(plan.types[f"{n}.weight"] == TYPE_IDS["q4_1"] for n in siblings(name.removesuffix(".weight"))):
             weights[name], plan.types[name] = _as_q4_1(weights[name]), TYPE_IDS["q4_1"]

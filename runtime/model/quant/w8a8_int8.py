@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from tandem.runtime.model.quant import FUSED_PARTS, siblings
+
 METHOD = "w8a8_int8"
 
 
@@ -22,8 +24,6 @@ METHOD = "w8a8_int8"
 class Int8Format:
     """A w8a8_int8 checkpoint (its quantization_config has nothing else tandem reads)."""
     method: str = METHOD
-_FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
-_PART_OF = {part: fused for fused, parts in _FUSED.items() for part in parts}
 
 
 @dataclass(frozen=True, eq=False)
@@ -91,7 +91,7 @@ def _parts(fused_name: str) -> list[str]:
     module, _, attr = fused_name.rpartition(".")
     parent, _, proj = module.rpartition(".")
     root = [] if fused_name.startswith("lm_head.") else ["model"]
-    return [".".join([*root, *([parent] if parent else []), p, attr]) for p in _FUSED.get(proj, (proj,))]
+    return [".".join([*root, *([parent] if parent else []), p, attr]) for p in FUSED_PARTS.get(proj, (proj,))]
 
 
 def convert(weights: dict[str, torch.Tensor], keep: bool) -> Int8Plan:
@@ -104,9 +104,7 @@ def convert(weights: dict[str, torch.Tensor], keep: bool) -> Int8Plan:
         if w is None or w.dtype != torch.int8 or w.dim() != 2 or scale.numel() != w.shape[0]:
             raise ValueError(f"{prefix}: weight_scale {scale.numel()} per-channel scales need an int8 [out, in] "
                              f"weight, got {None if w is None else (w.dtype, tuple(w.shape))}")
-        module, _, proj = prefix.rpartition(".")
-        whole = proj not in _PART_OF or all(f"{module}.{p}" in prefixes for p in _FUSED[_PART_OF[proj]])
-        if keep and whole:
+        if keep and all(p in prefixes for p in siblings(prefix)):
             plan.scales[f"{prefix}.weight"] = scale
         else:
             weights[f"{prefix}.weight"] = w.float() * scale[:, None]
