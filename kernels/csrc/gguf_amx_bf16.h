@@ -1,9 +1,10 @@
 // The bfloat16-activation GGUF linear on AMX-BF16: each weight unit is dequantized on the fly into
 // the bfloat16 tile TDPBF16PS takes as B, and multiplied against the bfloat16 rows of x as A.
 //
-// Arithmetic: a weight is rounded once to bfloat16 from its exact float32 value, d * (u - z) (a
-// product of an fp16 and an integer under 2^8: exact) or fma(d, u, m) for Q4_1 (one rounding, as
-// gguf's numpy dequantize's d * q + m), so the tile holds the dequantized bf16 weight (`--quantization
+// Arithmetic: a weight is rounded once to bfloat16 from its float32 value as gguf's numpy dequantize
+// computes it: d * (u - z) (a product of an fp16 and an integer under 2^8, or Q6_K's exact float32
+// d_h and u - 32: exact) or fma(d, u, m) for Q4_1, Q4_K and Q5_K (one rounding, as numpy's d * q + m
+// or d * q - dm with d * q exact; gguf_units.h), so the tile holds the dequantized bf16 weight (`--quantization
 // none` in bf16) bit for bit. Every output element is then one fixed reduction: TDPBF16PS over K in
 // ascending steps of 32 into one float32 tile register from zero, the bias (or zero) added in
 // float32, then one round-to-nearest-even to bfloat16 (or the float32 kept). That is the sequence
@@ -118,6 +119,20 @@ inline bool exact_offset(__m512 c, __m512 m, __m512 d) {
 // RNE_bf16(d u + c) of its exact value d (u - z) (+ m), whichever of two equal formulas computes it.
 template <QType T>
 inline void dequantize_unit(const uint8_t* unit, uint16_t* dst) {
+  if constexpr (is_k(T)) {  // float32 scales; u expanded to bytes (gguf_units.h), fma(u, d, c) per row
+    const __m512 d = _mm512_loadu_ps(reinterpret_cast<const float*>(unit));
+    const __m512 m = _mm512_loadu_ps(reinterpret_cast<const float*>(unit + 64));  // M, or Q6_K's second-half d
+    __m512i u[8];
+    expand_u<T>(unit, u);
+    // Q6_K: fma(u, d_h, -32 d_h) = d_h (u - 32), exact; Q4_K, Q5_K: fma(u, d, m), rounded once
+    const Spread w0(d, T == kQ6_K ? _mm512_mul_ps(d, _mm512_set1_ps(-32.f)) : m);
+    const Spread w1 = T == kQ6_K ? Spread(m, _mm512_mul_ps(m, _mm512_set1_ps(-32.f))) : w0;
+    for (int g = 0; g < 8; ++g) {
+      row_from_ints(u[g], 0, g < 4 ? w0 : w1, dst + (2 * g) * 32);
+      row_from_ints(u[g], 1, g < 4 ? w0 : w1, dst + (2 * g + 1) * 32);
+    }
+    return;
+  }
   const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(unit)));
   const uint8_t* data = unit + data_offset(T);
   if constexpr (T == kQ8_0) {

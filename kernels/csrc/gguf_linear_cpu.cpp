@@ -1,4 +1,4 @@
-// Linears on GGUF-quantized weights (Q4_0, Q4_1, Q8_0), kept quantized: x @ W.T with W as the
+// Linears on GGUF-quantized weights (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K), kept quantized: x @ W.T with W as the
 // file stores it, repacked once at load (runtime/model/quant/gguf_blocks.py `pack`; the unit's
 // layout: gguf_units.h).
 //
@@ -11,11 +11,14 @@
 // Integer arithmetic: each 32-input block of an activation row is quantized to 16 bits with one float
 // scale, dx = max|x| / 32512 and q = round(x / dx) (1/128 of a bf16 rounding at the block's largest
 // input), held as two int8 planes q = 256 * hi + lo for VPDPBUSD; a weight block is d * (u - z)
-// (+ m for Q4_1) with u unsigned (z = 8 for Q4_0, 128 for Q8_0 stored as q ^ 0x80, 0 for Q4_1). For
-// each output element and each block, in ascending block order from 0.f:
+// (+ m for Q4_1, Q4_K, Q5_K) with u unsigned (gguf_units.h: z = 8 for Q4_0, 128 for Q8_0 stored as
+// q ^ 0x80, 32 for Q6_K, else 0; d and m fp16, or the K-quants' exact float32). For each output
+// element and each block, in ascending block order from 0.f:
 //     isum = sum_i u_i * q_i - z * sum_i q_i              (int32: exact, in any order)
 //     acc  = fma(float(isum), d * dx, acc)
-//     acc  = fma(m, sx, acc)                              (Q4_1 only; sx = the block's float sum of x)
+//     acc  = fma(m, sx, acc)                              (with m only; sx = the block's float sum of x)
+// Q6_K has a scale per 16 inputs: isum0 and isum1 over inputs 0-15 and 16-31 (each with its own
+// z * sum q), acc = fma(float(isum0), d0 * dx, acc) then acc = fma(float(isum1), d1 * dx, acc).
 // then the bias added in float32 and the sum rounded once to x's dtype (or kept in float32). The
 // integer part is exact and the float part is one fixed sequence per element, computed by one
 // thread: a row gets the same bits alone, in any batch, at any thread count, on any path (AMX-INT8
@@ -65,6 +68,9 @@ QType qtype_of(const at::Tensor& packed) {
     case 288: return kQ4_0;
     case 320: return kQ4_1;
     case 544: return kQ8_0;
+    case 384: return kQ4_K;
+    case 448: return kQ5_K;
+    case 640: return kQ6_K;
     default: TORCH_CHECK(false, "packed: unit of ", packed.size(2), " bytes is no GGUF type tandem packs");
   }
   return kQ4_0;
@@ -72,9 +78,18 @@ QType qtype_of(const at::Tensor& packed) {
 
 inline float half_to_float(uint16_t h) { return static_cast<float>(c10::Half(h, c10::Half::from_bits())); }
 
+// feature f's scale d and its min m (or, for Q6_K, the second half's scale): fp16, or the K-quants' float32
+inline float unit_d(QType t, const uint8_t* unit, int64_t f) {
+  return is_k(t) ? reinterpret_cast<const float*>(unit)[f] : half_to_float(reinterpret_cast<const uint16_t*>(unit)[f]);
+}
+inline float unit_m(QType t, const uint8_t* unit, int64_t f) {
+  return is_k(t) ? reinterpret_cast<const float*>(unit + 64)[f]
+                 : half_to_float(reinterpret_cast<const uint16_t*>(unit + 32)[f]);
+}
+
 // The activation rows, quantized per block to 16 bits held as two int8 planes, q = 256 * hi + lo
 // (hi in [-127, 127], lo in [-128, 127]): hi, lo [KB][M][32] (block-major: a block of 16 consecutive rows is
-// one 512-byte AMX tile); dx, sx, cq = z * sum(q): [M, KB]
+// one 512-byte AMX tile); dx, sx, cq = z * sum(q), cq0 = z * sum(q) over inputs 0-15 (Q6_K's halves): [M, KB]
 template <typename T>
 struct Buffer {  // uninitialized (every element is written before it is read), with std::vector's data()
   std::unique_ptr<T[]> p;
@@ -88,10 +103,10 @@ struct Buffer {  // uninitialized (every element is written before it is read), 
 struct Acts {
   Buffer<int8_t> hi, lo;
   Buffer<float> dx, sx;
-  Buffer<int32_t> cq;
+  Buffer<int32_t> cq, cq0;
   int64_t m = 0, k = 0, kb = 0;
   Acts(int64_t m_, int64_t k_, int64_t kb_)
-      : hi(m_ * k_), lo(m_ * k_), dx(m_ * kb_), sx(m_ * kb_), cq(m_ * kb_), m(m_), k(k_), kb(kb_) {}
+      : hi(m_ * k_), lo(m_ * k_), dx(m_ * kb_), sx(m_ * kb_), cq(m_ * kb_), cq0(m_ * kb_), m(m_), k(k_), kb(kb_) {}
   int64_t at(int64_t row, int64_t b) const { return (b * m + row) * kBlock; }  // a row's block in the planes
 };
 
@@ -110,7 +125,7 @@ inline __m512 load16(const at::BFloat16* p) {
 // never depend on the other rows.
 template <typename scalar_t>
 __attribute__((noinline)) void quantize_row(const scalar_t* x, int64_t kb, int32_t z, int8_t* hi, int8_t* lo,
-                                            int64_t stride, float* dx, float* sx, int32_t* cq) {
+                                            int64_t stride, float* dx, float* sx, int32_t* cq, int32_t* cq0) {
   for (int64_t b = 0; b < kb; ++b, hi += stride, lo += stride) {
 #ifdef TANDEM_GGUF_VNNI
     if constexpr (std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, at::BFloat16>) {
@@ -129,6 +144,7 @@ __attribute__((noinline)) void quantize_row(const scalar_t* x, int64_t kb, int32
       dx[b] = amax / kQMax;
       sx[b] = _mm512_reduce_add_ps(_mm512_add_ps(v0, v1));
       cq[b] = z * _mm512_reduce_add_epi32(_mm512_add_epi32(q[0], q[1]));
+      cq0[b] = z * _mm512_reduce_add_epi32(q[0]);
       continue;
     }
 #endif
@@ -138,17 +154,19 @@ __attribute__((noinline)) void quantize_row(const scalar_t* x, int64_t kb, int32
     for (int64_t i = 0; i < kBlock; ++i) amax = std::max(amax, std::fabs(v[i]));
     for (int64_t i = 0; i < kBlock; ++i) sum += v[i];  // the loop's order (vectorized or not, alike for every row)
     const float d = amax / kQMax, id = amax > 0.f ? kQMax / amax : 0.f;
-    int32_t qsum = 0;
+    int32_t qsum = 0, qsum0 = 0;
     for (int64_t i = 0; i < kBlock; ++i) {
       const int32_t q = std::clamp(static_cast<int32_t>(std::nearbyint(v[i] * id)), -32512, 32512);  // half to even
       const int32_t l = static_cast<int8_t>(q & 0xFF);  // sign-extended low byte
       hi[i] = static_cast<int8_t>((q - l) / 256);
       lo[i] = static_cast<int8_t>(l);
       qsum += q;
+      if (i < 16) qsum0 += q;
     }
     dx[b] = d;
     sx[b] = sum;
     cq[b] = z * qsum;
+    cq0[b] = z * qsum0;
   }
 }
 
@@ -159,27 +177,19 @@ inline void store_out(const float* acc, const float* bias, int64_t count, out_t*
 
 // ---- portable: the same arithmetic element by element --------------------------------------------------------
 __attribute__((noinline)) void unit_row_portable(QType t, const uint8_t* unit, const int8_t* hi, const int8_t* lo,
-                                                 float dx, float sx, int32_t cq, float* acc) {
+                                                 float dx, float sx, int32_t cq, int32_t cq0, float* acc) {
   const uint8_t* data = unit + data_offset(t);
-  const uint16_t* d16 = reinterpret_cast<const uint16_t*>(unit);
-  const uint16_t* m16 = reinterpret_cast<const uint16_t*>(unit + 32);
   auto q = [&](int64_t i) { return 256 * int32_t(hi[i]) + int32_t(lo[i]); };
   for (int64_t f = 0; f < kFeat; ++f) {
-    int32_t isum = 0;
-    if (t == kQ8_0) {
-      for (int64_t g = 0; g < 8; ++g)
-        for (int64_t i = 0; i < 4; ++i) isum += int32_t(data[g * 64 + f * 4 + i]) * q(g * 4 + i);
-    } else {
-      for (int64_t g = 0; g < 4; ++g)
-        for (int64_t i = 0; i < 4; ++i) {
-          const uint8_t byte = data[g * 64 + f * 4 + i];
-          isum += int32_t(byte & 15) * q(g * 4 + i) + int32_t(byte >> 4) * q(16 + g * 4 + i);
-        }
+    int32_t isum[2] = {0, 0};  // inputs 0-15, 16-31
+    for (int64_t i = 0; i < kBlock; ++i) isum[i / 16] += unit_u(t, data, f, i) * q(i);
+    if (t == kQ6_K) {  // a scale per half
+      acc[f] = std::fma(static_cast<float>(isum[0] - cq0), unit_d(t, unit, f) * dx, acc[f]);
+      acc[f] = std::fma(static_cast<float>(isum[1] - (cq - cq0)), unit_m(t, unit, f) * dx, acc[f]);
+      continue;
     }
-    isum -= cq;
-    const float scale = half_to_float(d16[f]) * dx;
-    acc[f] = std::fma(static_cast<float>(isum), scale, acc[f]);
-    if (t == kQ4_1) acc[f] = std::fma(half_to_float(m16[f]), sx, acc[f]);
+    acc[f] = std::fma(static_cast<float>(isum[0] + isum[1] - cq), unit_d(t, unit, f) * dx, acc[f]);
+    if (has_min(t)) acc[f] = std::fma(unit_m(t, unit, f), sx, acc[f]);
   }
 }
 
@@ -195,7 +205,7 @@ void run_portable(QType t, const uint8_t* packed, int64_t nb, int64_t kb, int64_
         float acc[kFeat] = {};
         for (int64_t b = 0; b < kb; ++b)
           unit_row_portable(t, base + b * ub, a.hi.data() + a.at(r, b), a.lo.data() + a.at(r, b),
-                            a.dx[r * kb + b], a.sx[r * kb + b], a.cq[r * kb + b], acc);
+                            a.dx[r * kb + b], a.sx[r * kb + b], a.cq[r * kb + b], a.cq0[r * kb + b], acc);
         store_out(acc, bias != nullptr ? bias + fb * kFeat : nullptr, count, out + r * n + fb * kFeat);
       }
     }
@@ -207,59 +217,63 @@ void run_portable(QType t, const uint8_t* packed, int64_t nb, int64_t kb, int64_
 // R rows (<= kRowTile) of one feature block over every input block: a unit's weights are unpacked
 // once a block and met by each row in turn. A row's ops are the same whatever R is: integer sums
 // (exact in any order, split over two chains each for latency) then one fixed float sequence.
+// the unit's scales d (and m, or Q6_K's second-half d) as 16 float32 lanes
+template <QType T>
+inline __m512 load_d(const uint8_t* unit) {
+  if constexpr (is_k(T)) return _mm512_loadu_ps(reinterpret_cast<const float*>(unit));
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(unit)));
+}
+template <QType T>
+inline __m512 load_m(const uint8_t* unit) {
+  if constexpr (is_k(T)) return _mm512_loadu_ps(reinterpret_cast<const float*>(unit + 64));
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(unit + 32)));
+}
+
 template <QType T, int R>
 __attribute__((noinline)) void tile_vnni(const uint8_t* base, const Acts& a, int64_t r0, __m512* out) {
-  constexpr int64_t ub = T == kQ4_0 ? 288 : T == kQ4_1 ? 320 : 544;
-  constexpr int64_t off = T == kQ4_1 ? 64 : 32;
+  constexpr int64_t ub = unit_bytes(T);
+  constexpr bool halves = T == kQ6_K;
   const int64_t kb = a.kb;
-  const __m512i low = _mm512_set1_epi8(0x0F);
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   const float* dx0 = a.dx.data() + r0 * kb;
   const float* sx0 = a.sx.data() + r0 * kb;
   const int32_t* cq0 = a.cq.data() + r0 * kb;
+  const int32_t* cqh0 = a.cq0.data() + r0 * kb;
   for (int64_t b = 0; b < kb; ++b) {
     const uint8_t* unit = base + b * ub;
-    _mm_prefetch(reinterpret_cast<const char*>(unit + 8 * ub), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(unit + 8 * ub + 64), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(unit + 8 * ub + 128), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(unit + 8 * ub + 192), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(unit + 8 * ub + 256), _MM_HINT_T0);
-    if constexpr (ub > 320) {
-      _mm_prefetch(reinterpret_cast<const char*>(unit + 8 * ub + 320), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(unit + 8 * ub + 384), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(unit + 8 * ub + 448), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(unit + 8 * ub + 512), _MM_HINT_T0);
-    }
-    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(unit)));
-    __m512 mins = _mm512_setzero_ps();
-    if constexpr (T == kQ4_1) mins = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(unit + 32)));
+    for (int64_t line = 0; line < ub; line += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(unit + 8 * ub + line), _MM_HINT_T0);
+    const __m512 d = load_d<T>(unit);
+    __m512 mins = _mm512_setzero_ps();  // m, or Q6_K's second-half d
+    if constexpr (has_min(T) || halves) mins = load_m<T>(unit);
     __m512i w[8];
-    if constexpr (T == kQ8_0) {
-      for (int g = 0; g < 8; ++g) w[g] = _mm512_loadu_si512(unit + off + g * 64);
-    } else {
-      for (int g = 0; g < 4; ++g) {
-        const __m512i v = _mm512_loadu_si512(unit + off + g * 64);
-        w[g] = _mm512_and_si512(v, low);
-        w[g + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
-      }
-    }
+    expand_u<T>(unit, w);
     for (int r = 0; r < R; ++r) {
       const int32_t* xh = reinterpret_cast<const int32_t*>(a.hi.data() + a.at(r0 + r, b));
       const int32_t* xl = reinterpret_cast<const int32_t*>(a.lo.data() + a.at(r0 + r, b));
+      // chains 0 and 1: inputs 0-15 and 16-31 (Q6_K's halves)
       __m512i h0 = _mm512_setzero_si512(), h1 = _mm512_setzero_si512();
       __m512i l0 = _mm512_setzero_si512(), l1 = _mm512_setzero_si512();
-      for (int g = 0; g < 8; g += 2) {
+      for (int g = 0; g < 4; ++g) {
         h0 = _mm512_dpbusd_epi32(h0, w[g], _mm512_set1_epi32(xh[g]));
         l0 = _mm512_dpbusd_epi32(l0, w[g], _mm512_set1_epi32(xl[g]));
-        h1 = _mm512_dpbusd_epi32(h1, w[g + 1], _mm512_set1_epi32(xh[g + 1]));
-        l1 = _mm512_dpbusd_epi32(l1, w[g + 1], _mm512_set1_epi32(xl[g + 1]));
+        h1 = _mm512_dpbusd_epi32(h1, w[g + 4], _mm512_set1_epi32(xh[g + 4]));
+        l1 = _mm512_dpbusd_epi32(l1, w[g + 4], _mm512_set1_epi32(xl[g + 4]));
+      }
+      const __m512 dx = _mm512_set1_ps(dx0[r * kb + b]);
+      if constexpr (halves) {
+        const int32_t c0 = cqh0[r * kb + b], c1 = cq0[r * kb + b] - c0;
+        const __m512i s0 = _mm512_sub_epi32(_mm512_add_epi32(_mm512_slli_epi32(h0, 8), l0), _mm512_set1_epi32(c0));
+        const __m512i s1 = _mm512_sub_epi32(_mm512_add_epi32(_mm512_slli_epi32(h1, 8), l1), _mm512_set1_epi32(c1));
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s0), _mm512_mul_ps(d, dx), acc[r]);
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s1), _mm512_mul_ps(mins, dx), acc[r]);
+        continue;
       }
       __m512i s = _mm512_add_epi32(_mm512_slli_epi32(_mm512_add_epi32(h0, h1), 8), _mm512_add_epi32(l0, l1));
-      if constexpr (T != kQ4_1) s = _mm512_sub_epi32(s, _mm512_set1_epi32(cq0[r * kb + b]));
-      const __m512 scale = _mm512_mul_ps(d, _mm512_set1_ps(dx0[r * kb + b]));
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), scale, acc[r]);
-      if constexpr (T == kQ4_1) acc[r] = _mm512_fmadd_ps(mins, _mm512_set1_ps(sx0[r * kb + b]), acc[r]);
+      if constexpr (zero_point(T) != 0) s = _mm512_sub_epi32(s, _mm512_set1_epi32(cq0[r * kb + b]));
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(d, dx), acc[r]);
+      if constexpr (has_min(T)) acc[r] = _mm512_fmadd_ps(mins, _mm512_set1_ps(sx0[r * kb + b]), acc[r]);
     }
   }
   for (int r = 0; r < R; ++r) out[r] = acc[r];
@@ -282,7 +296,7 @@ void tile_rows(const uint8_t* base, const Acts& a, int64_t r0, int64_t rows, __m
 template <QType T, typename out_t>
 void run_vnni(const uint8_t* packed, int64_t nb, int64_t kb, int64_t n, const Acts& a, int64_t m, const float* bias,
               out_t* out) {
-  constexpr int64_t ub = T == kQ4_0 ? 288 : T == kQ4_1 ? 320 : 544;
+  constexpr int64_t ub = unit_bytes(T);
   static_assert(kRowTile == 8, "tile_rows instantiates 1 to 8 rows");
   at::parallel_for(0, nb, 1, [&](int64_t begin, int64_t end) {
     for (int64_t chunk = 0; chunk < m; chunk += kChunkRows) {
@@ -326,46 +340,47 @@ void amx_configure(int64_t rows) {
   cfg.load();
 }
 
-// the unit's weights as 8 rows of 64 signed bytes u - z (B's layout, as tile_vnni meets them)
+// the unit's weights as 8 rows of 64 signed bytes u - z (B's layout, as tile_vnni meets them); half
+// 0 or 1 (Q6_K): only inputs 0-15 or 16-31, the other half's rows zeros
 template <QType T>
-inline void spread_b(const uint8_t* unit, int8_t* dst) {
-  constexpr int64_t off = T == kQ4_1 ? 64 : 32;
-  if constexpr (T == kQ8_0) {
-    const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
-    for (int g = 0; g < 8; ++g)
-      _mm512_store_si512(dst + g * 64, _mm512_xor_si512(_mm512_loadu_si512(unit + off + g * 64), flip));
-  } else {
-    const __m512i low = _mm512_set1_epi8(0x0F), z = _mm512_set1_epi8(T == kQ4_0 ? 8 : 0);
-    for (int g = 0; g < 4; ++g) {
-      const __m512i v = _mm512_loadu_si512(unit + off + g * 64);
-      _mm512_store_si512(dst + g * 64, _mm512_sub_epi8(_mm512_and_si512(v, low), z));
-      _mm512_store_si512(dst + (g + 4) * 64, _mm512_sub_epi8(_mm512_and_si512(_mm512_srli_epi16(v, 4), low), z));
-    }
-  }
+inline void spread_b(const uint8_t* unit, int8_t* dst, int half = -1) {
+  __m512i w[8];
+  expand_u<T>(unit, w);
+  const __m512i z = _mm512_set1_epi8(static_cast<char>(zero_point(T)));  // Q8_0: u - 128 = u ^ 0x80 in int8
+  for (int g = 0; g < 8; ++g)
+    _mm512_store_si512(dst + g * 64, half < 0 || g / 4 == half ? _mm512_sub_epi8(w[g], z) : _mm512_setzero_si512());
 }
 
-// c: a stored C tile pair (hi then lo, 16 x 16 int32 each); acc: the rows' float accumulators [rows][16]
+// c: a stored C tile pair (hi then lo, 16 x 16 int32 each), c1 Q6_K's second half's pair; acc: the
+// rows' float accumulators [rows][16]: tile_vnni's float sequence on the same integers
 template <QType T>
-inline void amx_epilogue(const int32_t* c, const uint8_t* unit, const float* dx, const float* sx, int64_t kb,
-                         int64_t rows, float* acc) {
-  const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(unit)));
+inline void amx_epilogue(const int32_t* c, const int32_t* c1, const uint8_t* unit, const float* dx, const float* sx,
+                         int64_t kb, int64_t rows, float* acc) {
+  const __m512 d = load_d<T>(unit);
   __m512 mins = _mm512_setzero_ps();
-  if constexpr (T == kQ4_1) mins = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(unit + 32)));
+  if constexpr (has_min(T) || T == kQ6_K) mins = load_m<T>(unit);
+  auto sum = [&](const int32_t* pair, int64_t r) {
+    return _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(pair + r * kFeat), 8),
+                                               _mm512_load_si512(pair + (kRowTileAmx + r) * kFeat)));
+  };
   for (int64_t r = 0; r < rows; ++r) {
-    const __m512i s = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(c + r * kFeat), 8),
-                                       _mm512_load_si512(c + (kRowTileAmx + r) * kFeat));
-    const __m512 scale = _mm512_mul_ps(d, _mm512_set1_ps(dx[r * kb]));
-    __m512 v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), scale, _mm512_load_ps(acc + r * kFeat));
-    if constexpr (T == kQ4_1) v = _mm512_fmadd_ps(mins, _mm512_set1_ps(sx[r * kb]), v);
+    const __m512 x = _mm512_set1_ps(dx[r * kb]);
+    __m512 v = _mm512_fmadd_ps(sum(c, r), _mm512_mul_ps(d, x), _mm512_load_ps(acc + r * kFeat));
+    if constexpr (T == kQ6_K) v = _mm512_fmadd_ps(sum(c1, r), _mm512_mul_ps(mins, x), v);
+    if constexpr (has_min(T)) v = _mm512_fmadd_ps(mins, _mm512_set1_ps(sx[r * kb]), v);
     _mm512_store_ps(acc + r * kFeat, v);
   }
 }
 
+// A pass covers two feature blocks (tmm 0-1 and 2-3 their C pairs, tmm6 and 7 their B), or for Q6_K
+// one feature block's two halves: B tiles of its inputs 0-15 and 16-31 (the rest zeros), whose C
+// pairs are the two integer sums its two scales multiply.
 template <QType T, typename out_t>
 void run_amx(const uint8_t* packed, int64_t nb, int64_t kb, int64_t n, const Acts& a, int64_t m, const float* bias,
              out_t* out) {
-  constexpr int64_t ub = T == kQ4_0 ? 288 : T == kQ4_1 ? 320 : 544;
-  const int64_t pairs = (nb + 1) / 2;
+  constexpr int64_t ub = unit_bytes(T);
+  constexpr bool halves = T == kQ6_K;
+  const int64_t pairs = halves ? nb : (nb + 1) / 2;
   at::parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) {
     int8_t* spread = static_cast<int8_t*>(std::aligned_alloc(64, 2 * kb * 512));  // a pair's B tiles, [2][kb][512]
     alignas(64) int32_t c[2][2][2 * kRowTileAmx * kFeat];  // [block parity][feature block][hi; lo]
@@ -374,10 +389,14 @@ void run_amx(const uint8_t* packed, int64_t nb, int64_t kb, int64_t n, const Act
     for (int64_t chunk = 0; chunk < m; chunk += kChunkRows) {
       const int64_t chunk_end = std::min(m, chunk + kChunkRows);
       for (int64_t p = begin; p < end; ++p) {
-        const int64_t fbs[2] = {2 * p, 2 * p + 1 < nb ? 2 * p + 1 : -1};
-        const int64_t nfb = fbs[1] < 0 ? 1 : 2;
+        const int64_t fbs[2] = {halves ? p : 2 * p, halves ? -1 : 2 * p + 1 < nb ? 2 * p + 1 : -1};
+        const int64_t nfb = halves || fbs[1] >= 0 ? 2 : 1;  // B tiles a step
         for (int64_t j = 0; j < nfb; ++j)
-          for (int64_t b = 0; b < kb; ++b) spread_b<T>(packed + (fbs[j] * kb + b) * ub, spread + (j * kb + b) * 512);
+          for (int64_t b = 0; b < kb; ++b) {
+            int8_t* dst = spread + (j * kb + b) * 512;
+            if constexpr (halves) spread_b<T>(packed + (fbs[0] * kb + b) * ub, dst, static_cast<int>(j));
+            else spread_b<T>(packed + (fbs[j] * kb + b) * ub, dst);
+          }
         for (int64_t r0 = chunk; r0 < chunk_end; r0 += kRowTileAmx) {
           const int64_t rows = std::min(kRowTileAmx, chunk_end - r0);
           if (rows != configured) {
@@ -385,9 +404,10 @@ void run_amx(const uint8_t* packed, int64_t nb, int64_t kb, int64_t n, const Act
             configured = rows;
           }
           std::memset(acc, 0, sizeof(acc));
+          const int64_t nout = halves ? 1 : nfb;  // feature blocks written
           auto epilogue = [&](int64_t b) {
-            for (int64_t j = 0; j < nfb; ++j)
-              amx_epilogue<T>(c[b & 1][j], packed + (fbs[j] * kb + b) * ub, a.dx.data() + r0 * kb + b,
+            for (int64_t j = 0; j < nout; ++j)
+              amx_epilogue<T>(c[b & 1][j], c[b & 1][1], packed + (fbs[j] * kb + b) * ub, a.dx.data() + r0 * kb + b,
                               a.sx.data() + r0 * kb + b, kb, rows, acc[j]);
           };
           for (int64_t b = 0; b < kb; ++b) {
@@ -415,7 +435,7 @@ void run_amx(const uint8_t* packed, int64_t nb, int64_t kb, int64_t n, const Act
             }
           }
           epilogue(kb - 1);
-          for (int64_t j = 0; j < nfb; ++j) {
+          for (int64_t j = 0; j < nout; ++j) {
             const int64_t count = std::min(kFeat, n - fbs[j] * kFeat);
             const float* fbias = bias != nullptr ? bias + fbs[j] * kFeat : nullptr;
             for (int64_t r = 0; r < rows; ++r)
@@ -459,6 +479,9 @@ void dispatch(QType t, int64_t path, const uint8_t* packed, int64_t nb, int64_t 
       case kQ4_0: return run_amx<kQ4_0>(packed, nb, kb, n, acts, m, bias, out);
       case kQ4_1: return run_amx<kQ4_1>(packed, nb, kb, n, acts, m, bias, out);
       case kQ8_0: return run_amx<kQ8_0>(packed, nb, kb, n, acts, m, bias, out);
+      case kQ4_K: return run_amx<kQ4_K>(packed, nb, kb, n, acts, m, bias, out);
+      case kQ5_K: return run_amx<kQ5_K>(packed, nb, kb, n, acts, m, bias, out);
+      case kQ6_K: return run_amx<kQ6_K>(packed, nb, kb, n, acts, m, bias, out);
     }
   }
 #endif
@@ -468,6 +491,9 @@ void dispatch(QType t, int64_t path, const uint8_t* packed, int64_t nb, int64_t 
       case kQ4_0: return run_vnni<kQ4_0>(packed, nb, kb, n, acts, m, bias, out);
       case kQ4_1: return run_vnni<kQ4_1>(packed, nb, kb, n, acts, m, bias, out);
       case kQ8_0: return run_vnni<kQ8_0>(packed, nb, kb, n, acts, m, bias, out);
+      case kQ4_K: return run_vnni<kQ4_K>(packed, nb, kb, n, acts, m, bias, out);
+      case kQ5_K: return run_vnni<kQ5_K>(packed, nb, kb, n, acts, m, bias, out);
+      case kQ6_K: return run_vnni<kQ6_K>(packed, nb, kb, n, acts, m, bias, out);
     }
   }
 #endif
@@ -495,6 +521,9 @@ void run_amx_bf16(QType t, const at::BFloat16* x, const uint8_t* packed, int64_t
     case kQ4_0: return linear_amx_bf16<kQ4_0>(x, packed, nb, kb, n, m, bias, out);
     case kQ4_1: return linear_amx_bf16<kQ4_1>(x, packed, nb, kb, n, m, bias, out);
     case kQ8_0: return linear_amx_bf16<kQ8_0>(x, packed, nb, kb, n, m, bias, out);
+    case kQ4_K: return linear_amx_bf16<kQ4_K>(x, packed, nb, kb, n, m, bias, out);
+    case kQ5_K: return linear_amx_bf16<kQ5_K>(x, packed, nb, kb, n, m, bias, out);
+    case kQ6_K: return linear_amx_bf16<kQ6_K>(x, packed, nb, kb, n, m, bias, out);
   }
 #endif
   TORCH_CHECK(false, "gguf_linear: built without AMX-BF16");
@@ -537,8 +566,8 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n,
     at::parallel_for(0, m, 16, [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r)
         quantize_row(xp + r * k, kb, z, acts.hi.data() + acts.at(r, 0), acts.lo.data() + acts.at(r, 0), m * kBlock,
-                     acts.dx.data() + r * kb,
-                     acts.sx.data() + r * kb, acts.cq.data() + r * kb);
+                     acts.dx.data() + r * kb, acts.sx.data() + r * kb, acts.cq.data() + r * kb,
+                     acts.cq0.data() + r * kb);
     });
   });
   if (out_fp32) {
@@ -553,10 +582,12 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n,
 }
 
 // rows `ids` of the weight, dequantized exactly as gguf's numpy dequantize does (d * q in float32,
-// + m for Q4_1): float32 [len(ids), K]. The embedding reads its rows so.
+// + m for Q4_1, fma(d, u, m) for Q4_K and Q5_K: one rounding of the exact d u + m as numpy's d * q - dm,
+// Q6_K's d_h * (u - 32) exact): float32 [len(ids), K]. The embedding reads its rows so.
 at::Tensor gguf_rows(const at::Tensor& packed, int64_t n, const at::Tensor& ids) {
   const QType t = qtype_of(packed);
   const int64_t kb = packed.size(1), k = kb * kBlock, ub = unit_bytes(t), off = data_offset(t);
+  const int32_t z = zero_point(t);
   const at::Tensor idx = ids.to(at::kLong).contiguous().view({-1});
   const int64_t* ip = idx.data_ptr<int64_t>();
   at::Tensor out = at::empty({idx.numel(), k}, packed.options().dtype(at::kFloat));
@@ -568,21 +599,14 @@ at::Tensor gguf_rows(const at::Tensor& packed, int64_t n, const at::Tensor& ids)
       const int64_t fb = ip[r] / kFeat, f = ip[r] % kFeat;
       for (int64_t b = 0; b < kb; ++b) {
         const uint8_t* unit = pp + (fb * kb + b) * ub;
-        const float d = half_to_float(reinterpret_cast<const uint16_t*>(unit)[f]);
-        const float mn = t == kQ4_1 ? half_to_float(reinterpret_cast<const uint16_t*>(unit + 32)[f]) : 0.f;
+        const float d = unit_d(t, unit, f);
+        const float mn = has_min(t) || t == kQ6_K ? unit_m(t, unit, f) : 0.f;  // or Q6_K's second-half d
         const uint8_t* data = unit + off;
         float* dst = op + r * k + b * kBlock;
         for (int64_t i = 0; i < kBlock; ++i) {
-          float v;
-          if (t == kQ8_0) {
-            v = d * static_cast<float>(static_cast<int32_t>(data[(i / 4) * 64 + f * 4 + i % 4]) - 128);
-          } else {
-            const int64_t j = i % 16;
-            const uint8_t byte = data[(j / 4) * 64 + f * 4 + j % 4];
-            const int32_t q = i < 16 ? byte & 15 : byte >> 4;
-            v = t == kQ4_0 ? d * static_cast<float>(q - 8) : std::fma(d, static_cast<float>(q), mn);
-          }
-          dst[i] = v;
+          const int32_t u = unit_u(t, data, f, i);
+          if (has_min(t)) dst[i] = std::fma(d, static_cast<float>(u), mn);
+          else dst[i] = (t == kQ6_K && i >= 16 ? mn : d) * static_cast<float>(u - z);
         }
       }
     }

@@ -2,7 +2,8 @@
 a CPU with AMX-BF16: the weights dequantized on the fly to bf16 (gguf's dequantize, rounded once to
 bf16) and multiplied by TDPBF16PS. Against float64 of x_bf16 @ W_bf16.T within float32 summation;
 bit for bit the dense AMX kernel's answer on the dequantized bf16 weight (the `--quantization none`
-bf16 path); a row's bits alone equal its bits among 1 to 300 rows, at 1 and 2 threads."""
+bf16 path); a row's bits alone equal its bits among 1 to 300 rows, at 1 and 2 threads. The K-quants
+(Q4_K, Q5_K, Q6_K: random super-blocks, as tests/kernels/test_gguf_linear.py builds them) alike."""
 from __future__ import annotations
 
 import numpy as np
@@ -11,8 +12,11 @@ import torch
 
 from tandem.runtime.model.quant import gguf_blocks as gb
 
-TYPES = {"q4_0": 2, "q4_1": 3, "q8_0": 8}
+TYPES = {"q4_0": 2, "q4_1": 3, "q8_0": 8, "q4_k": 12, "q5_k": 13, "q6_k": 14}
+K_QUANTS = ("q4_k", "q5_k", "q6_k")
 SHAPES = [(37, 96), (16, 32), (100, 160), (5, 544), (960, 576)]  # [out, in]: odd tails, and SmolLM2's qkv
+K_SHAPES = [(37, 256), (16, 512), (100, 768), (5, 1024), (576, 1536)]  # whole super-blocks; SmolLM2's down_proj
+CASES = [(name, n, k) for name in TYPES for n, k in (K_SHAPES if name in K_QUANTS else SHAPES)]
 
 
 @pytest.fixture(scope="module")
@@ -20,11 +24,32 @@ def ops(amx_ops):
     return amx_ops
 
 
+def _random_k_raw(name: str, n: int, k: int, rng: np.random.Generator) -> np.ndarray:
+    """A K-quant tensor's file rows: random bytes under fp16 super-block scales of random sign and
+    magnitude 1e-4 to 2e-3, one in 16 a subnormal and one in 32 zero (test_gguf_linear.py's)."""
+    block_bytes = gb.TYPES[TYPES[name]][1]
+    count = n * k // 256
+    raw = rng.integers(0, 256, size=(count, block_bytes), dtype=np.uint8)
+    for at in ((208,) if name == "q6_k" else (0, 2)):
+        scale = rng.uniform(1e-4, 2e-3, count) * rng.choice([-1.0, 1.0], count)
+        scale[rng.random(count) < 1 / 16] *= 1e-3
+        scale[rng.random(count) < 1 / 32] = 0.0
+        raw[:, at:at + 2] = scale.astype(np.float16).view(np.uint8).reshape(count, 2)
+    return raw.reshape(n, -1)
+
+
+def _in(name: str, k: int) -> int:
+    return 512 if name in K_QUANTS else k
+
+
 def _case(name: str, n: int, k: int, seed: int) -> tuple[gb.GgufWeight, torch.Tensor]:
     """A packed weight and its dequantized bf16 [n, k] (gguf's float32 dequantize, rounded once)."""
     rng = np.random.default_rng(seed)
-    w = (rng.standard_normal((n, k)) * 0.05 + rng.standard_normal((n, 1)) * 0.02).astype(np.float32)
-    raw = gb.quantize_raw(w, TYPES[name])
+    if name in K_QUANTS:
+        raw = _random_k_raw(name, n, k, rng)
+    else:
+        w = (rng.standard_normal((n, k)) * 0.05 + rng.standard_normal((n, 1)) * 0.02).astype(np.float32)
+        raw = gb.quantize_raw(w, TYPES[name])
     return gb.pack(raw, TYPES[name]), torch.from_numpy(gb.dequantize_raw(raw, TYPES[name]).reshape(n, k)).bfloat16()
 
 
@@ -35,8 +60,7 @@ def _x(rows: int, k: int, seed: int) -> torch.Tensor:
     return x.bfloat16()
 
 
-@pytest.mark.parametrize("name", TYPES)
-@pytest.mark.parametrize("n,k", SHAPES)
+@pytest.mark.parametrize("name,n,k", CASES)
 @pytest.mark.parametrize("rows", [1, 7, 64])
 def test_float32_sums_of_the_dequantized_bf16_weights(ops, name, n, k, rows):
     """Products of two bf16 are exact in float32; each of the K additions into the float32 sum rounds
@@ -58,8 +82,7 @@ def test_float32_sums_of_the_dequantized_bf16_weights(ops, name, n, k, rows):
     assert ((out.double() - exact).abs() <= bound + (exact.abs() + bound) * 2.0 ** -8).all()
 
 
-@pytest.mark.parametrize("name", TYPES)
-@pytest.mark.parametrize("n,k", [s for s in SHAPES if s[0] % 16 == 0])
+@pytest.mark.parametrize("name,n,k", [c for c in CASES if c[1] % 16 == 0])
 def test_bit_for_bit_the_dense_amx_linear_on_the_dequantized_bf16_weight(ops, name, n, k):
     """The dense bf16 path (kernels/csrc/amx_linear_cpu.cpp) sums the same products in the same
     order (TDPBF16PS over K ascending into one float32 tile from zero, bias in float32, one rounding)."""
@@ -92,8 +115,9 @@ def test_a_q4_1_min_far_from_its_scale_takes_the_other_formula_for_the_same_bits
 
 @pytest.mark.parametrize("name", TYPES)
 def test_a_row_gets_the_same_bits_among_1_to_300_rows_at_1_and_2_threads(ops, name):
-    weight, _ = _case(name, 100, 160, seed=9)  # 7 feature blocks: a pair and a lone block
-    x = _x(300, 160, seed=11)
+    k = _in(name, 160)
+    weight, _ = _case(name, 100, k, seed=9)  # 7 feature blocks: a pair and a lone block
+    x = _x(300, k, seed=11)
     alone = torch.cat([gb.linear(x[i:i + 1], weight) for i in range(300)])
     threads = torch.get_num_threads()
     gen = torch.Generator().manual_seed(4)

@@ -2,7 +2,10 @@
 dequantized weights (gguf's own dequantize), for every block type, odd shapes, batch 1, 7 and 64;
 and its determinism: a row's bits alone equal its bits in any batch, at 1 or 2 threads, on the
 integer arithmetic's kernels (AMX-INT8, AVX-512 VNNI, portable) and on the bf16-tile one
-(tests/kernels/test_gguf_bf16_tiles.py)."""
+(tests/kernels/test_gguf_bf16_tiles.py).
+
+The K-quants (Q4_K, Q5_K, Q6_K), which gguf cannot quantize, are random super-blocks: random scale
+and quant bytes under random fp16 super-block scales (some of them fp16 subnormals, some zero)."""
 from __future__ import annotations
 
 import numpy as np
@@ -11,46 +14,77 @@ import torch
 
 from tandem.runtime.model.quant import gguf_blocks as gb
 
-TYPES = {"q4_0": 2, "q4_1": 3, "q8_0": 8}
+TYPES = {"q4_0": 2, "q4_1": 3, "q8_0": 8, "q4_k": 12, "q5_k": 13, "q6_k": 14}
+K_QUANTS = ("q4_k", "q5_k", "q6_k")
 SHAPES = [(37, 96), (16, 32), (100, 160), (5, 544)]  # [out, in]: out not a multiple of 16, in an odd number of blocks
+K_SHAPES = [(37, 256), (16, 512), (100, 768), (5, 1024)]  # in: whole 256-input super-blocks
+CASES = [(name, n, k) for name in TYPES for n, k in (K_SHAPES if name in K_QUANTS else SHAPES)]
 QMAX = 32512  # the kernel's 16-bit activation range per block (kQMax)
 
 
-def _blocks(raw: np.ndarray, name: str, n: int, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(d, m, q) float64 [n, k] from the file's rows: w = d * q + m (q0 offset folded into q)."""
-    bb = {"q4_0": 18, "q4_1": 20, "q8_0": 34}[name]
-    blocks = raw.reshape(n, k // 32, bb)
-    d = blocks[..., 0:2].copy().view(np.float16).astype(np.float64)
-    m = blocks[..., 2:4].copy().view(np.float16).astype(np.float64) if name == "q4_1" else np.zeros_like(d)
-    if name == "q8_0":
-        q = blocks[..., 2:].view(np.int8).astype(np.float64)
-    else:
-        qs = blocks[..., bb - 16:]
-        q = np.concatenate([qs & 15, qs >> 4], axis=-1).astype(np.float64) - (8 if name == "q4_0" else 0)
-    return (np.repeat(d, 32, axis=-1).reshape(n, k), np.repeat(m, 32, axis=-1).reshape(n, k), q.reshape(n, k))
+def _in(name: str, k: int) -> int:
+    """An input count the type takes: k, or two super-blocks for a K-quant."""
+    return 512 if name in K_QUANTS else k
+
+
+def _offsets(raw: np.ndarray, name: str, n: int, k: int) -> np.ndarray:
+    """m float64 [n, k]: the weight's offset (w = d q + m), zeros for the types without one (Q4_1's
+    fp16 m; Q4_K's and Q5_K's -dmin * min, by gguf's own scale unpacking)."""
+    if name == "q4_1":
+        m = raw.reshape(n, k // 32, 20)[..., 2:4].copy().view(np.float16).astype(np.float64)
+        return np.repeat(m, 32, axis=-1).reshape(n, k)
+    if name in ("q4_k", "q5_k"):
+        from gguf.quants import Q4_K
+
+        blocks = raw.reshape(-1, gb.TYPES[TYPES[name]][1])
+        dmin = blocks[:, 2:4].copy().view(np.float16).astype(np.float64)
+        _, mins = Q4_K.get_scale_min(blocks[:, 4:16])
+        return np.repeat(-dmin * mins.astype(np.float64), 32, axis=-1).reshape(n, k)
+    return np.zeros((n, k))
+
+
+def random_k_raw(name: str, n: int, k: int, rng: np.random.Generator) -> np.ndarray:
+    """A K-quant tensor's file rows [n, k / 256 * block bytes]: random bytes, with fp16 super-block
+    scales d (and dmin) of random sign and magnitude 1e-4 to 2e-3, one in 16 a subnormal and one in 32 zero."""
+    tid = TYPES[name]
+    block_bytes = gb.TYPES[tid][1]
+    count = n * k // 256
+    raw = rng.integers(0, 256, size=(count, block_bytes), dtype=np.uint8)
+    for at in ((208,) if name == "q6_k" else (0, 2)):
+        scale = rng.uniform(1e-4, 2e-3, count) * rng.choice([-1.0, 1.0], count)
+        scale[rng.random(count) < 1 / 16] *= 1e-3  # fp16 subnormals
+        scale[rng.random(count) < 1 / 32] = 0.0
+        raw[:, at:at + 2] = scale.astype(np.float16).view(np.uint8).reshape(count, 2)
+    return raw.reshape(n, -1)
 
 
 def _case(name: str, n: int, k: int, seed: int) -> tuple[gb.GgufWeight, np.ndarray, np.ndarray]:
     rng = np.random.default_rng(seed)
-    w = (rng.standard_normal((n, k)) * 0.05 + rng.standard_normal((n, 1)) * 0.02).astype(np.float32)
-    raw = gb.quantize_raw(w, TYPES[name])
+    if name in K_QUANTS:
+        raw = random_k_raw(name, n, k, rng)
+    else:
+        w = (rng.standard_normal((n, k)) * 0.05 + rng.standard_normal((n, 1)) * 0.02).astype(np.float32)
+        raw = gb.quantize_raw(w, TYPES[name])
     return gb.pack(raw, TYPES[name]), raw, gb.dequantize_raw(raw, TYPES[name]).reshape(n, k)
 
 
-def _bound(x: torch.Tensor, raw: np.ndarray, name: str, n: int, k: int) -> torch.Tensor:
+def _bound(x: torch.Tensor, raw: np.ndarray, deq: np.ndarray, name: str, n: int, k: int) -> torch.Tensor:
     """|kernel - exact| per element, from the kernel's arithmetic: each input is quantized to
     amax_b / 32512 steps (error <= amax_b / 65024, b its 32-input block), times |w| summed; and the
-    float32 part (a product d * dx, a conversion and an fma per block, one more fma for Q4_1's
-    min) adds at most (blocks + 3) float32 roundings of the sum of the terms' magnitudes, and Q4_1's
-    min multiplies a float32 sum of the block's 32 inputs (31 more roundings)."""
-    d, m, q = (torch.from_numpy(a) for a in _blocks(raw, name, n, k))
+    float32 part (a product d * dx, a conversion and an fma per block and per scale: Q6_K has two, one
+    more fma for a min m) adds at most (blocks * scales + 3) float32 roundings of the sum of the terms'
+    magnitudes |x| |d q| (|d q| = |w - m|), and the min multiplies a float32 sum of the block's 32
+    inputs (31 more roundings)."""
+    m = torch.from_numpy(_offsets(raw, name, n, k))
+    w = torch.from_numpy(deq).double()
     xd = x.double()
     amax = xd.abs().view(x.shape[0], k // 32, 32).amax(-1)
     step = (amax / (2 * QMAX)).repeat_interleave(32, dim=1)  # [rows, k]
-    w_abs = (d * q + m).abs()
-    quantization = step @ w_abs.T
-    terms = xd.abs() @ (d.abs() * q.abs()).T + step @ (d.abs() * q.abs()).T
-    return quantization + (k // 32 + 3) * 2.0 ** -23 * terms + (k // 32 + 35) * 2.0 ** -23 * (xd.abs() @ m.abs().T)
+    quantization = step @ w.abs().T
+    dq = (w - m).abs()
+    terms = xd.abs() @ dq.T + step @ dq.T
+    roundings = (k // 32) * (2 if name == "q6_k" else 1) + 3
+    return quantization + roundings * 2.0 ** -23 * terms + (k // 32 + 35) * 2.0 ** -23 * (xd.abs() @ m.abs().T)
 
 
 @pytest.fixture(scope="module")
@@ -62,8 +96,7 @@ def ops():
     return built
 
 
-@pytest.mark.parametrize("name", TYPES)
-@pytest.mark.parametrize("n,k", SHAPES)
+@pytest.mark.parametrize("name,n,k", CASES)
 @pytest.mark.parametrize("rows", [1, 7, 64])
 def test_against_float64_of_the_dequantized_weights(ops, name, n, k, rows):
     weight, raw, deq = _case(name, n, k, seed=n * 1000 + k)
@@ -71,7 +104,7 @@ def test_against_float64_of_the_dequantized_weights(ops, name, n, k, rows):
     x = torch.randn(rows, k, generator=gen) * torch.rand(1, k, generator=gen) * 3  # channels of unequal scale
     x[0, :5] = 40.0  # an outlier block
     ref = x.double() @ torch.from_numpy(deq).double().T
-    bound = _bound(x, raw, name, n, k)
+    bound = _bound(x, raw, deq, name, n, k)
     out = gb.linear(x, weight, out_fp32=True)
     assert out.shape == (rows, n) and out.dtype == torch.float32
     assert ((out.double() - ref).abs() <= bound).all(), ((out.double() - ref).abs() / bound).max()
@@ -81,13 +114,14 @@ def test_against_float64_of_the_dequantized_weights(ops, name, n, k, rows):
     refb = xb.double() @ torch.from_numpy(deq).double().T
     outb = gb.linear(xb, weight, path="amx")
     assert outb.dtype == torch.bfloat16
-    assert ((outb.double() - refb).abs() <= _bound(xb.float(), raw, name, n, k) + refb.abs() * 2.0 ** -8).all()
+    assert ((outb.double() - refb).abs() <= _bound(xb.float(), raw, deq, name, n, k) + refb.abs() * 2.0 ** -8).all()
 
 
 @pytest.mark.parametrize("name", TYPES)
 def test_bias_added_in_float32_then_rounded_once(ops, name):
-    weight, _, _ = _case(name, 37, 96, seed=1)
-    x, bias = torch.randn(5, 96), torch.randn(37)
+    k = _in(name, 96)
+    weight, _, _ = _case(name, 37, k, seed=1)
+    x, bias = torch.randn(5, k), torch.randn(37)
     base = gb.linear(x, weight, out_fp32=True)
     assert torch.equal(gb.linear(x, weight, bias, out_fp32=True), base + bias)
     assert torch.equal(gb.linear(x.to(torch.bfloat16), weight, bias.to(torch.bfloat16)),
@@ -98,8 +132,9 @@ def test_bias_added_in_float32_then_rounded_once(ops, name):
 @pytest.mark.parametrize("name", TYPES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_row_gets_the_same_bits_alone_in_any_batch_at_any_thread_count(ops, name, dtype):
-    weight, _, _ = _case(name, 100, 160, seed=7)
-    x = (torch.randn(64, 160) * 2).to(dtype)
+    k = _in(name, 160)
+    weight, _, _ = _case(name, 100, k, seed=7)
+    x = (torch.randn(64, k) * 2).to(dtype)
     batched = gb.linear(x, weight)
     threads = torch.get_num_threads()
     try:
@@ -121,7 +156,7 @@ def test_a_row_gets_the_same_bits_alone_in_any_batch_at_any_thread_count(ops, na
 
 @pytest.mark.parametrize("name", TYPES)
 def test_rows_are_gguf_dequantize_bit_for_bit(ops, name):
-    weight, _, deq = _case(name, 37, 96, seed=3)
+    weight, _, deq = _case(name, 37, _in(name, 96), seed=3)
     ids = torch.tensor([0, 36, 5, 5, 16])
     assert torch.equal(gb.rows(weight, ids), torch.from_numpy(deq[ids.numpy()]))
     with pytest.raises(RuntimeError, match="ids: 37"):
@@ -131,12 +166,27 @@ def test_rows_are_gguf_dequantize_bit_for_bit(ops, name):
 def test_packed_bytes_are_the_files(ops):
     """Repacking moves bytes only: the packed weight is the file's size but for padding to 16 rows."""
     for name, tid in TYPES.items():
+        if name in K_QUANTS:
+            continue
         weight, raw, _ = _case(name, 48, 96, seed=0)
         assert weight.nbytes == raw.nbytes and weight.qtype == name and weight.shape == (48, 96)
 
 
+def test_k_quants_are_unpacked_to_units_of_exact_float32_scales(ops):
+    """A K-quant's super-block (file bytes per 256 inputs: 144, 176, 210) becomes 8 units' worth of
+    32-input blocks (bytes per 16 x 32: 384, 448, 640), the scales float32 products of the file's."""
+    for name, file_bytes, unit_bytes in (("q4_k", 144, 384), ("q5_k", 176, 448), ("q6_k", 210, 640)):
+        weight, raw, _ = _case(name, 48, 512, seed=0)
+        assert raw.nbytes == 48 * 2 * file_bytes and weight.qtype == name and weight.shape == (48, 512)
+        assert weight.packed.shape == (3, 16, unit_bytes)
+        assert gb.TYPES[TYPES[name]] == (name, file_bytes, unit_bytes)
+
+
 def test_shapes_the_kernel_cannot_take_are_refused(ops):
-    assert not gb.supported(8, (16, 40)) and not gb.supported(12, (16, 256)) and gb.supported(3, (5, 64))
+    assert not gb.supported(8, (16, 40)) and gb.supported(3, (5, 64))
+    assert gb.supported(12, (16, 256)) and gb.supported(14, (5, 512)) and gb.supported(13, (3, 768))
+    assert not gb.supported(12, (16, 224)) and not gb.supported(14, (16, 32)) and not gb.supported(13, (16, 288))
+    assert not gb.supported(10, (16, 256)) and not gb.supported(11, (16, 256))  # Q2_K, Q3_K: no kernel
     weight, _, _ = _case("q8_0", 16, 64, seed=0)
     with pytest.raises(RuntimeError, match="64 inputs"):
         gb.linear(torch.randn(2, 32), weight)

@@ -1,5 +1,8 @@
-"""GGUF blocks (Q4_0, Q4_1, Q8_0) repacked once for kernels/csrc/gguf_linear_cpu.cpp, and the
-weight object the model's linears, its embedding and the C++ decode step take.
+"""GGUF blocks (Q4_0, Q4_1, Q8_0, and the K-quants Q4_K, Q5_K, Q6_K) repacked once for
+kernels/csrc/gguf_linear_cpu.cpp, and the weight object the model's linears, its embedding and the
+C++ decode step take. The K-quants' 256-input super-blocks are unpacked at load into 32-input units
+holding the float32 scales gguf's dequantize computes (exact products: kernels/csrc/gguf_units.h),
+so every path computes with the file's weights bit for bit.
 
 Arithmetic (kernels/csrc/gguf_linear_cpu.cpp says it in full), by activation dtype, never by row count:
 - bfloat16 on a CPU with AMX-BF16: each weight unit dequantized on the fly to bfloat16 (the
@@ -20,10 +23,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-FEATURES, BLOCK = 16, 32  # a unit: 16 output features x 32 inputs
+FEATURES, BLOCK, SUPER = 16, 32, 256  # a unit: 16 output features x 32 inputs; a K-quant super-block: 256 inputs
 # ggml type id -> (name, block bytes in the file, unit bytes packed)
-TYPES: dict[int, tuple[str, int, int]] = {2: ("q4_0", 18, 288), 3: ("q4_1", 20, 320), 8: ("q8_0", 34, 544)}
+TYPES: dict[int, tuple[str, int, int]] = {2: ("q4_0", 18, 288), 3: ("q4_1", 20, 320), 8: ("q8_0", 34, 544),
+                                          12: ("q4_k", 144, 384), 13: ("q5_k", 176, 448), 14: ("q6_k", 210, 640)}
 TYPE_IDS = {name: tid for tid, (name, _, _) in TYPES.items()}
+K_QUANTS = frozenset(tid for tid, (name, _, _) in TYPES.items() if name.endswith("_k"))
 
 
 @dataclass(frozen=True, eq=False)
@@ -44,13 +49,16 @@ class GgufWeight:
 
 def supported(ggml_type: int, shape: tuple[int, ...]) -> bool:
     """Whether a tensor of this ggml type and [out, in] shape can be held packed."""
-    return int(ggml_type) in TYPES and len(shape) == 2 and shape[1] % BLOCK == 0
+    block = SUPER if int(ggml_type) in K_QUANTS else BLOCK
+    return int(ggml_type) in TYPES and len(shape) == 2 and shape[1] % block == 0
 
 
 def pack(raw: torch.Tensor | np.ndarray, ggml_type: int) -> GgufWeight:
     """raw: the file's [out, in / 32 * block bytes] uint8 rows of one tensor (rows permuted or
     concatenated as the loader fuses them) -> the kernel's layout."""
     name, block_bytes, unit = TYPES[int(ggml_type)]
+    if int(ggml_type) in K_QUANTS:
+        return _pack_k(np.asarray(raw), int(ggml_type))
     raw = torch.as_tensor(np.ascontiguousarray(raw) if isinstance(raw, np.ndarray) else raw.contiguous())
     n, row_bytes = raw.shape
     if raw.dtype != torch.uint8 or row_bytes % block_bytes:
@@ -70,6 +78,72 @@ def pack(raw: torch.Tensor | np.ndarray, ggml_type: int) -> GgufWeight:
     packed = torch.cat(parts, dim=-1).contiguous()
     assert packed.shape[-1] == unit
     return GgufWeight(packed, torch.zeros((), dtype=torch.float32).expand(n, kb * BLOCK), name)
+
+
+def _k_unpack(blocks: np.ndarray, ggml_type: int) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """[B, block bytes] K-quant super-blocks -> u [B, 256] uint8 (the unsigned stored values), the
+    float32 scales d per 32 inputs ([B, 8]; Q6_K per 16: [B, 16]) and the float32 offsets
+    m = -(dmin * min) per 32 (Q4_K, Q5_K; None for Q6_K), as gguf.quants' dequantize_blocks computes them:
+    weight = fma(d, u, m), or d * (u - 32) for Q6_K."""
+    count = blocks.shape[0]
+    if ggml_type == 14:  # Q6_K: ql[128], qh[64], int8 scales[16], fp16 d
+        ql, qh = blocks[:, :128], blocks[:, 128:192]
+        sc = blocks[:, 192:208].view(np.int8).astype(np.float32)
+        d = blocks[:, 208:210].copy().view(np.float16).astype(np.float32)
+        low = (ql.reshape(count, 2, 1, 64) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)) & 15
+        high = (qh.reshape(count, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)) & 3
+        return low.reshape(count, SUPER) | (high.reshape(count, SUPER) << 4), d * sc, None
+    d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)
+    dmin = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)
+    packed_scales = blocks[:, 4:16].reshape(count, 3, 4)  # 6-bit scales and mins of the 8 sub-blocks
+    lo, mid, top = packed_scales[:, 0], packed_scales[:, 1], packed_scales[:, 2]
+    sc = np.concatenate([lo & 0x3F, (top & 0x0F) | ((lo >> 2) & 0x30)], axis=-1).astype(np.float32)
+    mn = np.concatenate([mid & 0x3F, (top >> 4) | ((mid >> 2) & 0x30)], axis=-1).astype(np.float32)
+    qs = blocks[:, -128:]
+    u = ((qs.reshape(count, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)) & 15).reshape(count, SUPER)
+    if ggml_type == 13:  # Q5_K: qh[32] after the scales, bit j of byte i = bit 4 of sub-block j's input i
+        qh = blocks[:, 16:48]
+        u = u | (((qh.reshape(count, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)) & 1) << 4).reshape(count, SUPER)
+    return u, d * sc, -(dmin * mn)
+
+
+def _pack_k(raw: np.ndarray, ggml_type: int) -> GgufWeight:
+    """A K-quant tensor's [out, in / 256 * block bytes] rows -> the kernel's units (gguf_units.h)."""
+    name, block_bytes, unit = TYPES[ggml_type]
+    n, row_bytes = raw.shape
+    if raw.dtype != np.uint8 or row_bytes % block_bytes:
+        raise ValueError(f"{name}: rows of {row_bytes} bytes are not {block_bytes}-byte blocks")
+    k = row_bytes // block_bytes * SUPER
+    kb, nb = k // BLOCK, -(-n // FEATURES)
+    packed = np.zeros((nb, kb, unit), dtype=np.uint8)
+    step = 64  # feature blocks unpacked at a time (bounds the temporaries to ~1000 rows' worth)
+    for fb0 in range(0, nb, step):
+        rows = raw[fb0 * FEATURES:(fb0 + step) * FEATURES]
+        fbs = -(-rows.shape[0] // FEATURES)
+        u, d, m = _k_unpack(np.ascontiguousarray(rows).reshape(-1, block_bytes), ggml_type)
+        pad = fbs * FEATURES - rows.shape[0]  # rows past n: zeros, never read
+        u, d = (np.pad(a.reshape(rows.shape[0], -1), ((0, pad), (0, 0))) for a in (u, d))
+        # [fbs, kb, 16 features, 32 inputs]
+        u = u.reshape(fbs, FEATURES, kb, BLOCK).transpose(0, 2, 1, 3)
+
+        def per_feature(scales: np.ndarray) -> np.ndarray:  # [rows, kb] float32 -> [fbs, kb, 64] bytes
+            return np.ascontiguousarray(scales.reshape(fbs, FEATURES, kb).transpose(0, 2, 1)).view(np.uint8)
+
+        if ggml_type == 14:
+            d = d.reshape(fbs * FEATURES, kb, 2)
+            parts = [per_feature(d[..., 0]), per_feature(d[..., 1])]
+            # byte layout: byte 4f + i of group g = u of input 4g + i
+            parts.append(u.reshape(fbs, kb, FEATURES, 8, 4).transpose(0, 1, 3, 2, 4).reshape(fbs, kb, 512))
+        else:
+            m = np.pad(m.reshape(rows.shape[0], -1), ((0, pad), (0, 0)))
+            parts = [per_feature(d), per_feature(m)]
+            nibbles = (u[..., :16] & 15) | ((u[..., 16:] & 15) << 4)  # [fbs, kb, 16, 16]: Q4_0's qs bytes
+            parts.append(nibbles.reshape(fbs, kb, FEATURES, 4, 4).transpose(0, 1, 3, 2, 4).reshape(fbs, kb, 256))
+            if ggml_type == 13:  # bit g of byte 4f + i: bit 4 of u of input 4g + i
+                high = ((u >> 4) & 1).reshape(fbs, kb, FEATURES, 8, 4) << np.arange(8, dtype=np.uint8).reshape(1, 1, 1, 8, 1)
+                parts.append(np.bitwise_or.reduce(high, axis=3).reshape(fbs, kb, 64))
+        packed[fb0:fb0 + fbs] = np.concatenate(parts, axis=-1)
+    return GgufWeight(torch.from_numpy(packed), torch.zeros((), dtype=torch.float32).expand(n, k), name)
 
 
 def _ops():
