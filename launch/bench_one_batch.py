@@ -1,7 +1,7 @@
 """`tandem bench one-batch`: prefill and decode latency of one static batch, no server (like SGLang's bench_one_batch);
 with --transformers, transformers' generate on the same batches beside it; with --quantization none gguf q8_0 ...,
 each weight format of a GGUF model in turn, a summary table across them and each one's batch-1 bandwidth bound
-(launch/bench_quant.py)."""
+(launch/bench_quant.py), and llama.cpp on the same files where it is built (launch/bench_llamacpp.py)."""
 from __future__ import annotations
 
 import argparse
@@ -78,9 +78,10 @@ def main(argv: list[str] | None = None) -> int:
         rows += _run_variant(args, variant, transformers=args.transformers and i == 0)
         gc.collect()
     if args.quantization:
+        rows += bench_quant.llamacpp_rows(rows, args.input_len, args.output_len)
         emit()
         emit(bench_quant.SUMMARY_HEADER)
-        for line in bench_quant.summary_rows(rows):
+        for line in bench_quant.summary_rows(rows) + bench_quant.peer_ratio_lines(rows):
             emit(line)
         emit("bound: decode bytes per token (the linears' and the LM head's weights as held) over the read "
              "bandwidth of a buffer of that size (cached where it fits; the 1 GiB figure is in the JSON)")

@@ -8,6 +8,7 @@ gguf package's quantizer, cached: launch/gguf_convert.py; the file itself where 
 """
 from __future__ import annotations
 
+import os
 import time
 
 import torch
@@ -82,6 +83,36 @@ def bound_fields(model: nn.Module) -> dict:
 
 SUMMARY_HEADER = (f"{'weights':<22} {'MB':>7} {'batch':>6} {'prefill tok/s':>14} {'decode tok/s':>13} "
                   f"{'x first':>8} {'B/token MB':>11} {'bound tok/s':>12} {'of bound':>9}")
+
+
+def llamacpp_rows(rows: list[dict], input_len: int, output_len: int) -> list[dict]:
+    """llama.cpp's llama-batched-bench on each GGUF file the variants ran (launch/bench_llamacpp.py),
+    at the same batch sizes, lengths and thread count: [] where it is not built."""
+    from tandem.launch import bench_llamacpp
+
+    if bench_llamacpp.binary() is None:
+        return []
+    peers: list[dict] = []
+    for path in dict.fromkeys(r["model_path"] for r in rows if r["weights"] != "none"):
+        sizes = sorted({r["batch_size"] for r in rows if r["model_path"] == path})
+        kinds = next(r["weights"] for r in rows if r["model_path"] == path)
+        for peer in bench_llamacpp.run(path, sizes, input_len, output_len, torch.get_num_threads()):
+            peers.append(peer | {"variant": "llama.cpp", "weights": kinds, "model_path": path,
+                                 "weight_bytes": os.path.getsize(path)})
+    return peers
+
+
+def peer_ratio_lines(rows: list[dict]) -> list[str]:
+    """tandem's decode and prefill over llama.cpp's on the same file and batch."""
+    peers = {(r["model_path"], r["batch_size"]): r for r in rows if r["variant"] == "llama.cpp"}
+    lines = []
+    for r in rows:
+        peer = peers.get((r.get("model_path"), r["batch_size"])) if r["variant"] != "llama.cpp" else None
+        if peer and peer["decode_throughput_tok_s"] and peer["prefill_throughput_tok_s"]:
+            lines.append(f"tandem {r['variant']} / llama.cpp on {os.path.basename(r['model_path'])}, batch "
+                         f"{r['batch_size']}: decode {r['decode_throughput_tok_s'] / peer['decode_throughput_tok_s']:.2f}x, "
+                         f"prefill {r['prefill_throughput_tok_s'] / peer['prefill_throughput_tok_s']:.2f}x")
+    return lines
 
 
 def summary_rows(rows: list[dict]) -> list[str]:

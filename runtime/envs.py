@@ -44,8 +44,8 @@ class Envs:
     CPU_DECODE_STEP = EnvVar("TANDEM_CPU_DECODE_STEP", True, "with the cpu attention backend, a decode step's "
                              "layers run in one C++ call (runtime/model/cpu_decode_step.py; 0: the Python modules, "
                              "for A/B runs)")
-    GGUF_QUANTIZED = EnvVar("TANDEM_GGUF_QUANTIZED", False, "--quantization unset (or auto) serves a GGUF "
-                            "file's Q4_0/Q4_1/Q8_0 tensors quantized on CPU (runtime/model/quant/; 0: dequantized "
+    GGUF_QUANTIZED = EnvVar("TANDEM_GGUF_QUANTIZED", True, "--quantization unset (or auto) serves a GGUF "
+                            "file's quantized tensors as stored on CPU (runtime/model/quant/; 0: dequantized "
                             "to --dtype, as --quantization none)")
     CPU_MALLOC_KEEP = EnvVar("TANDEM_CPU_MALLOC_KEEP", True, "CPU model processes keep freed large blocks in "
                              "glibc's heap instead of unmapping them (0: glibc's defaults, for A/B runs)")

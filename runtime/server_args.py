@@ -58,10 +58,10 @@ class ServerArgs:
     device: str = "auto"  # auto = cuda when available
     attention_backend: str = "auto"  # auto = triton on CUDA, cpu (torch + the paged decode op) on CPU
     kv_cache_dtype: str = "auto"  # the KV pool's element: auto = the model dtype; fp8: one byte, no scales
-    # SGLang's: gguf = a GGUF file's Q4_0/Q4_1/Q8_0 tensors served as stored (CPU); gptq/awq = an int4 checkpoint's
+    # SGLang's: gguf = a GGUF file's quantized tensors served as stored (CPU); gptq/awq = an int4 checkpoint's
     # linears served on the GGUF int4 kernels (CPU); w8a8_int8 = int8 weights, per-token int8 activations (CPU); none =
-    # weights dequantized to --dtype; None/auto = none (gguf for a GGUF file on CPU where TANDEM_GGUF_QUANTIZED=1;
-    # gptq/awq/w8a8_int8 where config.json's quantization_config says so)
+    # weights dequantized to --dtype; None/auto = gguf for a GGUF file on CPU (unless TANDEM_GGUF_QUANTIZED=0),
+    # gptq/awq/w8a8_int8 where config.json's quantization_config says so, none otherwise
     quantization: str | None = None
     # SGLang's: sglang = tandem's own model classes only; transformers = transformers' modeling code with
     # tandem's paged KV and attention (any causal LM it can build, attention-only); auto = tandem's class where

@@ -44,7 +44,10 @@ def smol_runner():
     from tandem.runtime.model.runner import ModelRunner
     from tandem.runtime.server_args import ServerArgs
 
-    return ModelRunner(ServerArgs(max_total_tokens=16384, max_running_requests=16, dtype="float32"))
+    # the dequantized fp32 path: the one compared with transformers (the quantized default is
+    # compared with this path in tests/runtime/model/test_gguf_quantized.py)
+    return ModelRunner(ServerArgs(max_total_tokens=16384, max_running_requests=16, dtype="float32",
+                                  quantization="none"))
 
 
 @pytest.fixture(scope="session")

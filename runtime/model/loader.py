@@ -1,7 +1,6 @@
 """Find the model, read its config and weights (HF safetensors folder or GGUF file) into `CausalLM`."""
 from __future__ import annotations
 
-import os
 from functools import lru_cache
 from pathlib import Path
 
@@ -13,7 +12,7 @@ from tandem.runtime.model.gemma3 import Gemma3ForCausalLM
 from tandem.runtime.model.llama import CausalLM
 from tandem.runtime.model.quant import gguf_load, gptq_awq, w8a8_int8
 from tandem.runtime.model.tensor_parallel import SINGLE, TensorParallel, check_divisible, shard_weights
-from tandem.runtime.model_files import cache_dir, file_cache_key, is_gguf
+from tandem.runtime.model_files import file_cache_key, is_gguf
 
 _GGUF_ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                "mistral": "MistralForCausalLM", "gemma3": "Gemma3ForCausalLM"}
@@ -63,7 +62,7 @@ def load_model(model_path: str, dtype: torch.dtype, device: torch.device | str =
 
 def load_hf_weights(model_path: str, cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """The checkpoint's tensors under Hugging Face names (a GGUF dequantized to float32)."""
-    return _cached_gguf_weights(model_path, cfg) if is_gguf(model_path) else _hf_weights(Path(model_path))
+    return _gguf_weights(model_path, cfg) if is_gguf(model_path) else _hf_weights(Path(model_path))
 
 
 def _load_into(model: CausalLM, weights: dict[str, torch.Tensor], dtype: torch.dtype, device,
@@ -236,25 +235,10 @@ _GGUF_GEMMA3_NAMES = _GGUF_NAMES | {
 }
 
 
-def _cached_gguf_weights(path: str, cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """Dequantizing a GGUF takes ~15 s in numpy; keep the float32 result as safetensors beside the cache."""
-    from safetensors.torch import load_file, save_file
-
-    cache_file = cache_dir() / f"gguf-{file_cache_key(path)}.safetensors"
-    if cache_file.is_file():
-        return load_file(str(cache_file))
-    weights = _gguf_weights(path, cfg)
-    try:
-        tmp = cache_file.with_suffix(f".tmp{os.getpid()}")
-        save_file({k: v.contiguous() for k, v in weights.items()}, str(tmp))
-        os.replace(tmp, cache_file)  # atomic: concurrent loaders never read a half-written file
-    except OSError:
-        pass  # a read-only cache only costs load time
-    return weights
-
-
 def _gguf_weights(path: str, cfg: ModelConfig, plan: gguf_load.GgufPlan | None = None) -> dict[str, torch.Tensor]:
-    """Float32 tensors; with a `plan`, the tensors it keeps are the file's uint8 rows."""
+    """Float32 tensors, dequantized from the file's memory map on every load (gguf's numpy
+    dequantize takes ~1 s for a 135M model; no float32 copy is kept on disk); with a `plan`, the
+    tensors it keeps are the file's uint8 rows."""
     from gguf.quants import dequantize
 
     reader = _gguf_reader(path)

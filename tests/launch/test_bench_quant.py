@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from tandem.launch import bench_one_batch, bench_quant
+from tandem.launch import bench_llamacpp, bench_one_batch, bench_quant
 from tandem.runtime.model_files import default_model_path
 
 
@@ -23,7 +23,8 @@ def test_variants_resolve_to_a_file_and_a_quantization(tiny_model_dir):
 
 
 @pytest.mark.timeout(900)
-def test_one_call_runs_each_format_and_prints_the_bound(tmp_path, capsys):
+def test_one_call_runs_each_format_and_prints_the_bound(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(bench_llamacpp, "binary", lambda: None)  # a machine without llama.cpp built: no peer rows
     out = tmp_path / "rows.jsonl"
     assert bench_one_batch.main(["--quantization", "gguf", "q8_0", "--batch-size", "1", "2", "--input-len", "8",
                                  "--output-len", "3", "--dtype", "float32", "--output-file", str(out)]) == 0
@@ -35,3 +36,38 @@ def test_one_call_runs_each_format_and_prints_the_bound(tmp_path, capsys):
     assert first["bandwidth_bound_tok_s"] > 0 and first["stream_gb_s_1gib"] > 0
     text = capsys.readouterr().out
     assert "B/token MB" in text and "gguf gguf:q4_1+q8_0" in text and "q8_0 gguf:q8_0" in text
+
+
+# what llama-batched-bench --output-format jsonl prints per batch (its log lines around it)
+_FAKE_BENCH = """#!/bin/sh
+echo "main: n_kv_max = 4096" >&2
+for pl in $(echo "$ARGS_NPL" | tr , ' '); do
+  echo "{\\"n_kv_max\\": 4096, \\"n_batch\\": 2048, \\"n_ubatch\\": 512, \\"flash_attn\\": 0, \\"is_pp_shared\\": 0, \\"n_gpu_layers\\": 0, \\"n_threads\\": 2, \\"n_threads_batch\\": 2, \\"pp\\": 8, \\"tg\\": 3, \\"pl\\": $pl, \\"n_kv\\": 11, \\"t_pp\\": 0.1, \\"speed_pp\\": $((pl * 80)).0, \\"t_tg\\": 0.1, \\"speed_tg\\": $((pl * 30)).5, \\"t\\": 0.2, \\"speed\\": 1.0}"
+done
+echo "$@" > "$(dirname "$0")/args"
+"""
+
+
+def test_llamacpp_peer_rows_parse_its_jsonl_and_give_ratios(tmp_path, monkeypatch):
+    exe = tmp_path / "llama-batched-bench"
+    exe.write_text(_FAKE_BENCH.replace("$ARGS_NPL", "${14}"))  # -npl's value: the 14th argument
+    exe.chmod(0o755)
+    monkeypatch.setattr(bench_llamacpp, "install_dir", lambda: tmp_path)
+    ours = [{"variant": "gguf", "weights": "gguf:q4_1", "model_path": str(exe), "batch_size": b,
+             "decode_throughput_tok_s": 60.0 * b, "prefill_throughput_tok_s": 40.0 * b, "weight_bytes": 1} for b in (1, 4)]
+    peers = bench_quant.llamacpp_rows(ours, 8, 3)
+    assert [(p["variant"], p["batch_size"], p["decode_throughput_tok_s"], p["prefill_throughput_tok_s"]) for p in peers] \
+        == [("llama.cpp", 1, 30.5, 80.0), ("llama.cpp", 4, 120.5, 320.0)]
+    args = (tmp_path / "args").read_text().split()
+    assert args[args.index("-npp") + 1] == "8" and args[args.index("-ntg") + 1] == "3"
+    assert args[args.index("-npl") + 1] == "1,4" and "--output-format" in args
+    lines = bench_quant.peer_ratio_lines(ours + peers)
+    assert lines == [f"tandem gguf / llama.cpp on {exe.name}, batch 1: decode 1.97x, prefill 0.50x",
+                     f"tandem gguf / llama.cpp on {exe.name}, batch 4: decode 1.99x, prefill 0.50x"]
+    assert any(line.startswith("llama.cpp gguf:q4_1") for line in bench_quant.summary_rows(ours + peers))
+
+
+def test_llamacpp_build_names_each_extension_and_keeps_amx_off():
+    flags = bench_llamacpp.cmake_flags({"avx2", "avx512f", "avx512_vnni", "amx_int8", "amx_bf16"})
+    assert "-DGGML_NATIVE=OFF" in flags and "-DGGML_AVX512=ON" in flags and "-DGGML_AVX512_VNNI=ON" in flags
+    assert "-DGGML_AVX512_BF16=OFF" in flags and "-DGGML_AMX_INT8=OFF" in flags and "-DGGML_AMX_BF16=OFF" in flags

@@ -29,7 +29,8 @@ def test_tp2_equals_tp1(tiny_model_dir, tmp_path, arch):
 
 @pytest.mark.timeout(400)
 def test_smollm2_tp3_equals_tp1(tmp_path):
-    ref = BareLoop(ModelRunner(ServerArgs(max_total_tokens=600, max_running_requests=4, dtype="float32"))
+    ref = BareLoop(ModelRunner(ServerArgs(max_total_tokens=600, max_running_requests=4, dtype="float32",
+                                          quantization="none"))
                    ).generate(PROMPTS, 10, keep_logits=True)
     got = run_tp(None, 3, str(tmp_path / "tp3.pt"))
     assert got["ids"] == ref.output_ids

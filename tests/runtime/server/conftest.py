@@ -16,6 +16,7 @@ NGRAM = ["--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", "
 # two, share this many units (a tiny-model server ~0.8 GB: 1, a SmolLM2 one ~2.7 GB: 3). All 20 kept
 # up at once took 23 of the machine's 24 GB, and CI's pytest was killed for memory.
 PINNED = ("tiny", "smol")
+SMOL_ARGS = ("--max-total-tokens", "20000", "--max-running-requests", "32", "--quantization", "none")
 TOOLS_TEMPLATE = str(Path(__file__).parent / "templates" / "qwen25_tools.jinja")
 UNITS_UP = 6
 
@@ -86,7 +87,9 @@ def servers(tmp_path_factory, tiny_model_dir):
                 # SGLang's --incremental-streaming-output, its deltas under chunked prefill and retraction
                 "tiny_incremental_retract": (["--model-path", tiny, *TINY_ARGS, "--chunked-prefill-size", "16",
                                               "--incremental-streaming-output"], {"TANDEM_TEST_RETRACT": "1"}),
-                "smol": (["--max-total-tokens", "20000", "--max-running-requests", "32"], None),
+                # SmolLM2 dequantized (the reference path its tests compare with transformers' fp32); the
+                # quantized default is compared with it in tests/runtime/model/test_gguf_quantized.py
+                "smol": ([*SMOL_ARGS], None),
                 # speculative decoding (NGRAM): plain, under retraction with and without overlap, and
                 # switched off above two running requests
                 "tiny_ngram": (["--model-path", tiny, *TINY_ARGS, *NGRAM], {"TANDEM_DEBUG_FUTURE_MAP": "1"}),
@@ -108,7 +111,7 @@ def servers(tmp_path_factory, tiny_model_dir):
                 # weight updates and pause change the server for whoever comes next: one of their own
                 "tiny_rl": (["--model-path", tiny, *TINY_ARGS, "--weight-version", "v0"], None),
                 "tiny_embedding": (["--model-path", embedder(), *TINY_ARGS, "--is-embedding"], None),
-                "smol_ngram": (["--max-total-tokens", "20000", "--max-running-requests", "32", *NGRAM], None),
+                "smol_ngram": ([*SMOL_ARGS, *NGRAM], None),
                 # STANDALONE: the draft is the tiny model cut to its first layer (SmolLM2: first 6 of 30)
                 "tiny_standalone": (["--model-path", tiny, *TINY_ARGS, *standalone(tiny, 1)],
                                     {"TANDEM_DEBUG_FUTURE_MAP": "1"}),
@@ -118,7 +121,7 @@ def servers(tmp_path_factory, tiny_model_dir):
                 "tiny_standalone_sequential_retract": (
                     ["--model-path", tiny, *TINY_ARGS, *standalone(tiny, 1), "--disable-overlap-schedule"],
                     {"TANDEM_TEST_RETRACT": "1", "TANDEM_DEBUG_FUTURE_MAP": "1"}),
-                "smol_standalone": (["--max-total-tokens", "20000", "--max-running-requests", "32",
+                "smol_standalone": ([*SMOL_ARGS,
                                      *standalone(None, 6)], None),
             }
             if name in failed:  # one failed start fails every later test that needs it at once
