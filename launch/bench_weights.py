@@ -4,6 +4,9 @@ Engine and split into its parts (read or transfer, check, copy + repack), agains
 target: twice the time to read the bytes moved once from memory, plus the copy and repack.
 
     tandem bench weights [--model-path PATH] [--dtype bfloat16] [--repeats 3] [--output-file out.json]
+
+A GGUF model (the default) is first written as the Hugging Face folder a trainer saves (safetensors
+in the served dtype, launch/make_tiny_model.py); that folder is served, dequantized, and updated from.
 """
 from __future__ import annotations
 
@@ -15,7 +18,7 @@ import time
 
 import torch
 
-from tandem.runtime.model_files import default_model_path
+from tandem.runtime.model_files import cache_dir, default_model_path, file_cache_key, is_gguf
 from tandem.runtime.model import weight_update
 from tandem.runtime.model.loader import load_config, load_hf_weights, load_model
 from tandem.runtime.model.tensor_parallel import SINGLE
@@ -50,7 +53,7 @@ def parts(model_path: str, dtype: torch.dtype, repeats: int) -> dict:
     cfg = load_config(model_path)
     model = load_model(model_path, dtype)
     model.pack_weights()
-    weights = load_hf_weights(model_path, cfg)  # once: GGUF's dequantized cache is written here
+    weights = load_hf_weights(model_path, cfg)
     served = {n: t.to(dtype) for n, t in weights.items()}
     bytes_moved = sum(t.numel() * t.element_size() for t in served.values())
     read = _best(lambda: load_hf_weights(model_path, cfg), repeats)
@@ -132,6 +135,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output-file", default=None)
     args = parser.parse_args(argv)
     model_path = args.model_path or default_model_path()
+    if is_gguf(model_path):  # trainers save HF checkpoints; a GGUF's blocks are not what they write
+        from tandem.launch.make_tiny_model import build_truncated_model
+
+        folder = cache_dir() / f"bench-weights-{file_cache_key(model_path)}-{args.dtype}"
+        model_path = str(build_truncated_model(model_path, folder, load_config(model_path).num_layers, args.dtype))
     result = {"model": model_path, "dtype": args.dtype, "bandwidth_gb_s": memory_bandwidth() / 1e9,
               **parts(model_path, getattr(torch, args.dtype), args.repeats),
               **end_to_end(model_path, args.dtype, args.repeats)}

@@ -69,9 +69,10 @@ def build_tiny_model(out_dir: str | Path, arch: str = "qwen2", hidden: int = 64,
     return out
 
 
-def build_truncated_model(model_path: str | None, out_dir: str | Path, layers: int) -> Path:
+def build_truncated_model(model_path: str | None, out_dir: str | Path, layers: int, dtype: str = "float32") -> Path:
     """An HF folder holding the first `layers` layers of a checkpoint (HF folder or GGUF), its
-    embeddings, final norm and head: a same-tokenizer draft model for STANDALONE speculation."""
+    embeddings, final norm and head, in `dtype`: a same-tokenizer draft model for STANDALONE
+    speculation, or (all layers) the checkpoint a trainer writes (bench weights)."""
     import json
 
     from safetensors.torch import save_file
@@ -92,7 +93,7 @@ def build_truncated_model(model_path: str | None, out_dir: str | Path, layers: i
     if not 1 <= layers <= cfg.num_layers:
         raise ValueError(f"layers must be in [1, {cfg.num_layers}], got {layers}")
     out.mkdir(parents=True, exist_ok=True)
-    weights = {name: w.contiguous() for name, w in load_hf_weights(src, cfg).items()
+    weights = {name: w.to(getattr(torch, dtype)).contiguous() for name, w in load_hf_weights(src, cfg).items()
                if not name.startswith("model.layers.") or int(name.split(".")[2]) < layers}
     save_file(weights, str(out / "model.safetensors"))
     max_position, scaling = cfg.max_position, cfg.rope_scaling
@@ -104,7 +105,7 @@ def build_truncated_model(model_path: str | None, out_dir: str | Path, layers: i
           "rms_norm_eps": cfg.rms_norm_eps, "rope_theta": cfg.rope_theta, "rope_scaling": scaling,
           "max_position_embeddings": max_position, "tie_word_embeddings": cfg.tie_word_embeddings,
           "attention_bias": cfg.qkv_bias, "mlp_bias": cfg.mlp_bias, "eos_token_id": list(cfg.eos_token_ids),
-          "torch_dtype": "float32", "sliding_window": next(iter(windows), None)}
+          "torch_dtype": dtype, "sliding_window": next(iter(windows), None)}
     (out / "config.json").write_text(json.dumps(hf, indent=2))
     load_tokenizer(model_path).save_pretrained(str(out))
     return out

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -32,3 +33,13 @@ def test_a_truncated_copy_keeps_mlp_biases_and_a_linear_rope_scaling(tiny_model_
     assert got.max_position == want.max_position == 2 * 2048  # stretched once, not twice
     model = load_model(str(draft), torch.float32)
     assert model.layers[0].mlp.down_proj_bias is not None
+
+
+def test_a_copy_in_bfloat16_holds_every_layer_rounded_once(tiny_model_dir, tmp_path):
+    src = tiny_model_dir("llama")
+    layers = load_config(src).num_layers
+    copy = build_truncated_model(src, tmp_path / "bf16", layers, "bfloat16")
+    got, want = load_file(str(copy / "model.safetensors")), load_file(str(Path(src) / "model.safetensors"))
+    assert json.loads((copy / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    assert got.keys() == want.keys()
+    assert all(got[n].dtype == torch.bfloat16 and torch.equal(got[n], want[n].float().to(torch.bfloat16)) for n in got)
