@@ -23,6 +23,8 @@
 // integer part is exact and the float part is one fixed sequence per element, computed by one
 // thread: a row gets the same bits alone, in any batch, at any thread count, on any path (AMX-INT8
 // tiles for 4 rows and more, AVX-512 VNNI, or the portable loop: the same bits on a CPU that has them).
+// The kernels meet every type's weights as 8 x 64 unsigned bytes u (gguf_units.h expand_u), so a type
+// differs only in its scales: fp16 or the K-quants' float32, a min, or Q6_K's two halves.
 // (llama.cpp quantizes activations to 8 bits instead: 256 times coarser, which moved this model's
 // logprobs 5x farther from the dequantized fp32 path than bf16 rounding does.)
 // A lane of VPDPBUSD is a feature; its 4 bytes meet 4 consecutive inputs of one activation row.

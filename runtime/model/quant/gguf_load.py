@@ -1,15 +1,20 @@
 """Serving a GGUF file's quantized tensors as stored (`--quantization gguf`; unset means it where
 TANDEM_GGUF_QUANTIZED=1): which tensors stay quantized, and the modules that hold them.
 
-A linear weight stays quantized where its type has a kernel (gguf_blocks.TYPES: Q4_0, Q4_1, Q8_0)
-and every tensor fused with it (q/k/v into qkv_proj, gate/up into gate_up_proj) has the same
-type; the token embedding (and the LM head tied to it, or the file's own output.weight) likewise.
-Everything else (norms, other block types, a mixed fusion group) is dequantized to --dtype as on
-the reference path (`--quantization none`). Rows only are fused, permuted (llama.cpp's rope order)
-or sharded, never columns, so a tensor's file bytes are reordered, never re-quantized.
+A linear weight stays quantized where its type has a kernel (gguf_blocks.TYPES: Q4_0, Q4_1, Q8_0,
+and Q4_K, Q5_K, Q6_K where its input count is whole 256-input super-blocks) and every tensor fused
+with it (q/k/v into qkv_proj, gate/up into gate_up_proj) has the same type (llama.cpp's Q4_K_M
+mixes Q4_K q/k with a Q6_K v in some layers: their qkv is dequantized); the token embedding (and
+the LM head tied to it, or the file's own output.weight) likewise. Everything else (norms, other
+block types, a mixed fusion group) is dequantized to --dtype as on the reference path
+(`--quantization none`). Rows only are fused, permuted (llama.cpp's rope order) or sharded, never
+columns, so a tensor's file bytes are reordered, never re-quantized (the K-quants' super-blocks are
+unpacked into units of the same weights: gguf_blocks.pack).
 
 No fp32 cache file is written on this path: the file's blocks are read from its memory map and
-repacked once (gguf_blocks.pack), the resident weights being about the file's size.
+repacked once (gguf_blocks.pack), the resident weights being about the file's size (the
+K-quants' float32 scales make theirs larger: 384, 448 and 640 bytes per 16 x 32 weights for Q4_K,
+Q5_K, Q6_K against the file's 288, 352 and 420).
 """
 from __future__ import annotations
 
@@ -156,7 +161,7 @@ def quantized_names(model: nn.Module) -> set[str]:
 
 
 def quantization_of(model: nn.Module) -> str:
-    """What the model's linears hold: 'gguf:q4_1+q8_0' (types, sorted), or 'none'."""
+    """What the model's linears hold: 'gguf:q4_1+q8_0', 'gguf:q4_k+q6_k' (types, sorted), or 'none'."""
     kinds = sorted({m.weight.qtype for m in model.modules() if isinstance(m, (GgufLinear, GgufEmbedding))})
     return "gguf:" + "+".join(kinds) if kinds else "none"
 

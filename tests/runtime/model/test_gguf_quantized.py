@@ -14,9 +14,15 @@ paths round every activation to bf16: the quantized one must be no farther from 
 than the dequantized bf16 path is (within 1.5x). On a CPU with AMX-BF16, bf16 activations take the
 bf16-tile arithmetic (weights dequantized on the fly to the dequantized path's bf16 values, summed by
 the same TDPBF16PS sequence as its AMX linear): there the two paths' logits are equal bit for bit.
+
+K-quants: the gguf package cannot quantize them, so the test writes its own (a plain min/max
+quantizer, in _K_QUANTIZERS) into a copy of the shipped file whose 30 down_proj weights (the only
+linears with whole 256-input super-blocks: 1536 inputs) are Q4_K, Q5_K and Q6_K by turns; the same
+bounds and the bf16 bit-for-bit check hold against that file dequantized.
 """
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -47,14 +53,99 @@ def q8_path():
     return converted(default_model_path(), "q8_0")
 
 
+def _fp16(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(fp16 bytes [..., 2], the float32 value they hold)"""
+    half = values.astype(np.float16)
+    return half.view(np.uint8).reshape(*values.shape, 2), half.astype(np.float32)
+
+
+def _q45_k(w: np.ndarray, five: bool) -> np.ndarray:
+    """[B, 256] float32 -> Q4_K / Q5_K super-blocks [B, 144 / 176]: per 32 inputs a 6-bit scale and min."""
+    qmax = 31 if five else 15
+    sub = w.reshape(-1, 8, 32)
+    low, high = np.minimum(sub.min(-1), 0), sub.max(-1)
+    scale, offset = (high - low) / qmax, -low
+    d_bytes, d = _fp16(scale.max(-1) / 63)
+    m_bytes, dm = _fp16(offset.max(-1) / 63)
+    sc = np.clip(np.round(scale / np.where(d > 0, d, 1)[:, None]), 0, 63).astype(np.uint8)
+    mn = np.clip(np.round(offset / np.where(dm > 0, dm, 1)[:, None]), 0, 63).astype(np.uint8)
+    step, shift = d[:, None] * sc, dm[:, None] * mn
+    u = np.clip(np.round((sub + shift[..., None]) / np.where(step > 0, step, 1)[..., None]), 0, qmax).astype(np.uint8)
+    scales = np.concatenate([sc[:, :4] | (sc[:, 4:] >> 4) << 6, mn[:, :4] | (mn[:, 4:] >> 4) << 6,
+                             (sc[:, 4:] & 15) | (mn[:, 4:] & 15) << 4], axis=-1)
+    qs = ((u[:, 0::2] & 15) | (u[:, 1::2] & 15) << 4).reshape(-1, 128)  # sub-blocks 2c, 2c + 1 in 32 bytes
+    parts = [d_bytes, m_bytes, scales]
+    if five:
+        parts.append(np.bitwise_or.reduce((u >> 4) << np.arange(8, dtype=np.uint8)[None, :, None], axis=1))
+    return np.concatenate(parts + [qs], axis=-1)
+
+
+def _q6_k(w: np.ndarray) -> np.ndarray:
+    """[B, 256] float32 -> Q6_K super-blocks [B, 210]: per 16 inputs an 8-bit signed scale."""
+    sub = w.reshape(-1, 16, 16)
+    scale = np.abs(sub).max(-1) / 31
+    d_bytes, d = _fp16(scale.max(-1) / 127)
+    sc = np.clip(np.round(scale / np.where(d > 0, d, 1)[:, None]), -128, 127).astype(np.int8)
+    step = d[:, None] * sc
+    u = (np.clip(np.round(sub / np.where(step != 0, step, 1)[..., None]), -32, 31) + 32).astype(np.uint8).reshape(-1, 256)
+    halves = u.reshape(-1, 2, 2, 64)  # [chunk of 128][nibble][64]
+    ql = ((halves[:, :, 0] & 15) | (halves[:, :, 1] & 15) << 4).reshape(-1, 128)
+    quarters = u.reshape(-1, 2, 4, 32) >> 4  # [chunk][bit pair][32]
+    qh = np.bitwise_or.reduce(quarters << (2 * np.arange(4, dtype=np.uint8))[None, None, :, None], axis=2).reshape(-1, 64)
+    return np.concatenate([ql, qh, sc.view(np.uint8), d_bytes], axis=-1)
+
+
+_K_QUANTIZERS = {12: lambda w: _q45_k(w, False), 13: lambda w: _q45_k(w, True), 14: _q6_k}
+
+
+def _k_file(src: str, dst: str) -> str:
+    """`src` with its ffn_down weights in Q4_K, Q5_K, Q6_K by turns (layer i: type 12 + i % 3)."""
+    import gguf
+    from gguf.quants import dequantize
+
+    reader = gguf.GGUFReader(src)
+    writer = gguf.GGUFWriter(dst, reader.fields[gguf.Keys.General.ARCHITECTURE].contents(), endianess=reader.endianess)
+    for field in reader.fields.values():
+        if field.name == gguf.Keys.General.ARCHITECTURE or field.name.startswith("GGUF."):
+            continue
+        sub_type = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(field.name, field.contents(), field.types[0], sub_type=sub_type)
+    tensors = []
+    for t in reader.tensors:
+        data, kind = np.asarray(t.data), t.tensor_type
+        if t.name.endswith("ffn_down.weight"):
+            out, k = (int(d) for d in reversed(t.shape))
+            kind = gguf.GGMLQuantizationType(12 + int(t.name.split(".")[1]) % 3)
+            weight = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(-1, 256)
+            data = _K_QUANTIZERS[kind](weight).reshape(out, -1)
+            again = dequantize(data, kind).reshape(-1, 256)  # the quantizer's blocks are well-formed
+            assert np.abs(again - weight).max() <= np.abs(weight).max() * 0.1, t.name
+        tensors.append(data)
+        writer.add_tensor_info(t.name, data.shape, data.dtype, data.nbytes, kind)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    for data in tensors:
+        writer.write_tensor_data(data)
+    writer.close()
+    return dst
+
+
 @pytest.fixture(scope="module")
-def runners(q8_path):
+def k_path(tmp_path_factory):
+    return _k_file(default_model_path(), str(tmp_path_factory.mktemp("gguf_k") / "smollm2-k.gguf"))
+
+
+@pytest.fixture(scope="module")
+def runners(request):
     made: dict[tuple, ModelRunner] = {}
+    paths = {"q4_1": lambda: None, "q8_0": lambda: request.getfixturevalue("q8_path"),
+             "k": lambda: request.getfixturevalue("k_path")}
 
     def get(file: str, dtype: str, quantization: str) -> ModelRunner:
         key = (file, dtype, quantization)
         if key not in made:
-            made[key] = _runner(None if file == "q4_1" else q8_path, dtype, quantization)
+            made[key] = _runner(paths[file](), dtype, quantization)
         return made[key]
     return get
 
@@ -84,7 +175,15 @@ def test_the_shipped_file_is_served_quantized(runners, smol_tokenizer):
     assert runners("q4_1", "float32", "none").weight_info()["weight_bytes"] > 4 * size
 
 
-@pytest.mark.parametrize("file", ["q4_1", "q8_0"])
+def test_a_k_quant_file_is_served_quantized(runners):
+    model = runners("k", "float32", "gguf").model
+    kinds = [layer.mlp.down_proj.weight.qtype for layer in model.layers]
+    assert kinds == [("q4_k", "q5_k", "q6_k")[i % 3] for i in range(len(model.layers))]
+    assert isinstance(model.layers[0].mlp.gate_up_proj, GgufLinear)  # the file's other tensors as before
+    assert runners("k", "float32", "gguf").weight_info()["weight_quantization"] == "gguf:q4_1+q4_k+q5_k+q6_k+q8_0"
+
+
+@pytest.mark.parametrize("file", ["q4_1", "q8_0", "k"])
 def test_fp32_greedy_and_logprobs_match_the_dequantized_path(runners, smol_tokenizer, file):
     ref, ours = runners(file, "float32", "none"), runners(file, "float32", "gguf")
     for prompt in PROMPTS:
@@ -113,14 +212,15 @@ def test_bf16_is_no_farther_from_the_fp32_reference_than_the_dequantized_bf16_pa
     assert worst["gguf"] <= 1.5 * worst["none"], worst
 
 
-def test_bf16_on_amx_is_the_dequantized_bf16_path_bit_for_bit(runners, smol_tokenizer):
+@pytest.mark.parametrize("file", ["q4_1", "k"])
+def test_bf16_on_amx_is_the_dequantized_bf16_path_bit_for_bit(runners, smol_tokenizer, file):
     from tandem.kernels.cpu_ops import load_cpu_ops
 
     if not load_cpu_ops().gguf_isa().startswith("amx_bf16"):
         pytest.skip("this CPU (or kernel) gives no AMX-BF16 to the process: bf16 takes the integer arithmetic")
     prompts = [smol_tokenizer(p)["input_ids"] for p in PROMPTS]
-    ref = BareLoop(runners("q4_1", "bfloat16", "none")).generate(prompts, 16, keep_logits=True)
-    ours = BareLoop(runners("q4_1", "bfloat16", "gguf")).generate(prompts, 16, keep_logits=True)
+    ref = BareLoop(runners(file, "bfloat16", "none")).generate(prompts, 16, keep_logits=True)
+    ours = BareLoop(runners(file, "bfloat16", "gguf")).generate(prompts, 16, keep_logits=True)
     assert ours.output_ids == ref.output_ids
     assert all(torch.equal(a, b) for a, b in zip(ours.step_logits, ref.step_logits))
 
