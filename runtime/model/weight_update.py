@@ -75,6 +75,20 @@ def loader_names(names: list[str], cfg: ModelConfig) -> dict[str, str]:
     return {name: local_of[id(t)] for name, t in placeholders.items() if id(t) in local_of}
 
 
+def gather_shards(local: torch.Tensor, target: Target, tp: TensorParallel) -> torch.Tensor:
+    """The whole checkpoint tensor from each rank's `local` part of it (a collective: every TP rank
+    calls it). The split dimension is the one `target.shard` divides; a replicated one is returned as is."""
+    import torch.distributed as dist
+
+    probe = torch.empty([n * tp.size for n in local.shape], device="meta")
+    split = [dim for dim, (whole, part) in enumerate(zip(probe.shape, target.shard(probe).shape)) if whole != part]
+    if not split:
+        return local
+    parts = [torch.empty_like(local) for _ in range(tp.size)]
+    dist.all_gather(parts, local.contiguous(), group=tp.group)
+    return torch.cat(parts, dim=split[0])
+
+
 def read(model: nn.Module, param: str) -> torch.Tensor:
     """A parameter's current value as a plain tensor. A packed linear's weight is read back
     through its own kernel: identity @ W^T sums one product and zeros a row, which is exact."""

@@ -176,12 +176,12 @@ class WeightsControl:
     def _get_by_name(self, msg: WeightsReq) -> ControlReply:
         """The named weight as the checkpoint holds it (a q_proj is its rows of the fused qkv)."""
         r = self.runner
-        if r.tp.size > 1:
-            raise ValueError("get_weights_by_name reads one rank's shard; it is not served under --tp-size > 1")
         target = weight_update.locate(msg.name, r.config, r.tp)
-        if target.param not in weight_update.shapes(r.model):
+        if target.param not in weight_update.shapes(r.model):  # the same on every rank: none gathers
             raise ValueError(f"{msg.name}: the model has no such weight")
         value = weight_update.read(r.model, target.param)[target.index]
+        if r.tp.size > 1:  # every rank runs this op: the whole tensor from their shards
+            value = weight_update.gather_shards(value, target, r.tp)
         return ControlReply(req_id=msg.req_id, success=True, values=value[:msg.truncate_size].float().tolist())
 
 

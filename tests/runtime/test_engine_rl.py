@@ -196,7 +196,15 @@ def test_update_over_a_trainers_group_under_tp_2(models):
         assert ok, message
         with _engine(b) as fresh_b_tp1:  # the reference: B itself, served at TP 1 in this dtype
             reference = _greedy(fresh_b_tp1)
+            # whole tensors gathered from the ranks' shards: rows (q of the fused qkv, the vocab), input
+            # columns (o_proj, row-parallel) and a replicated norm, each as TP 1 holds it
+            names = [Q0, "model.layers.1.self_attn.o_proj.weight", "model.embed_tokens.weight",
+                     "model.layers.0.input_layernorm.weight"]
+            whole = {name: fresh_b_tp1.get_weights_by_name(name, truncate_size=10**6) for name in names}
         assert _greedy(tp2) == reference
+        for name in names:
+            got = tp2.get_weights_by_name(name, truncate_size=10**6)
+            assert got == whole[name] and len(got) == weights[name].shape[0], name
 
 
 def _scheduler_rss_bytes(engine: Engine) -> int:
