@@ -56,6 +56,8 @@ def load_model(model_path: str, dtype: torch.dtype, device: torch.device | str =
         w8a8_int8.install(model, held)
     else:
         gguf_load.install(model, held, dtype)
+        if held and quantized is not None:  # /server_info says "gptq:q4_0", not the GGUF file type it is not
+            model.checkpoint_quantization = quantized.method
     model.build_rotary(device)  # its tables were made on the meta device
     return model.eval()
 

@@ -81,9 +81,9 @@ class ModelRunner:
     def weight_info(self) -> dict:
         """What /server_info reports of the weights: how they are held ("gguf:q4_1+q8_0", or "none":
         in --dtype) and their bytes in memory (packed, quantized, or plain: each stored tensor once)."""
-        from tandem.runtime.model.quant.w8a8_int8 import held_as
+        from tandem.runtime.model.quant import held_label
 
-        return {"weight_quantization": held_as(self.model) or gguf_load.quantization_of(self.model),
+        return {"weight_quantization": held_label(self.model),
                 "weight_bytes": gguf_load.weight_bytes(self.model)}
 
     def pack_weights(self) -> None:

@@ -22,6 +22,7 @@ from tandem.runtime.model.config import ModelConfig
 from tandem.runtime.model.loader import _fuse
 from tandem.runtime.model.packed_linear import AmxPackedWeight, PackedLinear, linear, pack
 from tandem.runtime.model.packed_rows import write_rows
+from tandem.runtime.model import quant
 from tandem.runtime.model.quant import gguf_load
 from tandem.runtime.model.tensor_parallel import TensorParallel, shard_weights
 
@@ -109,15 +110,15 @@ def check(model: nn.Module, cfg: ModelConfig, tp: TensorParallel,
           tensors: Iterable[tuple[str, torch.Tensor]]) -> list[tuple[Target, torch.Tensor]]:
     """Each tensor's target and this rank's part of it; a ValueError names the first that does
     not fit (unknown name, wrong shape, a dtype that is not floating point)."""
-    params, quantized = shapes(model), gguf_load.quantized_names(model)
+    params, quantized = shapes(model), quant.quantized_weights(model)
     tensors = list(tensors)
     renamed = loader_names([name for name, _ in tensors], cfg)
     out = []
     for name, tensor in tensors:
         target = locate(name, cfg, tp, renamed)
         if target.param in quantized:
-            raise ValueError(f"{name}: the model holds this weight quantized (--quantization gguf); weight "
-                             f"updates need the dequantized path (--quantization none)")
+            raise ValueError(f"{name}: the model holds this weight quantized ({quant.held_label(model)}); "
+                             f"weight updates need the dequantized path (--quantization none)")
         if target.param not in params:
             raise ValueError(f"{name}: the model has no such weight")
         if not tensor.is_floating_point():

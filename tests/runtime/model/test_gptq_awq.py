@@ -25,6 +25,7 @@ import pytest
 import torch
 
 from tandem.launch.bare_loop import BareLoop
+from tandem.runtime.model import weight_update
 from tandem.runtime.model.quant import gguf_blocks
 from tandem.runtime.model.quant.gguf_load import GgufLinear, quantized_names
 from tandem.runtime.model.quant.gptq_awq import Int4Format, _as_q4_1, convert, parse, to_gguf_rows
@@ -172,6 +173,11 @@ def test_served_quantized_against_the_dequantized_reference(checkpoints, kind):
     fused = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
     # every layer's linears, not the embedding (nor a head)
     assert quantized_names(ours.model) == {f"layers.{i}.{m}.weight" for i in range(2) for m in fused}
+    label = f"{KINDS[kind]['quant_method']}:{qtype}"
+    assert ours.weight_info()["weight_quantization"] == label  # the checkpoint's method, then the blocks served
+    with pytest.raises(ValueError, match=f"holds this weight quantized \\({label}\\)"):
+        weight_update.check(ours.model, ours.config, ours.tp,
+                            [("model.layers.0.mlp.down_proj.weight", torch.zeros(ours.model.layers[0].mlp.down_proj.weight.shape))])
     worst, shift, steps = 0.0, 0.0, []
     for ids in PROMPTS:
         want = BareLoop(ref).generate([ids], 12).output_ids[0]

@@ -100,6 +100,10 @@ def test_served_int8_against_the_dequantized_reference(checkpoints):
     assert layer.self_attn.qkv_proj.weight.shape == (128 + 2 * 64, 128)
     info, ref_info = ours.weight_info(), ref.weight_info()
     assert (info["weight_quantization"], ref_info["weight_quantization"]) == ("w8a8_int8", "none")
+    from tandem.runtime.model import weight_update
+
+    with pytest.raises(ValueError, match=r"q_proj.weight: the model holds this weight quantized \(w8a8_int8\)"):
+        weight_update.check(ours.model, ours.config, ours.tp, [("model.layers.1.self_attn.q_proj.weight", torch.zeros(128, 128))])
     worst, shift, steps = 0.0, 0.0, []
     for ids in PROMPTS:
         want = BareLoop(ref).generate([ids], 12).output_ids[0]
