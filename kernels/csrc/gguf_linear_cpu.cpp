@@ -61,6 +61,9 @@ using namespace tandem_cpu::gguf;
 constexpr int64_t kRowTile = 8;  // rows one pass over a unit's weights serves (accumulators in registers)
 constexpr int64_t kRowTileAmx = 16;  // rows of an AMX tile
 constexpr int64_t kAmxMinRows = 4;  // calls with fewer rows take the VNNI path (the same bits either way)
+// Q6_K's AMX pass spends twice the tile ops on a feature block (its two halves): VNNI is faster below
+// ~48 rows (one thread, 2048 x 2048: 16 rows 0.96 ms VNNI, 1.11 AMX; 64 rows 3.64, 3.38)
+constexpr int64_t kAmxMinRowsQ6K = 48;
 constexpr int64_t kChunkRows = 256;  // rows whose int8 activations stay in L2 during a pass over the weights
 
 QType qtype_of(const at::Tensor& packed) {
@@ -470,13 +473,14 @@ bool amx_int8_available() {
 #endif
 }
 
-// path (integer arithmetic): 0 the fastest here (AMX-INT8 from kAmxMinRows rows, else VNNI, else portable),
-// 1 portable, 2 VNNI, 3 AMX; all give the same bits (a path this CPU lacks falls back to the next)
+// path (integer arithmetic): 0 the fastest here (AMX-INT8 from kAmxMinRows rows, kAmxMinRowsQ6K for Q6_K,
+// else VNNI, else portable), 1 portable, 2 VNNI, 3 AMX; all give the same bits (a path this CPU lacks
+// falls back to the next)
 template <typename out_t>
 void dispatch(QType t, int64_t path, const uint8_t* packed, int64_t nb, int64_t kb, int64_t n, const Acts& acts,
               int64_t m, const float* bias, out_t* out) {
 #ifdef TANDEM_GGUF_AMX
-  if ((path == 3 || (path == 0 && m >= kAmxMinRows)) && amx_int8_available()) {
+  if ((path == 3 || (path == 0 && m >= (t == kQ6_K ? kAmxMinRowsQ6K : kAmxMinRows))) && amx_int8_available()) {
     switch (t) {
       case kQ4_0: return run_amx<kQ4_0>(packed, nb, kb, n, acts, m, bias, out);
       case kQ4_1: return run_amx<kQ4_1>(packed, nb, kb, n, acts, m, bias, out);

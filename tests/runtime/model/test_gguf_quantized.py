@@ -225,10 +225,11 @@ def test_bf16_on_amx_is_the_dequantized_bf16_path_bit_for_bit(runners, smol_toke
     assert all(torch.equal(a, b) for a, b in zip(ours.step_logits, ref.step_logits))
 
 
+@pytest.mark.parametrize("file", ["q4_1", "k"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_the_cpu_decode_step_takes_the_quantized_linears(runners, smol_tokenizer, monkeypatch, dtype):
+def test_the_cpu_decode_step_takes_the_quantized_linears(runners, smol_tokenizer, monkeypatch, dtype, file):
     """decode_layers (C++) calls the quantized op for each linear: the same bits as the modules."""
-    runner = runners("q4_1", dtype, "gguf")
+    runner = runners(file, dtype, "gguf")
     model, ids = runner.model, smol_tokenizer(PROMPTS[2])["input_ids"]
     loop = BareLoop(runner)
 
@@ -244,8 +245,9 @@ def test_the_cpu_decode_step_takes_the_quantized_linears(runners, smol_tokenizer
     assert all(torch.equal(a, b) for a, b in zip(fused.step_logits, modules.step_logits))
 
 
-def test_a_row_gets_the_same_logits_alone_and_batched(runners, smol_tokenizer):
-    loop = BareLoop(runners("q4_1", "bfloat16", "gguf"))
+@pytest.mark.parametrize("file,dtype", [("q4_1", "bfloat16"), ("k", "bfloat16"), ("k", "float32")])
+def test_a_row_gets_the_same_logits_alone_and_batched(runners, smol_tokenizer, file, dtype):
+    loop = BareLoop(runners(file, dtype, "gguf"))
     prompts = [smol_tokenizer(p)["input_ids"] for p in PROMPTS]
     batched = loop.generate(prompts, 8, keep_logits=True)
     for i, ids in enumerate(prompts):
