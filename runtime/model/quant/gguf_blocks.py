@@ -54,8 +54,8 @@ def supported(ggml_type: int, shape: tuple[int, ...]) -> bool:
 
 
 def pack(raw: torch.Tensor | np.ndarray, ggml_type: int) -> GgufWeight:
-    """raw: the file's [out, in / 32 * block bytes] uint8 rows of one tensor (rows permuted or
-    concatenated as the loader fuses them) -> the kernel's layout."""
+    """raw: the file's [out, in / 32 * block bytes] uint8 rows of one tensor (in / 256 for a K-quant;
+    rows permuted or concatenated as the loader fuses them) -> the kernel's layout."""
     name, block_bytes, unit = TYPES[int(ggml_type)]
     if int(ggml_type) in K_QUANTS:
         return _pack_k(np.asarray(raw), int(ggml_type))
