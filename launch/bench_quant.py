@@ -95,7 +95,7 @@ def llamacpp_rows(rows: list[dict], input_len: int, output_len: int) -> list[dic
     peers: list[dict] = []
     for path in dict.fromkeys(r["model_path"] for r in rows if r["weights"] != "none"):
         sizes = sorted({r["batch_size"] for r in rows if r["model_path"] == path})
-        kinds = next(r["weights"] for r in rows if r["model_path"] == path)
+        kinds = next(r["weights"] for r in rows if r["model_path"] == path and r["weights"] != "none")
         for peer in bench_llamacpp.run(path, sizes, input_len, output_len, torch.get_num_threads()):
             peers.append(peer | {"variant": "llama.cpp", "weights": kinds, "model_path": path,
                                  "weight_bytes": os.path.getsize(path)})

@@ -64,6 +64,7 @@ struct LaneIndex {
   }
 };
 inline constexpr LaneIndex<0> kToLowByte{};
+inline constexpr LaneIndex<1> kToByte1{};
 inline constexpr LaneIndex<2> kToByte2{};
 
 // The unit's per-feature float32 pair (scale, offset) spread over the lanes of the two halves
@@ -103,15 +104,26 @@ inline void row_from_16_plus(__m512i src, int s, const Spread& w, uint16_t* dst)
       dst);
 }
 
-// Whether c == m - 16 d exactly (then fma(16 + u, d, c) = d u + m before its one rounding): checked
-// in float64, where m - 16 d of two fp16 values is exact.
-inline __mmask8 inexact_lanes(__m256 c, __m256 m, __m256 d) {
-  const __m512d want = _mm512_fmadd_pd(_mm512_cvtps_pd(d), _mm512_set1_pd(-16.0), _mm512_cvtps_pd(m));
-  return _mm512_cmp_pd_mask(want, _mm512_cvtps_pd(c), _CMP_NEQ_UQ);
+// row p from bytes u (any u < 256): each becomes byte 1 of the float 32768.f (0x47000000), whose value
+// is then 32768 + u exactly; fma(32768 + u, d, c) with c = offset - 32768 d (exact for the caller's d, offset)
+inline void row_from_32768_plus(__m512i src, int s, const Spread& w, uint16_t* dst) {
+  constexpr __mmask64 kByte1 = 0x2222222222222222ULL;
+  const __m512i base = _mm512_set1_epi32(0x47000000);
+  const __m512i idx_lo = _mm512_load_si512(kToByte1.b[s][0]), idx_hi = _mm512_load_si512(kToByte1.b[s][1]);
+  store_pair_row(
+      _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_mask_permutexvar_epi8(base, kByte1, idx_lo, src)), w.d_lo, w.c_lo),
+      _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_mask_permutexvar_epi8(base, kByte1, idx_hi, src)), w.d_hi, w.c_hi),
+      dst);
 }
-inline bool exact_offset(__m512 c, __m512 m, __m512 d) {
-  return (inexact_lanes(_mm512_castps512_ps256(c), _mm512_castps512_ps256(m), _mm512_castps512_ps256(d)) |
-          inexact_lanes(_mm512_extractf32x8_ps(c, 1), _mm512_extractf32x8_ps(m, 1), _mm512_extractf32x8_ps(d, 1))) == 0;
+
+// Whether m - 16 d is exact in float32 (then c = fma(d, -16, m) holds it, and fma(16 + u, d, c) =
+// d u + m before its one rounding), judged from exponents alone: two values of at most 11 significant
+// bits (fp16's) whose exponents differ by at most 12 have an exact float32 difference (it is a
+// multiple of the smaller one's last bit under 2^(larger exponent + 2): at most 24 bits). A zero
+// (exponent -inf) fails the test and takes the other formula, which is exact too.
+inline bool exact_offset(__m512 m, __m512 d) {
+  const __m512 gap = _mm512_sub_ps(_mm512_getexp_ps(m), _mm512_getexp_ps(_mm512_mul_ps(d, _mm512_set1_ps(16.f))));
+  return _mm512_cmp_ps_mask(_mm512_abs_ps(gap), _mm512_set1_ps(12.f), _CMP_LE_OQ) == 0xFFFF;
 }
 
 // The unit's 16 x 32 weights as TDPBF16PS's B tile: row p holds, for each feature f, the bf16 of
@@ -136,11 +148,12 @@ inline void dequantize_unit(const uint8_t* unit, uint16_t* dst) {
   const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(unit)));
   const uint8_t* data = unit + data_offset(T);
   if constexpr (T == kQ8_0) {
-    const Spread w(d, _mm512_mul_ps(d, _mm512_set1_ps(-128.f)));  // -128 d: exact
+    // d (32768 + u) - 32896 d = d (u - 128); 32896 d (9 bits times fp16's 11) is exact in float32
+    const Spread w(d, _mm512_mul_ps(d, _mm512_set1_ps(-32896.f)));
     for (int g = 0; g < 8; ++g) {
       const __m512i v = _mm512_loadu_si512(data + g * 64);
-      row_from_ints(v, 0, w, dst + (2 * g) * 32);
-      row_from_ints(v, 1, w, dst + (2 * g + 1) * 32);
+      row_from_32768_plus(v, 0, w, dst + (2 * g) * 32);
+      row_from_32768_plus(v, 1, w, dst + (2 * g + 1) * 32);
     }
     return;
   }
@@ -148,7 +161,7 @@ inline void dequantize_unit(const uint8_t* unit, uint16_t* dst) {
   if constexpr (T == kQ4_1) {
     const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(unit + 32)));
     c = _mm512_fmadd_ps(d, _mm512_set1_ps(-16.f), m);  // rounded: m - 16 d
-    if (!exact_offset(c, m, d)) {  // rare (|m| far from 16 |d|): fma(u, d, m), the same value by another route
+    if (!exact_offset(m, d)) {  // rare (|m| far from 16 |d|): fma(u, d, m), the same value by another route
       const Spread w(d, m);
       const __m512i low = _mm512_set1_epi8(0x0F);
       for (int t = 0; t < 4; ++t) {
@@ -256,6 +269,8 @@ void tile_block(const at::BFloat16* x, int64_t k, const uint16_t* w, int64_t kb,
 // m <= 16 rows: four feature blocks' C tiles (tmm0-3) stay in registers over all of K, A in tmm4,
 // B in tmm5-7 (tmm5 again for the fourth); each step's four units are dequantized just before
 // TDPBF16PS reads them, into a 4 KiB slot that stays in L1.
+constexpr int64_t kAhead = 4;  // steps ahead a stream's next units are prefetched (L3 latency over a step's work)
+
 template <QType T, typename out_t>
 void few_rows(const at::BFloat16* x, const uint8_t* packed, int64_t nb, int64_t kb, int64_t n, int64_t m,
               const float* bias, out_t* out) {
@@ -276,10 +291,16 @@ void few_rows(const at::BFloat16* x, const uint8_t* packed, int64_t nb, int64_t 
       if (blocks > 3) _tile_zero(3);
       for (int64_t s = 0; s < kb; ++s) {
         uint16_t(*slot)[kTileElems] = w[s & 1];
+        // the unit this stream reads kAhead steps on: past K, the next group's block in the same slot
+        const int64_t s_ahead = s + kAhead < kb ? s + kAhead : std::min(s + kAhead - kb, kb - 1);
+        const int64_t fb_ahead = s + kAhead < kb ? fb0 : fb0 + 4;
         for (int64_t j = 0; j < blocks; ++j) {
           const uint8_t* unit = packed + ((fb0 + j) * kb + s) * ub;
-          for (int64_t line = 0; line < ub; line += 64)
-            _mm_prefetch(reinterpret_cast<const char*>(unit + 8 * ub + line), _MM_HINT_T0);
+          if (fb_ahead + j < end) {
+            const uint8_t* ahead = packed + ((fb_ahead + j) * kb + s_ahead) * ub;
+            for (int64_t line = 0; line < ub; line += 64)
+              _mm_prefetch(reinterpret_cast<const char*>(ahead + line), _MM_HINT_T0);
+          }
           dequantize_unit<T>(unit, slot[j]);
         }
         _tile_loadd(4, x + s * kBlock, stride);
