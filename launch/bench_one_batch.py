@@ -69,6 +69,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="the weights to run, one after another, in one table: none (dequantized to --dtype), "
                              "gguf (the GGUF file as stored), q4_0 / q4_1 / q8_0 (its weights converted to that "
                              "block type, cached); with each the batch-1 bandwidth bound. Unset: the server's default")
+    parser.add_argument("--resident", action="store_true",
+                        help="with --quantization: also measure each format's resident weight memory (RSS a model "
+                             "process adds, less its KV pool) in a fresh interpreter")
     parser.add_argument("--output-file", default=None, help="append one JSON line per batch size")
     parser.add_argument("--transformers", action="store_true",
                         help="also time transformers' generate on the same batches (same checkpoint and dtype)")
@@ -83,6 +86,9 @@ def main(argv: list[str] | None = None) -> int:
         emit(bench_quant.SUMMARY_HEADER)
         for line in bench_quant.summary_rows(rows) + bench_quant.peer_ratio_lines(rows):
             emit(line)
+        if args.resident:
+            for line in bench_quant.resident_lines(rows, args.dtype):
+                emit(line)
         emit("bound: decode bytes per token (the linears' and the LM head's weights as held) over the read "
              "bandwidth of a buffer of that size (cached where it fits; the 1 GiB figure is in the JSON)")
     if args.output_file:

@@ -8,6 +8,7 @@ gguf package's quantizer, cached: launch/gguf_convert.py; the file itself where 
 """
 from __future__ import annotations
 
+import gc
 import os
 import time
 
@@ -81,6 +82,46 @@ def bound_fields(model: nn.Module) -> dict:
             "bandwidth_bound_dram_tok_s": round(large / per_token, 1) if per_token else None}
 
 
+def resident_weight_bytes(model_path: str | None, quantization: str, dtype: str) -> int:
+    """What the weights hold resident in a model process, measured: in a fresh interpreter, the RSS
+    a ModelRunner adds (its load's transient copies given back, as the runner does) less its KV pool,
+    over the same process with the C++ ops and the libraries already loaded."""
+    import json
+    import subprocess
+    import sys
+
+    code = ("import json, sys; from tandem.launch.bench_quant import _resident_here; "
+            "print(json.dumps(_resident_here(*json.loads(sys.argv[1]))))")
+    done = subprocess.run([sys.executable, "-c", code, json.dumps([model_path, quantization, dtype])],
+                          capture_output=True, text=True, check=True, timeout=600)
+    return int(done.stdout.strip().splitlines()[-1])
+
+
+def _rss() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+
+
+def _resident_here(model_path: str | None, quantization: str, dtype: str) -> int:
+    from tandem.kernels.cpu_ops import load_cpu_ops
+    from tandem.runtime.host_malloc import release_freed_heap
+    from tandem.runtime.model.runner import ModelRunner
+    from tandem.runtime.server_args import ServerArgs
+
+    load_cpu_ops()
+    args = ServerArgs(model_path=model_path, quantization=quantization, dtype=dtype, max_total_tokens=256,
+                      max_running_requests=1)
+    ModelRunner(args)  # the first load pulls in the libraries and builds what is cached per process
+    gc.collect()
+    release_freed_heap()
+    before = _rss()
+    runner = ModelRunner(args)
+    gc.collect()
+    release_freed_heap()
+    pool = sum(b.numel() * b.element_size() for b in runner.kv_pool.k_buffer + runner.kv_pool.v_buffer)
+    return _rss() - before - pool
+
+
 SUMMARY_HEADER = (f"{'weights':<22} {'MB':>7} {'batch':>6} {'prefill tok/s':>14} {'decode tok/s':>13} "
                   f"{'x first':>8} {'B/token MB':>11} {'bound tok/s':>12} {'of bound':>9}")
 
@@ -100,6 +141,22 @@ def llamacpp_rows(rows: list[dict], input_len: int, output_len: int) -> list[dic
             peers.append(peer | {"variant": "llama.cpp", "weights": kinds, "model_path": path,
                                  "weight_bytes": os.path.getsize(path)})
     return peers
+
+
+def resident_lines(rows: list[dict], dtype: str) -> list[str]:
+    """Each variant's resident weight memory, measured (resident_weight_bytes), against its file's
+    size; the rows of that variant get the figures too."""
+    lines = []
+    for variant in dict.fromkeys(r["variant"] for r in rows if r["variant"] != "llama.cpp"):
+        mine = [r for r in rows if r["variant"] == variant]
+        path, quantization = resolve(mine[0]["model_path"], variant)
+        resident = resident_weight_bytes(path, quantization, dtype)
+        size = os.path.getsize(mine[0]["model_path"])
+        for r in mine:
+            r.update(resident_weight_bytes=resident, file_bytes=size)
+        lines.append(f"resident weights, {variant}: {resident / 1e6:.1f} MB measured = {resident / size:.2f}x "
+                     f"the file ({size / 1e6:.1f} MB); held {mine[0]['weight_bytes'] / 1e6:.1f} MB")
+    return lines
 
 
 def peer_ratio_lines(rows: list[dict]) -> list[str]:

@@ -71,3 +71,13 @@ def test_llamacpp_build_names_each_extension_and_keeps_amx_off():
     flags = bench_llamacpp.cmake_flags({"avx2", "avx512f", "avx512_vnni", "amx_int8", "amx_bf16"})
     assert "-DGGML_NATIVE=OFF" in flags and "-DGGML_AVX512=ON" in flags and "-DGGML_AVX512_VNNI=ON" in flags
     assert "-DGGML_AVX512_BF16=OFF" in flags and "-DGGML_AMX_INT8=OFF" in flags and "-DGGML_AMX_BF16=OFF" in flags
+
+
+@pytest.mark.timeout(600)
+def test_the_shipped_file_held_quantized_is_resident_in_at_most_a_quarter_more_than_its_size():
+    """Issue 49's memory target, measured as the RSS a model process adds (less its KV pool)."""
+    import os
+
+    size = os.path.getsize(default_model_path())
+    resident = bench_quant.resident_weight_bytes(None, "gguf", "float32")
+    assert 0.8 * size < resident <= 1.25 * size, (resident, size)
