@@ -358,6 +358,9 @@ def build_parser() -> argparse.ArgumentParser:
     a("--spec-batch-sizes", type=int, nargs="+", default=[1, 16])
     a("--spec-waves", type=int, default=2, help="waves of batch-size requests per batch size")
     a("--spec-output-len", type=int, default=160, help="max_new_tokens of the speculative workload")
+    a("--quantization", nargs="+", default=None, metavar="W",
+      help="instead: the tandem engine (overlap on) on each weight format of a GGUF model in turn, one row "
+           "each: none (dequantized to --dtype), gguf (the file as stored), q4_0 / q4_1 / q8_0 (converted)")
     a("--output-file", default=None, help="write the result as JSON")
     return p
 
@@ -459,6 +462,8 @@ def main(argv: list[str] | None = None) -> int:
                 json.dump(report, f, indent=2)
         return 0
     resolve_dtype(args)
+    if args.quantization:
+        return _weight_formats(args)
     wl = make_workload(args.num_seqs, args.min_len, args.max_len, model_vocab(args.model_path), args.seed,
                        args.output_len)
     print(f"#seqs: {len(wl.prompts)}  #input tokens: {sum(map(len, wl.prompts))}  "
@@ -473,6 +478,30 @@ def main(argv: list[str] | None = None) -> int:
     if args.output_file:
         with open(args.output_file, "w", encoding="utf-8") as f:
             json.dump(report, f, indent=2)
+    return 0
+
+
+def _weight_formats(args: argparse.Namespace) -> int:
+    """--quantization: one engine run (overlap on) per weight format on the same workload and dtype."""
+    from tandem.launch import bench_quant
+
+    wl = make_workload(args.num_seqs, args.min_len, args.max_len, model_vocab(args.model_path), args.seed,
+                       args.output_len)
+    print(f"#seqs: {len(wl.prompts)}  #output tokens: {wl.output_tokens}  dtype: {args.dtype}", flush=True)
+    rows = []
+    for variant in args.quantization:
+        path, quantization = bench_quant.resolve(args.model_path, variant)
+        run = timed_engine_run(wl, path, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, quantization=quantization,
+                               max_total_tokens=args.max_total_tokens, max_running_requests=args.max_running_requests)
+        rows.append({"variant": variant, "weights": run.after["weight_quantization"],
+                     "weight_bytes": run.after["weight_bytes"], "seconds": run.seconds,
+                     "output_tok_s": wl.output_tokens / run.seconds})
+        first = rows[0]["output_tok_s"]
+        emit(f"{variant + ' ' + rows[-1]['weights']:<26.26} {rows[-1]['weight_bytes'] / 1e6:>8.1f} MB "
+             f"{rows[-1]['output_tok_s']:>10.1f} tok/s {rows[-1]['output_tok_s'] / first:>6.2f}x first")
+    if args.output_file:
+        with open(args.output_file, "w", encoding="utf-8") as f:
+            json.dump({"dtype": args.dtype, "num_seqs": args.num_seqs, "rows": rows}, f, indent=2)
     return 0
 
 

@@ -165,3 +165,15 @@ def test_repeats_alternate_and_keep_the_best_of_each(monkeypatch, tmp_path: Path
     assert r["no_overlap_seconds"] == 1.5 and r["overlap_seconds"] == 2.0 and r["repeats"] == 2
     # each pair's own ratio (off seconds / on seconds), and their median
     assert r["overlap_speedup_pairs"] == [1.5, 0.6] and r["overlap_speedup_paired_median"] == pytest.approx(1.05)
+
+
+@pytest.mark.timeout(600)
+def test_weight_formats_run_one_engine_each_on_the_same_workload(tmp_path: Path, capsys) -> None:
+    out = tmp_path / "formats.json"
+    assert main(["--quantization", "none", "gguf", "--num-seqs", "3", "--min-len", "4", "--max-len", "8",
+                    "--dtype", "float32", "--output-file", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert [(r["variant"], r["weights"]) for r in report["rows"]] == [("none", "none"), ("gguf", "gguf:q4_1+q8_0")]
+    assert report["rows"][1]["weight_bytes"] * 3 < report["rows"][0]["weight_bytes"]  # the file's blocks, held
+    assert all(r["output_tok_s"] > 0 for r in report["rows"])
+    assert "gguf gguf:q4_1+q8_0" in capsys.readouterr().out
