@@ -27,8 +27,9 @@ PROMPT = list(range(200, 260))  # 60 tokens: past the tiny model's 16-key window
 
 
 def _runner(path: str, backend: str = "auto") -> ModelRunner:
+    # dequantized: transformers' reading of the file is the reference (GGUFs are served quantized by default)
     return ModelRunner(ServerArgs(model_path=path, max_total_tokens=2048, max_running_requests=4, dtype="float32",
-                                  attention_backend=backend))
+                                  attention_backend=backend, quantization="none"))
 
 
 def _prefill_logits(runner: ModelRunner, ids: list[int], split: int = 0) -> torch.Tensor:
