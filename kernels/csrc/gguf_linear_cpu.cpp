@@ -535,9 +535,44 @@ void run_amx_bf16(QType t, const at::BFloat16* x, const uint8_t* packed, int64_t
   TORCH_CHECK(false, "gguf_linear: built without AMX-BF16");
 }
 
+constexpr int64_t kGroupHeader = 64;  // gguf_blocks.group: int64 [parts, K/32, (features, unit bytes) per part]
+constexpr int64_t kGroupAlign = 64;   // each part's bytes start on a 64-byte boundary past the header
+
+at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n, const c10::optional<at::Tensor>& bias,
+                       bool out_fp32, int64_t path);
+
+// A group (a fused linear whose parts are of different types): each part's linear, its outputs side by
+// side. A part's bits are its own linear's, so the group keeps every row's batch invariance.
+at::Tensor gguf_linear_group(const at::Tensor& x, const at::Tensor& blob, int64_t n,
+                             const c10::optional<at::Tensor>& bias, bool out_fp32, int64_t path) {
+  TORCH_CHECK(blob.dim() == 1 && blob.scalar_type() == at::kByte && blob.is_contiguous() && blob.numel() >= kGroupHeader,
+              "packed: a group is gguf_blocks.group's contiguous 1-D uint8");
+  int64_t header[kGroupHeader / 8];
+  std::memcpy(header, blob.data_ptr<uint8_t>(), kGroupHeader);
+  const int64_t parts = header[0], kb = header[1];
+  TORCH_CHECK(parts >= 2 && parts <= (kGroupHeader / 8 - 2) / 2 && kb > 0, "packed: no group header");
+  std::vector<at::Tensor> outs;
+  int64_t offset = kGroupHeader, n_done = 0;
+  for (int64_t p = 0; p < parts; ++p) {
+    const int64_t n_part = header[2 + 2 * p], unit = header[3 + 2 * p], nb = (n_part + kFeat - 1) / kFeat;
+    const int64_t bytes = nb * kb * unit;
+    TORCH_CHECK(n_part > 0 && offset + bytes <= blob.numel(), "packed: group part ", p, " runs past its bytes");
+    const at::Tensor part = blob.narrow(0, offset, bytes).view({nb, kb, unit});
+    const c10::optional<at::Tensor> part_bias =
+        bias.has_value() ? c10::optional<at::Tensor>(bias->reshape({-1}).narrow(0, n_done, n_part)) : c10::nullopt;
+    outs.push_back(gguf_linear(x, part, n_part, part_bias, out_fp32, path));
+    offset += (bytes + kGroupAlign - 1) / kGroupAlign * kGroupAlign;
+    n_done += n_part;
+  }
+  TORCH_CHECK(n_done == n, "n: ", n, " features, the group's parts hold ", n_done);
+  TORCH_CHECK(!bias.has_value() || bias->numel() == n, "bias: ", n, " values");
+  return at::cat(outs, -1);
+}
+
 // x [..., K] (float32 / bfloat16 / float16) -> [..., n] in x's dtype, or float32 with out_fp32
 at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n, const c10::optional<at::Tensor>& bias,
                        bool out_fp32, int64_t path) {
+  if (packed.dim() == 1) return gguf_linear_group(x, packed, n, bias, out_fp32, path);
   const QType t = qtype_of(packed);
   const int64_t nb = packed.size(0), kb = packed.size(1), k = kb * kBlock;
   TORCH_CHECK(n > (nb - 1) * kFeat && n <= nb * kFeat, "n: ", n, " features do not fill ", nb, " blocks of 16");

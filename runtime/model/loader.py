@@ -49,6 +49,8 @@ def load_model(model_path: str, dtype: torch.dtype, device: torch.device | str =
         keep = gptq_awq.served(quantized, quantization, device, tp.size)
         plan = (w8a8_int8.convert(raw, keep) if quantized.method == w8a8_int8.METHOD
                 else gptq_awq.convert(raw, quantized, keep))
+    if plan is not None and not isinstance(plan, w8a8_int8.Int8Plan):
+        plan.pack_groups(raw)  # fused linears of mixed types: packed as groups, not fused as rows
     weights = shard_weights(_fuse(raw, cfg), cfg, tp)
     held = plan.take(weights) if plan is not None else {}
     _load_into(model, weights, dtype, device, model_path, held=held.keys())

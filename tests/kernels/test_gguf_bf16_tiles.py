@@ -12,7 +12,7 @@ import torch
 
 from tandem.runtime.model.quant import gguf_blocks as gb
 
-TYPES = {"q4_0": 2, "q4_1": 3, "q8_0": 8, "q4_k": 12, "q5_k": 13, "q6_k": 14}
+TYPES = {"q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q8_0": 8, "q4_k": 12, "q5_k": 13, "q6_k": 14}
 K_QUANTS = ("q4_k", "q5_k", "q6_k")
 SHAPES = [(37, 96), (16, 32), (100, 160), (5, 544), (960, 576)]  # [out, in]: odd tails, and SmolLM2's qkv
 K_SHAPES = [(37, 256), (16, 512), (100, 768), (5, 1024), (576, 1536)]  # whole super-blocks; SmolLM2's down_proj

@@ -1,5 +1,5 @@
 """The GGUF linear (kernels/csrc/gguf_linear_cpu.cpp) against a float64 reference of the
-dequantized weights (gguf's own dequantize), for every block type, odd shapes, batch 1, 7 and 64;
+dequantized weights (gguf's own dequantize), for every block type (Q5_0 and Q5_1 by gguf's quantizer), odd shapes, batch 1, 7 and 64;
 and its determinism: a row's bits alone equal its bits in any batch, at 1 or 2 threads, on the
 integer arithmetic's kernels (AMX-INT8, AVX-512 VNNI, portable) and on the bf16-tile one
 (tests/kernels/test_gguf_bf16_tiles.py).
@@ -14,7 +14,7 @@ import torch
 
 from tandem.runtime.model.quant import gguf_blocks as gb
 
-TYPES = {"q4_0": 2, "q4_1": 3, "q8_0": 8, "q4_k": 12, "q5_k": 13, "q6_k": 14}
+TYPES = {"q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q8_0": 8, "q4_k": 12, "q5_k": 13, "q6_k": 14}
 K_QUANTS = ("q4_k", "q5_k", "q6_k")
 SHAPES = [(37, 96), (16, 32), (100, 160), (5, 544)]  # [out, in]: out not a multiple of 16, in an odd number of blocks
 K_SHAPES = [(37, 256), (16, 512), (100, 768), (5, 1024)]  # in: whole 256-input super-blocks
@@ -29,10 +29,13 @@ def _in(name: str, k: int) -> int:
 
 def _offsets(raw: np.ndarray, name: str, n: int, k: int) -> np.ndarray:
     """m float64 [n, k]: the weight's offset (w = d q + m), zeros for the types without one (Q4_1's
-    fp16 m; Q4_K's and Q5_K's -dmin * min, by gguf's own scale unpacking)."""
-    if name == "q4_1":
-        m = raw.reshape(n, k // 32, 20)[..., 2:4].copy().view(np.float16).astype(np.float64)
+    and Q5_1's fp16 m, Q5_0's -16 d; Q4_K's and Q5_K's -dmin * min, by gguf's own scale unpacking)."""
+    if name in ("q4_1", "q5_1"):
+        m = raw.reshape(n, k // 32, gb.TYPES[TYPES[name]][1])[..., 2:4].copy().view(np.float16).astype(np.float64)
         return np.repeat(m, 32, axis=-1).reshape(n, k)
+    if name == "q5_0":  # held as fma(d, u, m) with m = -16 d (the file's d (u - 16))
+        d = raw.reshape(n, k // 32, 22)[..., 0:2].copy().view(np.float16).astype(np.float64)
+        return np.repeat(-16 * d, 32, axis=-1).reshape(n, k)
     if name in ("q4_k", "q5_k"):
         from gguf.quants import Q4_K
 
@@ -70,7 +73,8 @@ def _case(name: str, n: int, k: int, seed: int) -> tuple[gb.GgufWeight, np.ndarr
 
 def _bound(x: torch.Tensor, raw: np.ndarray, deq: np.ndarray, name: str, n: int, k: int) -> torch.Tensor:
     """|kernel - exact| per element, from the kernel's arithmetic: each input is quantized to
-    amax_b / 32512 steps (error <= amax_b / 65024, b its 32-input block), times |w| summed; and the
+    amax_b / 32512 steps (error <= amax_b / 65024, b its 32-input block), times |d q| = |w - m| summed
+    (the min's term takes the block's float32 sum of the unquantized inputs); and the
     float32 part (a product d * dx, a conversion and an fma per block and per scale: Q6_K has two, one
     more fma for a min m) adds at most (blocks * scales + 3) float32 roundings of the sum of the terms'
     magnitudes |x| |d q| (|d q| = |w - m|), and the min multiplies a float32 sum of the block's 32
@@ -80,8 +84,8 @@ def _bound(x: torch.Tensor, raw: np.ndarray, deq: np.ndarray, name: str, n: int,
     xd = x.double()
     amax = xd.abs().view(x.shape[0], k // 32, 32).amax(-1)
     step = (amax / (2 * QMAX)).repeat_interleave(32, dim=1)  # [rows, k]
-    quantization = step @ w.abs().T
     dq = (w - m).abs()
+    quantization = step @ dq.T
     terms = xd.abs() @ dq.T + step @ dq.T
     roundings = (k // 32) * (2 if name == "q6_k" else 1) + 3
     return quantization + roundings * 2.0 ** -23 * terms + (k // 32 + 35) * 2.0 ** -23 * (xd.abs() @ m.abs().T)
@@ -166,7 +170,7 @@ def test_rows_are_gguf_dequantize_bit_for_bit(ops, name):
 def test_packed_bytes_are_the_files(ops):
     """Repacking moves bytes only: the packed weight is the file's size but for padding to 16 rows."""
     for name, tid in TYPES.items():
-        if name in K_QUANTS:
+        if tid in gb.UNPACKED:
             continue
         weight, raw, _ = _case(name, 48, 96, seed=0)
         assert weight.nbytes == raw.nbytes and weight.qtype == name and weight.shape == (48, 96)
@@ -180,6 +184,36 @@ def test_k_quants_are_unpacked_to_units_of_exact_float32_scales(ops):
         assert raw.nbytes == 48 * 2 * file_bytes and weight.qtype == name and weight.shape == (48, 512)
         assert weight.packed.shape == (3, 16, unit_bytes)
         assert gb.TYPES[TYPES[name]] == (name, file_bytes, unit_bytes)
+
+
+def test_q5_0_and_q5_1_become_q5_k_units_of_exact_float32_scales(ops):
+    """A Q5_0 / Q5_1 block (22 / 24 bytes per 32 inputs) becomes Q5_K's unit (448 bytes per 16 x 32):
+    d and m float32, m = -16 d for Q5_0, so d u + m is the file's weight exactly."""
+    for name, file_bytes in (("q5_0", 22), ("q5_1", 24)):
+        weight, raw, deq = _case(name, 48, 96, seed=0)
+        assert raw.nbytes == 48 * 3 * file_bytes and weight.qtype == name and weight.packed.shape == (3, 3, 448)
+        assert torch.equal(gb.rows(weight, torch.arange(48)), torch.from_numpy(deq))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_group_of_mixed_types_is_its_parts_side_by_side(ops, dtype):
+    """A fused linear of parts in several types (gguf_blocks.group): each part's own linear, bias and
+    all, its output in the part's columns; a row's bits alone equal its bits batched."""
+    parts = [_case(name, n, 96, seed=i)[0] for i, (name, n) in enumerate((("q5_0", 37), ("q4_1", 16), ("q8_0", 21)))]
+    weight = gb.group(parts)
+    assert weight.shape == (74, 96) and weight.qtype == "q5_0+q4_1+q8_0" and weight.packed.dim() == 1
+    x, bias = torch.randn(9, 96).to(dtype), torch.randn(74).to(dtype)
+    out = gb.linear(x, weight, bias)
+    assert torch.equal(out, torch.cat([gb.linear(x, p, b) for p, b in zip(parts, bias.split([37, 16, 21]))], -1))
+    assert torch.equal(gb.linear(x[3:4], weight, bias), out[3:4])
+    assert torch.equal(gb.linear(x, weight, out_fp32=True),
+                       torch.cat([gb.linear(x, p, out_fp32=True) for p in parts], -1))
+    with pytest.raises(RuntimeError, match="packed: gguf pack's"):
+        gb.rows(weight, torch.tensor([0]))
+    with pytest.raises(ValueError, match="one input count"):
+        gb.group([parts[0], _case("q4_0", 16, 64, seed=0)[0]])
+    with pytest.raises(RuntimeError, match="features"):
+        ops.gguf_linear(x, weight.packed, 73, None, False, 0)
 
 
 def test_shapes_the_kernel_cannot_take_are_refused(ops):

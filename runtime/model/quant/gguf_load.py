@@ -1,15 +1,16 @@
 """Serving a GGUF file's quantized tensors as stored (`--quantization gguf`; unset means it where
 TANDEM_GGUF_QUANTIZED=1): which tensors stay quantized, and the modules that hold them.
 
-A linear weight stays quantized where its type has a kernel (gguf_blocks.TYPES: Q4_0, Q4_1, Q8_0,
-and Q4_K, Q5_K, Q6_K where its input count is whole 256-input super-blocks) and every tensor fused
-with it (q/k/v into qkv_proj, gate/up into gate_up_proj) has the same type (llama.cpp's Q4_K_M
-mixes Q4_K q/k with a Q6_K v in some layers: their qkv is dequantized); the token embedding (and
-the LM head tied to it, or the file's own output.weight) likewise. Everything else (norms, other
-block types, a mixed fusion group) is dequantized to --dtype as on the reference path
-(`--quantization none`). Rows only are fused, permuted (llama.cpp's rope order) or sharded, never
-columns, so a tensor's file bytes are reordered, never re-quantized (the K-quants' super-blocks are
-unpacked into units of the same weights: gguf_blocks.pack).
+A linear weight stays quantized where its type has a kernel (gguf_blocks.TYPES: Q4_0, Q4_1, Q5_0,
+Q5_1, Q8_0, and Q4_K, Q5_K, Q6_K where its input count is whole 256-input super-blocks) and so does
+every tensor fused with it (q/k/v into qkv_proj, gate/up into gate_up_proj). Parts of one type are
+fused as rows; parts of several (llama.cpp's Q4_K_M: Q5_0 q/k with a Q8_0 v) become a group, each
+part packed as its own type (gguf_blocks.group). The token embedding (and the LM head tied to it, or
+the file's own output.weight) likewise. Everything else (norms, other block types) is dequantized to
+--dtype as on the reference path (`--quantization none`). Rows only are fused, permuted
+(llama.cpp's rope order) or sharded, never columns, so a tensor's file bytes are reordered, never
+re-quantized (the K-quants', Q5_0's and Q5_1's blocks are unpacked into units of the same weights:
+gguf_blocks.pack).
 
 No fp32 cache file is written on this path: the file's blocks are read from its memory map and
 repacked once (gguf_blocks.pack), the resident weights being about the file's size (the
@@ -26,8 +27,8 @@ import torch
 from torch import nn
 
 from tandem.runtime.envs import envs
-from tandem.runtime.model.quant import siblings
-from tandem.runtime.model.quant.gguf_blocks import GgufWeight, linear, pack, rows, supported
+from tandem.runtime.model.quant import PART_OF, siblings
+from tandem.runtime.model.quant.gguf_blocks import GgufWeight, group, linear, pack, rows, supported
 from tandem.runtime.server_args import QUANTIZATIONS
 
 logger = logging.getLogger(__name__)
@@ -64,8 +65,11 @@ def wanted(quantization: str | None, model_path: str, device: torch.device | str
 
 @dataclass
 class GgufPlan:
-    """Which of a file's tensors stay quantized (by their Hugging Face name) and their ggml types."""
+    """Which of a file's tensors stay quantized (by their Hugging Face name) and their ggml types;
+    `mixed`: the fused linears whose parts differ in type (their parts' names), packed as groups."""
     types: dict[str, int] = field(default_factory=dict)
+    mixed: list[tuple[str, ...]] = field(default_factory=list)
+    groups: dict[str, GgufWeight] = field(default_factory=dict)  # fused name -> group, by pack_groups
 
     def fill(self, reader, hf_name) -> None:
         """Decides for every tensor of `reader` (a GGUFReader); `hf_name(tensor)`: the loader's
@@ -78,13 +82,23 @@ class GgufPlan:
                     or not (name.startswith("model.layers.") or name in ("model.embed_tokens.weight", "lm_head.weight"))):
                 continue
             self.types[name] = int(t.tensor_type)
-        # a fused linear stays quantized only if all its parts are, in one type
-        groups = {tuple(f"{p}.weight" for p in siblings(name.removesuffix(".weight"))) for name in self.types}
-        for names in groups:
+        # a fused linear stays quantized only if all its parts are; parts of several types make a group
+        fused = {tuple(f"{p}.weight" for p in siblings(name.removesuffix(".weight"))) for name in self.types}
+        for names in sorted(fused):
             kinds = {self.types.get(n) for n in names}
-            if len(kinds) != 1 or None in kinds:
+            if None in kinds:
                 for n in names:
                     self.types.pop(n, None)
+            elif len(kinds) > 1:
+                self.mixed.append(names)
+
+    def pack_groups(self, weights: dict[str, torch.Tensor]) -> None:
+        """Pops each mixed fused linear's parts (the file's rows, Hugging Face names) out of `weights`,
+        before the loader fuses rows, and packs them as one group under the fused name."""
+        for names in self.mixed:
+            module, _, proj = names[0].removesuffix(".weight").rpartition(".")
+            fused_name = f"{module.removeprefix('model.')}.{PART_OF[proj]}.weight"
+            self.groups[fused_name] = group([pack(weights.pop(n), self.types[n]) for n in names])
 
     def keeps(self, name: str) -> bool:
         return name in self.types
@@ -98,8 +112,8 @@ class GgufPlan:
         return None
 
     def take(self, weights: dict[str, torch.Tensor]) -> dict[str, GgufWeight]:
-        """Pops the file's raw rows out of `weights` (fused names) and packs them."""
-        held = {}
+        """Pops the file's raw rows out of `weights` (fused names) and packs them (with pack_groups' groups)."""
+        held = dict(self.groups)
         for name in [n for n, t in weights.items() if t.dtype == torch.uint8]:
             ggml_type = self.type_of(name)
             if ggml_type is None:
@@ -146,7 +160,7 @@ def install(model: nn.Module, held: dict[str, GgufWeight], dtype: torch.dtype) -
             setattr(parent, child, GgufEmbedding(weight, dtype))
         else:
             raise ValueError(f"{name}: a {type(module).__name__} cannot hold a quantized weight")
-    kinds = Counter(w.qtype for w in held.values())
+    kinds = Counter(kind for w in held.values() for kind in w.qtype.split("+"))
     if held:
         from tandem.kernels.cpu_ops import load_cpu_ops
 
@@ -162,7 +176,8 @@ def quantized_names(model: nn.Module) -> set[str]:
 
 def quantization_of(model: nn.Module) -> str:
     """What the model's linears hold: 'gguf:q4_1+q8_0', 'gguf:q4_k+q6_k' (types, sorted), or 'none'."""
-    kinds = sorted({m.weight.qtype for m in model.modules() if isinstance(m, (GgufLinear, GgufEmbedding))})
+    kinds = sorted({kind for m in model.modules() if isinstance(m, (GgufLinear, GgufEmbedding))
+                    for kind in m.weight.qtype.split("+")})
     return "gguf:" + "+".join(kinds) if kinds else "none"
 
 

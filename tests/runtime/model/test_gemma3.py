@@ -163,3 +163,34 @@ def test_gemma3_gguf_names_and_norms(gemma_270m):
     hf_norm = gemma_270m[2].model.layers[3].pre_feedforward_layernorm.weight
     assert torch.equal(weights["model.layers.3.pre_feedforward_layernorm.weight"], hf_norm.float())
     assert not any(Path(name).suffix == ".bias" for name in weights)
+
+
+def test_gemma3_270m_q4_k_m_is_served_quantized_every_linear(gemma_270m):
+    """llama.cpp's Q4_K_M mix (Q5_0 q/k/gate/up with a Q8_0 or Q5_0 v, Q4_K and Q6_K o/down, a Q8_0
+    embedding) held as the file stores it: every linear quantized, the fused q/k/v of mixed types a
+    group of parts, resident weights about the file's size. Where bf16 takes the bf16-tile arithmetic
+    (AMX-BF16), greedy ids and every step's logits equal the dequantized bf16 path bit for bit;
+    elsewhere, greedy ids in fp32 equal the dequantized fp32 path's."""
+    from tandem.kernels.cpu_ops import load_cpu_ops
+
+    path, tok = gemma_270m[0], gemma_270m[1]
+    dtype = "bfloat16" if load_cpu_ops().gguf_isa().startswith("amx_bf16") else "float32"
+
+    def runner(quantization: str) -> ModelRunner:
+        return ModelRunner(ServerArgs(model_path=path, max_total_tokens=1024, max_running_requests=2, dtype=dtype,
+                                      quantization=quantization))
+
+    ours = runner("gguf")
+    assert not any(isinstance(m, torch.nn.Linear) for m in ours.model.modules())
+    qkv = {layer.self_attn.qkv_proj.weight.qtype for layer in ours.model.layers}
+    assert qkv == {"q5_0+q5_0+q8_0", "q5_0"}, qkv  # the Q8_0 v layers are groups; the all-Q5_0 ones fused rows
+    info = ours.weight_info()
+    assert info["weight_quantization"] == "gguf:q4_k+q5_0+q6_k+q8_0"
+    assert info["weight_bytes"] <= 1.25 * os.path.getsize(path)
+    prompts = [tok("The capital of France is")["input_ids"], tok("def fibonacci(n):")["input_ids"]]
+    got = BareLoop(ours).generate(prompts, 8, keep_logits=True)
+    del ours
+    want = BareLoop(runner("none")).generate(prompts, 8, keep_logits=True)
+    assert got.output_ids == want.output_ids
+    if dtype == "bfloat16":
+        assert all(torch.equal(a, b) for a, b in zip(got.step_logits, want.step_logits))

@@ -17,8 +17,11 @@ the same TDPBF16PS sequence as its AMX linear): there the two paths' logits are 
 
 K-quants: the gguf package cannot quantize them, so the test writes its own (a plain min/max
 quantizer, in _K_QUANTIZERS) into a copy of the shipped file whose 30 down_proj weights (the only
-linears with whole 256-input super-blocks: 1536 inputs) are Q4_K, Q5_K and Q6_K by turns; the same
-bounds and the bf16 bit-for-bit check hold against that file dequantized.
+linears with whole 256-input super-blocks: 1536 inputs) are Q4_K, Q5_K and Q6_K by turns. Like
+llama.cpp's Q4_K_M files (Q5_0 where a K-quant does not fit, a Q8_0 v in some layers), the copy also
+mixes types inside fused linears (_MIXED: by the gguf package's Q5_0, Q5_1 and Q8_0 quantizers):
+those are served as groups of parts. The same bounds and the bf16 bit-for-bit check hold against
+that file dequantized.
 """
 from __future__ import annotations
 
@@ -98,10 +101,16 @@ def _q6_k(w: np.ndarray) -> np.ndarray:
 _K_QUANTIZERS = {12: lambda w: _q45_k(w, False), 13: lambda w: _q45_k(w, True), 14: _q6_k}
 
 
+# tensor -> its type in even and odd layers of the K file (None: the shipped file's Q4_1): q/k/v and
+# gate/up of several types in one layer, as in llama.cpp's Q4_K_M files
+_MIXED = {"attn_q": (6, None), "attn_k": (6, None), "attn_v": (8, 7), "ffn_gate": (6, None), "ffn_up": (7, None)}
+
+
 def _k_file(src: str, dst: str) -> str:
-    """`src` with its ffn_down weights in Q4_K, Q5_K, Q6_K by turns (layer i: type 12 + i % 3)."""
+    """`src` with its ffn_down weights in Q4_K, Q5_K, Q6_K by turns (layer i: type 12 + i % 3), and
+    its other linears' types mixed as _MIXED says."""
     import gguf
-    from gguf.quants import dequantize
+    from gguf.quants import dequantize, quantize
 
     reader = gguf.GGUFReader(src)
     writer = gguf.GGUFWriter(dst, reader.fields[gguf.Keys.General.ARCHITECTURE].contents(), endianess=reader.endianess)
@@ -120,6 +129,9 @@ def _k_file(src: str, dst: str) -> str:
             data = _K_QUANTIZERS[kind](weight).reshape(out, -1)
             again = dequantize(data, kind).reshape(-1, 256)  # the quantizer's blocks are well-formed
             assert np.abs(again - weight).max() <= np.abs(weight).max() * 0.1, t.name
+        elif (kinds := _MIXED.get(t.name.split(".")[-2])) and kinds[int(t.name.split(".")[1]) % 2] is not None:
+            kind = gguf.GGMLQuantizationType(kinds[int(t.name.split(".")[1]) % 2])
+            data = quantize(np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32), kind)
         tensors.append(data)
         writer.add_tensor_info(t.name, data.shape, data.dtype, data.nbytes, kind)
     writer.write_header_to_file()
@@ -179,8 +191,11 @@ def test_a_k_quant_file_is_served_quantized(runners):
     model = runners("k", "float32", "gguf").model
     kinds = [layer.mlp.down_proj.weight.qtype for layer in model.layers]
     assert kinds == [("q4_k", "q5_k", "q6_k")[i % 3] for i in range(len(model.layers))]
-    assert isinstance(model.layers[0].mlp.gate_up_proj, GgufLinear)  # the file's other tensors as before
-    assert runners("k", "float32", "gguf").weight_info()["weight_quantization"] == "gguf:q4_1+q4_k+q5_k+q6_k+q8_0"
+    assert [layer.self_attn.qkv_proj.weight.qtype for layer in model.layers[:2]] == ["q5_0+q5_0+q8_0", "q4_1+q4_1+q5_1"]
+    assert [layer.mlp.gate_up_proj.weight.qtype for layer in model.layers[:2]] == ["q5_0+q5_1", "q4_1"]
+    assert not any(isinstance(m, torch.nn.Linear) for m in model.modules())  # every linear held quantized
+    assert runners("k", "float32", "gguf").weight_info()["weight_quantization"] == \
+        "gguf:q4_1+q4_k+q5_0+q5_1+q5_k+q6_k+q8_0"
 
 
 @pytest.mark.parametrize("file", ["q4_1", "q8_0", "k"])
