@@ -6,8 +6,8 @@ parameter its rank's shard fills, by the loader's own fusing and sharding rules.
 
 Invariant: an update changes every named weight or none. Every name, shape and dtype is checked
 before the first copy (`check`), and a bad one raises a ValueError naming it while the old weights
-keep serving; the new values are written apart from the serving ones and put in at once
-(`Staged`). After a change the C++ decode step, which holds the weights it was built on, is made
+keep serving; only then, with every value in hand, are they written into the serving parameters
+(`apply`). After a change the C++ decode step, which holds the weights it was built on, is made
 again on first use, and the LM head's fp32-logits copy is made from the new head.
 """
 from __future__ import annotations
@@ -132,99 +132,40 @@ def check(model: nn.Module, cfg: ModelConfig, tp: TensorParallel,
     return out
 
 
-def apply(model: nn.Module, checked: list[tuple[Target, torch.Tensor]], in_place: bool = True) -> int:
-    """Write checked updates, all in hand, into the model; returns the parameters changed."""
-    staged = Staged(model, [target for target, _ in checked], in_place)
+def apply(model: nn.Module, checked: list[tuple[Target, torch.Tensor]]) -> int:
+    """Write checked updates, every tensor in hand, into the serving parameters; returns how many
+    parameters changed. The values are all in memory and checked, so the writes cannot stop part
+    way (a broadcast update receives every byte first: weight_sync.receive). An AMX-packed weight is
+    written in its packed layout (packed_rows.write_rows: converting, copying and repacking in one
+    pass), and the LM head's AMX copy (CausalLM.logits) with the head weight; another packed layout
+    is packed again from its plain value."""
+    by_param: dict[str, list[tuple[Target, torch.Tensor]]] = {}
     for target, shard in checked:
-        staged.write(target, shard)
-    return staged.commit()
-
-
-class Staged:
-    """The new values of the parameters an update names: `write` fills them (in any order, as
-    tensors arrive), `commit` makes the model serve them.
-
-    Invariant: staged apart (`in_place=False`), the model is unchanged until `commit`, so an update
-    that fails part way (a trainer gone mid-broadcast) leaves the old weights serving; a parameter
-    written whole then starts uninitialized, one written in part as a copy of its value. In place,
-    the serving parameters are written: for updates whose every tensor is in hand and checked,
-    which cannot stop part way, and which then touch no fresh memory. An AMX-packed weight is
-    written in its packed layout (packed_rows.write_rows): converting, copying and repacking are
-    one pass; the LM head's AMX copy (CausalLM.logits) is written with the head weight."""
-
-    def __init__(self, model: nn.Module, targets: Iterable[Target], in_place: bool = False) -> None:
-        self.model, self.in_place = model, in_place
-        by_param: dict[str, list[Target]] = {}
-        for target in targets:
-            by_param.setdefault(target.param, []).append(target)
-        self.slots = {param: self._slot(param, parts) for param, parts in by_param.items()}
-        self.head = self._head_slot()
-
-    def _slot(self, param: str, parts: list[Target]) -> _Slot:
-        module, attr = _owner(self.model, param)
+        by_param.setdefault(target.param, []).append((target, shard))
+    head = model._head_weight()
+    head_amx = getattr(model, "_head_fp32", None)
+    for param, parts in by_param.items():
+        module, attr = _owner(model, param)
         value = getattr(module, attr)
-        whole = _covers(parts, value.shape)
         if isinstance(value, AmxPackedWeight):
-            buffer = value.packed if self.in_place else torch.empty_like(value.packed) if whole else value.packed.clone()
-            return _Slot(module, attr, buffer, amx=True)
-        if isinstance(module, PackedLinear) and attr == "weight":  # another packed layout: plain, packed at commit
-            plain = torch.empty(value.shape, dtype=_packed_dtype(module)) if whole else read(self.model, param).clone()
-            return _Slot(module, attr, plain)
-        buffer = value.detach() if self.in_place else torch.empty_like(value) if whole else value.detach().clone()
-        return _Slot(module, attr, buffer)
-
-    def _head_slot(self) -> tuple[str, torch.Tensor] | None:
-        """(the head weight's param, a buffer for its AMX copy) when this update writes the head
-        and the head has an AMX copy; other copies are made again on first use (commit)."""
-        head = self.model._head_weight()
-        param = next((p for p, slot in self.slots.items() if getattr(slot.module, slot.attr) is head), None)
-        old = getattr(self.model, "_head_fp32", None)
-        if param is None or not isinstance(old, AmxPackedWeight) or head.dtype != torch.bfloat16:
-            return None
-        return param, old.packed if self.in_place else torch.empty_like(old.packed)
-
-    def write(self, target: Target, shard: torch.Tensor) -> None:
-        """Stage this rank's part of one checked tensor (dtype converted here)."""
-        slot = self.slots[target.param]
-        if slot.amx:
-            write_rows(slot.buffer, target.index[0].start if target.index else 0, shard)
+            for target, shard in parts:
+                write_rows(value.packed, target.index[0].start if target.index else 0, shard)
+        elif isinstance(module, PackedLinear) and attr == "weight":  # another packed layout: plain, packed again
+            plain = (torch.empty(value.shape, dtype=_packed_dtype(module)) if _covers([t for t, _ in parts], value.shape)
+                     else read(model, param).clone())
+            for target, shard in parts:
+                plain[target.index].copy_(shard)
+            module.weight = pack(plain)
         else:
-            slot.buffer[target.index].copy_(shard)
-        if self.head is not None and self.head[0] == target.param:  # the head weight: its index is ()
-            write_rows(self.head[1], 0, slot.buffer)
-
-    def commit(self) -> int:
-        """Make the model serve every staged value; returns how many parameters changed."""
-        head = self.model._head_weight()
-        head_changed = any(getattr(slot.module, slot.attr) is head for slot in self.slots.values())
-        for slot in self.slots.values():
-            value = getattr(slot.module, slot.attr)
-            if slot.amx:
-                if not self.in_place:
-                    slot.module.weight = AmxPackedWeight(slot.buffer, value.like)
-            elif isinstance(slot.module, PackedLinear) and slot.attr == "weight":
-                slot.module.weight = pack(slot.buffer)
-            elif self.in_place:
-                continue
-            elif isinstance(value, nn.Parameter):
-                value.data = slot.buffer  # the Parameter stays the one the model (and a tied head) holds
-            else:
-                setattr(slot.module, slot.attr, slot.buffer)
-        if self.head is not None:
-            self.model._head_fp32 = AmxPackedWeight(self.head[1], self.model._head_fp32.like)
-        elif head_changed:
-            self.model._head_fp32 = None  # made again from the new head on first use
-        self.model._decode_step_checked_for = None  # rebuilt on the next decode step, on the new weights
-        return len(self.slots)
-
-
-@dataclass
-class _Slot:
-    """One parameter's new value: `buffer` is in the AMX packed layout where `amx`, else plain."""
-    module: nn.Module
-    attr: str
-    buffer: torch.Tensor
-    amx: bool = False
+            for target, shard in parts:
+                value.detach()[target.index].copy_(shard)
+        if value is head and isinstance(head_amx, AmxPackedWeight) and isinstance(value, torch.Tensor) \
+                and value.dtype == torch.bfloat16:
+            write_rows(head_amx.packed, 0, value.detach())
+        elif value is head:
+            model._head_fp32 = None  # made again from the new head on first use
+    model._decode_step_checked_for = None  # rebuilt on the next decode step, on the new weights
+    return len(by_param)
 
 
 def _owner(model: nn.Module, param: str) -> tuple[nn.Module, str]:

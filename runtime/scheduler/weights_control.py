@@ -6,8 +6,8 @@ step in flight and, for an update, no request holds KV computed with the old wei
 on the forward thread (ForwardWorker.call). An update reads every tensor first (from disk, from the request's
 safetensors bytes, or from the trainer's broadcasts, which must all be received whatever
 fails), checks them all (weight_update.check; a broadcast update from its names, dtypes and
-shapes, before the first byte), then stages and commits them (weight_update.Staged); a refused
-update changes nothing.
+shapes, before the first byte), then, every value in hand, writes them in place
+(weight_update.apply); a refused or failed update changes nothing.
 """
 from __future__ import annotations
 
@@ -122,14 +122,14 @@ class WeightsControl:
                 pass
             raise
         clock.lap("check")
-        # one buffer arrives whole before the first write: written in place, it cannot stop part way
-        staged = weight_update.Staged(r.model, [target for target, _ in checked], in_place=flattened)
+        # every byte lands in the group's warm arena before the first write: a transfer that fails part
+        # way changes nothing, and the writes go in place (no fresh staging memory to fault in)
         with closing(receive(group, specs, r.device, flattened)) as tensors:
-            for (target, _), tensor in zip(checked, tensors):
-                clock.lap("transfer not overlapped")
-                staged.write(target, target.shard(tensor))
-                clock.lap("copy + repack")
-        return self._reply(msg, staged.commit(), clock)
+            arrived = list(tensors)
+        clock.lap("transfer")
+        changed = weight_update.apply(r.model, [(target, target.shard(t)) for (target, _), t in zip(checked, arrived)])
+        clock.lap("copy + repack")
+        return self._reply(msg, changed, clock)
 
     def _apply(self, msg: WeightsReq, tensors, clock: _Clock | None = None) -> ControlReply:
         model, r, clock = self.runner.model, self.runner, clock or _Clock()

@@ -17,6 +17,7 @@ def test_bench_weights_reports_each_part(tiny_model_dir, tmp_path, capsys, monke
     result = json.loads(out.read_text())
     for key in ("read_from_disk_s", "transfer_gloo_s", "transfer_gloo_flat_s", "check_s", "copy_and_repack_s",
                 "engine_update_from_disk_s", "engine_update_from_distributed_s",
-                "engine_update_from_distributed_flat_s", "target_s"):
+                "engine_update_from_distributed_flat_s", "target_s", "tcp_loopback_s"):
         assert result[key] > 0, key
+    assert result["target_over_tcp_s"] == result["target_s"] + result["tcp_loopback_s"]
     assert result["bytes"] > 0 and "copy + repack" in capsys.readouterr().out

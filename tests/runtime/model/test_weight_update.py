@@ -34,13 +34,12 @@ def _all(model) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("in_place", [True, False])
-def test_checkpoint_b_into_model_a_gives_b(pair, arch, dtype, in_place):
+def test_checkpoint_b_into_model_a_gives_b(pair, arch, dtype):
     a_path, b_path = pair[arch]
     model, fresh_b, cfg = _served(a_path, dtype), _served(b_path, dtype), load_config(b_path)
     assert any(isinstance(m, PackedLinear) for m in model.modules())  # (this CPU packs both dtypes)
     checked = weight_update.check(model, cfg, SINGLE, load_hf_weights(b_path, cfg).items())
-    changed = weight_update.apply(model, checked, in_place=in_place)
+    changed = weight_update.apply(model, checked)
     want, got = _all(fresh_b), _all(model)
     assert changed == len(want) and want.keys() == got.keys()
     for name in want:
@@ -54,15 +53,30 @@ def _head_bits(model) -> torch.Tensor:
     return model.logits(hidden.to(model.norm.weight.dtype))
 
 
-def test_a_staged_update_changes_nothing_until_commit(pair):
-    """Every tensor written apart, then no commit (a trainer gone mid-broadcast): A serves on."""
+def test_a_broadcast_that_fails_part_way_changes_nothing(pair, monkeypatch):
+    """The scheduler's broadcast update (weights_control) receives every tensor before the first
+    write: a trainer gone after some of them leaves A serving, every bit and the LM head's copy."""
+    from types import SimpleNamespace
+
+    from tandem.ipc.messages import WeightsReq
+    from tandem.runtime.scheduler import weights_control
+
     a_path, b_path = pair["qwen2"]
     model, cfg = _served(a_path, torch.bfloat16), load_config(b_path)
     before, head_before = _all(model), _head_bits(model)
-    checked = weight_update.check(model, cfg, SINGLE, load_hf_weights(b_path, cfg).items())
-    staged = weight_update.Staged(model, [target for target, _ in checked], in_place=False)
-    for target, shard in checked:
-        staged.write(target, shard)
+    tensors = {n: t.to(torch.bfloat16) for n, t in load_hf_weights(b_path, cfg).items()}
+
+    def receive(group, specs, device, flattened=False):
+        yield from list(tensors.values())[:len(tensors) // 2]
+        raise ConnectionResetError("the trainer went away")
+    monkeypatch.setattr(weights_control, "receive", receive)
+    runner = SimpleNamespace(model=model, config=cfg, tp=SINGLE, device=torch.device("cpu"))
+    control = weights_control.WeightsControl(runner, worker=None)
+    control.groups["g"] = object()
+    msg = WeightsReq(req_id=1, op="update_from_distributed", names=list(tensors), group_name="g",
+                     dtypes=["bfloat16"] * len(tensors), shapes=[list(t.shape) for t in tensors.values()])
+    with pytest.raises(ConnectionResetError):
+        control._update_from_distributed(msg)
     assert all(torch.equal(t, before[n]) for n, t in _all(model).items())
     assert torch.equal(_head_bits(model), head_before)
 
