@@ -105,8 +105,8 @@ class WeightsControl:
         return self._apply(msg, tensors.items())
 
     def _update_from_distributed(self, msg: WeightsReq) -> ControlReply:
-        """Checked from the names, dtypes and shapes before the first byte arrives; each tensor is
-        written (staged) as it arrives, while the later ones are still on the wire."""
+        """Checked from the names, dtypes and shapes before the first byte arrives; written once
+        every tensor has arrived."""
         group = self.groups.get(msg.group_name)
         if group is None:
             raise ValueError(f"no weights update group {msg.group_name!r}: call init_weights_update_group first")
