@@ -104,7 +104,7 @@ def parse(output: str) -> list[dict]:
         r = json.loads(line)
         rows.append({"batch_size": r["pl"], "input_len": r["pp"], "output_len": r["tg"],
                      "prefill_throughput_tok_s": round(r["speed_pp"], 1), "decode_throughput_tok_s": round(r["speed_tg"], 1),
-                     "threads": r["n_threads"]})
+                     "seconds": r["t"], "threads": r["n_threads"]})
     return rows
 
 

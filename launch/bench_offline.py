@@ -360,7 +360,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--spec-output-len", type=int, default=160, help="max_new_tokens of the speculative workload")
     a("--quantization", nargs="+", default=None, metavar="W",
       help="instead: the tandem engine (overlap on) on each weight format of a GGUF model in turn, one row "
-           "each: none (dequantized to --dtype), gguf (the file as stored), q4_0 / q4_1 / q8_0 (converted)")
+           "each: none (dequantized to --dtype), gguf (the file as stored), q4_0 / q4_1 / q8_0 (converted); "
+           "then llama.cpp on each file where it is built (python -m tandem.launch.bench_llamacpp build)")
     a("--output-file", default=None, help="write the result as JSON")
     return p
 
@@ -482,7 +483,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _weight_formats(args: argparse.Namespace) -> int:
-    """--quantization: one engine run (overlap on) per weight format on the same workload and dtype."""
+    """--quantization: one engine run (overlap on) per weight format on the same workload and dtype,
+    then llama.cpp on each GGUF file where it is built (launch/bench_llamacpp.py)."""
     from tandem.launch import bench_quant
 
     wl = make_workload(args.num_seqs, args.min_len, args.max_len, model_vocab(args.model_path), args.seed,
@@ -499,10 +501,38 @@ def _weight_formats(args: argparse.Namespace) -> int:
         first = rows[0]["output_tok_s"]
         emit(f"{variant + ' ' + rows[-1]['weights']:<26.26} {rows[-1]['weight_bytes'] / 1e6:>8.1f} MB "
              f"{rows[-1]['output_tok_s']:>10.1f} tok/s {rows[-1]['output_tok_s'] / first:>6.2f}x first")
+    for peer in _llamacpp_offline(args, wl, rows):
+        rows.append(peer)
+        emit(f"{'llama.cpp ' + peer['weights']:<26.26} {peer['weight_bytes'] / 1e6:>8.1f} MB "
+             f"{peer['output_tok_s']:>10.1f} tok/s {peer['output_tok_s'] / rows[0]['output_tok_s']:>6.2f}x first"
+             f"  ({len(wl.prompts)} seqs of {peer['input_len']} in, {peer['output_len']} out)")
     if args.output_file:
         with open(args.output_file, "w", encoding="utf-8") as f:
             json.dump({"dtype": args.dtype, "num_seqs": args.num_seqs, "rows": rows}, f, indent=2)
     return 0
+
+
+def _llamacpp_offline(args: argparse.Namespace, wl: Workload, rows: list[dict]) -> list[dict]:
+    """llama.cpp's llama-batched-bench on each GGUF file the variants ran, where it is built: every
+    sequence at once, each at the workload's mean input and output length (it runs one length),
+    the same token counts; output tok/s over its whole run, prefill included, as tandem's are."""
+    from tandem.launch import bench_llamacpp, bench_quant
+    from tandem.runtime.model_files import default_model_path
+
+    if bench_llamacpp.binary() is None:
+        return []
+    input_len = round(statistics.mean(map(len, wl.prompts)))
+    output_len = round(statistics.mean(wl.output_lens))
+    peers = []
+    for row in rows:
+        path = bench_quant.resolve(args.model_path, row["variant"])[0] or default_model_path()
+        if row["weights"] == "none" or any(p["model_path"] == path for p in peers):
+            continue
+        for r in bench_llamacpp.run(path, [len(wl.prompts)], input_len, output_len, torch.get_num_threads()):
+            peers.append(r | {"variant": "llama.cpp", "weights": row["weights"], "model_path": path,
+                              "weight_bytes": os.path.getsize(path),
+                              "output_tok_s": r["batch_size"] * r["output_len"] / r["seconds"]})
+    return peers
 
 
 if __name__ == "__main__":

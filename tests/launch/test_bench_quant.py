@@ -67,6 +67,24 @@ def test_llamacpp_peer_rows_parse_its_jsonl_and_give_ratios(tmp_path, monkeypatc
     assert any(line.startswith("llama.cpp gguf:q4_1") for line in bench_quant.summary_rows(ours + peers))
 
 
+def test_bench_offline_runs_llamacpp_on_each_file_at_the_workloads_mean_lengths(tmp_path, monkeypatch):
+    from argparse import Namespace
+
+    from tandem.launch import bench_offline
+
+    exe = tmp_path / "llama-batched-bench"
+    exe.write_text(_FAKE_BENCH.replace("$ARGS_NPL", "${14}"))
+    exe.chmod(0o755)
+    monkeypatch.setattr(bench_llamacpp, "install_dir", lambda: tmp_path)
+    wl = bench_offline.Workload(prompts=[[1] * 6, [1] * 10, [1] * 7, [1] * 9], output_lens=[2, 4, 3, 3])
+    rows = [{"variant": "gguf", "weights": "gguf:q4_1"}, {"variant": "none", "weights": "none"}]
+    peers = bench_offline._llamacpp_offline(Namespace(model_path=str(exe)), wl, rows)
+    assert [(p["variant"], p["weights"], p["batch_size"]) for p in peers] == [("llama.cpp", "gguf:q4_1", 4)]
+    assert peers[0]["output_tok_s"] == 4 * 3 / 0.2  # the fake's pl x tg over its whole run's t
+    args = (tmp_path / "args").read_text().split()
+    assert (args[args.index("-npl") + 1], args[args.index("-npp") + 1], args[args.index("-ntg") + 1]) == ("4", "8", "3")
+
+
 def test_llamacpp_build_names_each_extension_and_keeps_amx_off():
     flags = bench_llamacpp.cmake_flags({"avx2", "avx512f", "avx512_vnni", "amx_int8", "amx_bf16"})
     assert "-DGGML_NATIVE=OFF" in flags and "-DGGML_AVX512=ON" in flags and "-DGGML_AVX512_VNNI=ON" in flags
