@@ -168,7 +168,10 @@ def test_repeats_alternate_and_keep_the_best_of_each(monkeypatch, tmp_path: Path
 
 
 @pytest.mark.timeout(600)
-def test_weight_formats_run_one_engine_each_on_the_same_workload(tmp_path: Path, capsys) -> None:
+def test_weight_formats_run_one_engine_each_on_the_same_workload(tmp_path: Path, capsys, monkeypatch) -> None:
+    from tandem.launch import bench_llamacpp
+
+    monkeypatch.setattr(bench_llamacpp, "binary", lambda: None)  # no llama.cpp peer rows (test_bench_quant.py's)
     out = tmp_path / "formats.json"
     assert main(["--quantization", "none", "gguf", "--num-seqs", "3", "--min-len", "4", "--max-len", "8",
                     "--dtype", "float32", "--output-file", str(out)]) == 0
