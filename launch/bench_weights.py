@@ -189,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
             ("transfer over gloo, a broadcast a tensor", ms("transfer_gloo_s")),
             ("transfer over gloo, one flattened bucket", ms("transfer_gloo_flat_s")),
             ("check", ms("check_s")),
-            ("copy + repack (staged, packed in place)", ms("copy_and_repack_s")),
+            ("copy + repack (in place)", ms("copy_and_repack_s")),
             ("target: 2 x read once + copy + repack", f"{target * 1e3:.1f} ms"),
             ("  ... + the bytes once over TCP (distributed)", ms("target_over_tcp_s")),
             ("Engine update_weights_from_disk", ms("engine_update_from_disk_s")),
