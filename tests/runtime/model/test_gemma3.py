@@ -191,6 +191,14 @@ def test_gemma3_270m_q4_k_m_is_served_quantized_every_linear(gemma_270m):
     got = BareLoop(ours).generate(prompts, 8, keep_logits=True)
     del ours
     want = BareLoop(runner("none")).generate(prompts, 8, keep_logits=True)
-    assert got.output_ids == want.output_ids
     if dtype == "bfloat16":
+        assert got.output_ids == want.output_ids
         assert all(torch.equal(a, b) for a, b in zip(got.step_logits, want.step_logits))
+        return
+    # fp32 takes the integer arithmetic (activations rounded to 16 bits per 32 inputs): greedy ids
+    # equal but where the reference's top two logits are closer than that rounding can move them
+    for i, (ours_ids, ref_ids) in enumerate(zip(got.output_ids, want.output_ids)):
+        step = next((t for t, (a, b) in enumerate(zip(ours_ids, ref_ids)) if a != b), None)
+        if step is not None:
+            top2 = want.step_logits[step][i].topk(2).values
+            assert (top2[0] - top2[1]).item() < 0.05, (i, step)
