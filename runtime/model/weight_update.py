@@ -23,7 +23,7 @@ from tandem.runtime.model.loader import _fuse
 from tandem.runtime.model.packed_linear import AmxPackedWeight, PackedLinear, linear, pack
 from tandem.runtime.model.packed_rows import write_rows
 from tandem.runtime.model import quant
-from tandem.runtime.model.quant import gguf_load
+from tandem.runtime.model.quant import gguf_blocks, gguf_load
 from tandem.runtime.model.tensor_parallel import TensorParallel, shard_weights
 
 _FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
@@ -95,6 +95,8 @@ def read(model: nn.Module, param: str) -> torch.Tensor:
     through its own kernel: identity @ W^T sums one product and zeros a row, which is exact."""
     module_name, _, attr = param.rpartition(".")
     module = model.get_submodule(module_name)
+    if isinstance(module, (gguf_load.GgufLinear, gguf_load.GgufEmbedding)) and attr == "weight":
+        return gguf_blocks.dequantize(module.weight)  # float32, as `--quantization none` reads the file
     if isinstance(module, PackedLinear) and attr == "weight":
         eye = torch.eye(module.weight.shape[1], dtype=_packed_dtype(module))
         return linear(eye, module.weight).t().to(eye.dtype).contiguous()
@@ -185,9 +187,11 @@ def _covers(parts: list[Target], shape: torch.Size) -> bool:
 
 
 def shapes(model: nn.Module) -> dict[str, torch.Size]:
-    """Every parameter's shape by tandem's name, packed linears' weights included."""
+    """Every parameter's shape by tandem's name, packed and quantized weights included."""
     shapes = {name: p.shape for name, p in model.named_parameters()}
     for name, module in model.named_modules():
+        if isinstance(module, (gguf_load.GgufLinear, gguf_load.GgufEmbedding)):
+            shapes[f"{name}.weight"] = module.weight.shape
         if isinstance(module, PackedLinear):
             shapes[f"{name}.weight"] = module.weight.shape
             if module.bias is not None:

@@ -211,6 +211,23 @@ def rows(weight: GgufWeight, ids: torch.Tensor) -> torch.Tensor:
     return _ops().gguf_rows(weight.packed, weight.shape[0], ids)
 
 
+def dequantize(weight: GgufWeight) -> torch.Tensor:
+    """The whole weight as float32 [out, in], dequantized as gguf's numpy dequantize does (bit for
+    bit); a group part by part."""
+    if weight.packed.dim() == 3:
+        return rows(weight, torch.arange(weight.shape[0]))
+    header = weight.packed[:GROUP_HEADER].view(torch.int64).tolist()
+    kb, parts, offset = header[1], [], GROUP_HEADER
+    for p in range(header[0]):
+        n, unit = header[2 + 2 * p], header[3 + 2 * p]
+        nb = -(-n // FEATURES)
+        packed = weight.packed[offset:offset + nb * kb * unit].view(nb, kb, unit)
+        parts.append(rows(GgufWeight(packed, torch.zeros((), dtype=torch.float32).expand(n, kb * BLOCK), ""),
+                          torch.arange(n)))
+        offset += -(-nb * kb * unit // 64) * 64
+    return torch.cat(parts)
+
+
 def dequantize_raw(raw: np.ndarray, ggml_type: int) -> np.ndarray:
     """The file's rows as gguf's reference dequantizes them (float32 [out, in])."""
     from gguf.quants import dequantize

@@ -291,3 +291,22 @@ def test_weight_updates_are_refused_on_quantized_weights(runners):
     # a norm is held as it always is: still updatable
     assert weight_update.check(runner.model, runner.config, runner.tp,
                                [("model.layers.0.input_layernorm.weight", torch.ones(576))])
+
+
+@pytest.mark.parametrize("name", ["model.layers.0.self_attn.v_proj.weight", "model.layers.0.mlp.up_proj.weight",
+                                  "model.layers.1.self_attn.q_proj.weight", "model.layers.2.mlp.down_proj.weight",
+                                  "model.embed_tokens.weight"])
+def test_get_weights_by_name_reads_a_quantized_weight_as_the_dequantized_path_holds_it(runners, name):
+    """A weight held quantized (a part of a mixed group, a fused Q4_1 q/k/v, a K-quant, the embedding)
+    reads back dequantized exactly as `--quantization none` holds it in float32."""
+    from types import SimpleNamespace
+
+    from tandem.ipc.messages import WeightsReq
+    from tandem.runtime.scheduler.weights_control import WeightsControl
+
+    def values(runner: ModelRunner) -> list:
+        control = WeightsControl(SimpleNamespace(model=runner.model, config=runner.config, tp=runner.tp), worker=None)
+        return control._get_by_name(WeightsReq(req_id=0, op="get_by_name", name=name, truncate_size=10**6)).values
+
+    got, want = values(runners("k", "float32", "gguf")), values(runners("k", "float32", "none"))
+    assert len(got) == len(want) > 0 and got == want
