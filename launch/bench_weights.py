@@ -114,7 +114,7 @@ def _loopback(groups: dict[int, WeightsGroup], tensors: dict[str, torch.Tensor],
     receives them (weight_sync.receive): one broadcast each, or one of them all."""
     specs = [(t.dtype, list(t.shape)) for t in tensors.values()]
     bucket = flatten(list(tensors.values())) if flattened else None  # filled before the transfer, as a trainer does
-    recv = threading.Thread(target=lambda: list(receive(groups[1], specs, torch.device("cpu"), flattened)))
+    recv = threading.Thread(target=lambda: receive(groups[1], specs, torch.device("cpu"), flattened))
     recv.start()
     if bucket is not None:
         broadcast(groups[0], bucket)

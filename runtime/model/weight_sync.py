@@ -16,7 +16,7 @@ than many small ones.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from functools import reduce
@@ -85,35 +85,19 @@ def flatten(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
 
 
 def receive(group: WeightsGroup, specs: Sequence[tuple[torch.dtype, Sequence[int]]], device: torch.device,
-            flattened: bool = False) -> Iterator[torch.Tensor]:
+            flattened: bool = False) -> list[torch.Tensor]:
     """The tensors the trainer broadcasts, one per (dtype, shape) spec, in order, as views of the
-    group's arena (valid until its next update). Per tensor, every broadcast is posted at once and
-    each tensor is yielded as soon as it has arrived, so the caller works on one while the later
-    ones arrive; `flattened`, they come once the one buffer has.
-    A caller that stops early (closes the iterator) still waits for every broadcast, as the
-    trainer sends them all; after a failed transfer nothing more is waited for."""
+    group's arena (valid until its next update), once every one has arrived: a caller writes none
+    before the transfer is whole. Per tensor, every broadcast is posted at once; `flattened`, one
+    buffer holds them all. A failed transfer raises (the rest fail alike, or at the group's timeout)."""
     if flattened:
-        yield from _unflatten(group, specs, device)
-        return
+        return _unflatten(group, specs, device)
     opts = dist.BroadcastOptions()
     opts.rootRank = 0
-    posted = []
-    for tensor in _carve(group, specs, device):
-        posted.append((tensor, group.group.broadcast([tensor], opts)))
-    done, broken = 0, False
-    try:
-        for tensor, work in posted:
-            try:
-                work.wait()
-            except Exception:
-                broken = True  # the transfer failed: the rest fail alike (or at the group's timeout)
-                raise
-            done += 1
-            yield tensor
-    finally:
-        if not broken:  # the caller stopped early: the trainer sends them all still
-            for _, work in posted[done:]:
-                work.wait()
+    posted = [(tensor, group.group.broadcast([tensor], opts)) for tensor in _carve(group, specs, device)]
+    for _, work in posted:
+        work.wait()
+    return [tensor for tensor, _ in posted]
 
 
 _ALIGN = 64  # bytes: each tensor of the arena starts on a cache line
@@ -131,10 +115,9 @@ def _carve(group: WeightsGroup, specs: Sequence[tuple[torch.dtype, Sequence[int]
 
 
 def _unflatten(group: WeightsGroup, specs: Sequence[tuple[torch.dtype, Sequence[int]]],
-               device: torch.device) -> Iterator[torch.Tensor]:
+               device: torch.device) -> list[torch.Tensor]:
     dtype = reduce(torch.promote_types, (d for d, _ in specs))
     sizes = [math.prod(shape) for _, shape in specs]
     flat = group.take(sum(sizes) * dtype.itemsize, device).view(dtype)
     broadcast(group, flat)
-    for (dtype, shape), part in zip(specs, flat.split(sizes)):
-        yield part.view(shape).to(dtype)
+    return [part.view(shape).to(dtype) for (dtype, shape), part in zip(specs, flat.split(sizes))]

@@ -145,7 +145,6 @@ def apply(model: nn.Module, checked: list[tuple[Target, torch.Tensor]]) -> int:
     for target, shard in checked:
         by_param.setdefault(target.param, []).append((target, shard))
     head = model._head_weight()
-    head_amx = getattr(model, "_head_fp32", None)
     for param, parts in by_param.items():
         module, attr = _owner(model, param)
         value = getattr(module, attr)
@@ -161,13 +160,20 @@ def apply(model: nn.Module, checked: list[tuple[Target, torch.Tensor]]) -> int:
         else:
             for target, shard in parts:
                 value.detach()[target.index].copy_(shard)
-        if value is head and isinstance(head_amx, AmxPackedWeight) and isinstance(value, torch.Tensor) \
-                and value.dtype == torch.bfloat16:
-            write_rows(head_amx.packed, 0, value.detach())
-        elif value is head:
-            model._head_fp32 = None  # made again from the new head on first use
+        if value is head:
+            _refresh_head_copy(model, head)
     model._decode_step_checked_for = None  # rebuilt on the next decode step, on the new weights
     return len(by_param)
+
+
+def _refresh_head_copy(model: nn.Module, head: torch.Tensor) -> None:
+    """The LM head's AMX copy (CausalLM.logits) written from the new head; any other copy is
+    dropped, to be made again from the new head on first use."""
+    copy = getattr(model, "_head_fp32", None)
+    if isinstance(copy, AmxPackedWeight) and head.dtype == torch.bfloat16:
+        write_rows(copy.packed, 0, head.detach())
+    else:
+        model._head_fp32 = None
 
 
 def _owner(model: nn.Module, param: str) -> tuple[nn.Module, str]:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from contextlib import closing
 
 import torch
 
@@ -118,14 +117,12 @@ class WeightsControl:
         try:
             checked = weight_update.check(r.model, r.config, r.tp, metas)
         except ValueError:
-            for _ in receive(group, specs, r.device, flattened):  # the trainer sends them all whatever
-                pass
+            receive(group, specs, r.device, flattened)  # the trainer sends them all whatever
             raise
         clock.lap("check")
         # every byte lands in the group's warm arena before the first write: a transfer that fails part
         # way changes nothing, and the writes go in place (no fresh staging memory to fault in)
-        with closing(receive(group, specs, r.device, flattened)) as tensors:
-            arrived = list(tensors)
+        arrived = receive(group, specs, r.device, flattened)
         clock.lap("transfer")
         changed = weight_update.apply(r.model, [(target, target.shard(t)) for (target, _), t in zip(checked, arrived)])
         clock.lap("copy + repack")

@@ -41,11 +41,12 @@ MAX_PARTS = (GROUP_HEADER // 8 - 2) // 2
 @dataclass(frozen=True, eq=False)
 class GgufWeight:
     """An [out, in] GGUF-quantized weight in the kernel's layout ([ceil(out/16), in/32, unit] uint8),
-    or a group of such parts along `out` (1-D uint8: `group`'s header, then each part's bytes).
-    `qtype`: the type's name, a group's its parts' joined by "+" ("q5_0+q5_0+q8_0")."""
+    or a group of such parts along `out` (1-D uint8: `group`'s header, then each part's bytes; `parts`
+    views them as weights). `qtype`: the type's name, a group's its parts' joined by "+" ("q5_0+q5_0+q8_0")."""
     packed: torch.Tensor
     like: torch.Tensor
     qtype: str
+    parts: tuple[GgufWeight, ...] = ()
 
     @property
     def shape(self) -> torch.Size:
@@ -103,9 +104,14 @@ def group(parts: list[GgufWeight]) -> GgufWeight:
         flat = part.reshape(-1)
         return torch.cat([flat, flat.new_zeros(-flat.numel() % 64)])
 
-    packed = torch.cat([header_bytes] + [aligned(p.packed) for p in parts])
+    chunks = [header_bytes] + [aligned(p.packed) for p in parts]
+    packed = torch.cat(chunks)
+    starts = np.cumsum([c.numel() for c in chunks])[:-1]
+    views = tuple(GgufWeight(packed[start:start + p.packed.numel()].view(p.packed.shape), p.like, p.qtype)
+                  for p, start in zip(parts, starts))
     n = sum(p.shape[0] for p in parts)
-    return GgufWeight(packed, torch.zeros((), dtype=torch.float32).expand(n, k), "+".join(p.qtype for p in parts))
+    return GgufWeight(packed, torch.zeros((), dtype=torch.float32).expand(n, k), "+".join(p.qtype for p in parts),
+                      views)
 
 
 def _unpack(blocks: np.ndarray, ggml_type: int) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
@@ -214,18 +220,9 @@ def rows(weight: GgufWeight, ids: torch.Tensor) -> torch.Tensor:
 def dequantize(weight: GgufWeight) -> torch.Tensor:
     """The whole weight as float32 [out, in], dequantized as gguf's numpy dequantize does (bit for
     bit); a group part by part."""
-    if weight.packed.dim() == 3:
-        return rows(weight, torch.arange(weight.shape[0]))
-    header = weight.packed[:GROUP_HEADER].view(torch.int64).tolist()
-    kb, parts, offset = header[1], [], GROUP_HEADER
-    for p in range(header[0]):
-        n, unit = header[2 + 2 * p], header[3 + 2 * p]
-        nb = -(-n // FEATURES)
-        packed = weight.packed[offset:offset + nb * kb * unit].view(nb, kb, unit)
-        parts.append(rows(GgufWeight(packed, torch.zeros((), dtype=torch.float32).expand(n, kb * BLOCK), ""),
-                          torch.arange(n)))
-        offset += -(-nb * kb * unit // 64) * 64
-    return torch.cat(parts)
+    if weight.parts:
+        return torch.cat([dequantize(part) for part in weight.parts])
+    return rows(weight, torch.arange(weight.shape[0]))
 
 
 def dequantize_raw(raw: np.ndarray, ggml_type: int) -> np.ndarray:
