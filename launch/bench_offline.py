@@ -483,56 +483,21 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _weight_formats(args: argparse.Namespace) -> int:
-    """--quantization: one engine run (overlap on) per weight format on the same workload and dtype,
-    then llama.cpp on each GGUF file where it is built (launch/bench_llamacpp.py)."""
+    """--quantization: the weight formats on one workload (launch/bench_quant.py's offline)."""
     from tandem.launch import bench_quant
 
     wl = make_workload(args.num_seqs, args.min_len, args.max_len, model_vocab(args.model_path), args.seed,
                        args.output_len)
     print(f"#seqs: {len(wl.prompts)}  #output tokens: {wl.output_tokens}  dtype: {args.dtype}", flush=True)
-    rows = []
-    for variant in args.quantization:
-        path, quantization = bench_quant.resolve(args.model_path, variant)
-        run = timed_engine_run(wl, path, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, quantization=quantization,
-                               max_total_tokens=args.max_total_tokens, max_running_requests=args.max_running_requests)
-        rows.append({"variant": variant, "weights": run.after["weight_quantization"],
-                     "weight_bytes": run.after["weight_bytes"], "seconds": run.seconds,
-                     "output_tok_s": wl.output_tokens / run.seconds})
-        first = rows[0]["output_tok_s"]
-        emit(f"{variant + ' ' + rows[-1]['weights']:<26.26} {rows[-1]['weight_bytes'] / 1e6:>8.1f} MB "
-             f"{rows[-1]['output_tok_s']:>10.1f} tok/s {rows[-1]['output_tok_s'] / first:>6.2f}x first")
-    for peer in _llamacpp_offline(args, wl, rows):
-        rows.append(peer)
-        emit(f"{'llama.cpp ' + peer['weights']:<26.26} {peer['weight_bytes'] / 1e6:>8.1f} MB "
-             f"{peer['output_tok_s']:>10.1f} tok/s {peer['output_tok_s'] / rows[0]['output_tok_s']:>6.2f}x first"
-             f"  ({len(wl.prompts)} seqs of {peer['input_len']} in, {peer['output_len']} out)")
+
+    def engine_run(path: str | None, quantization: str) -> TimedRun:
+        return timed_engine_run(wl, path, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, quantization=quantization,
+                                max_total_tokens=args.max_total_tokens, max_running_requests=args.max_running_requests)
+    rows = bench_quant.offline(args.quantization, args.model_path, wl.prompts, wl.output_lens, engine_run)
     if args.output_file:
         with open(args.output_file, "w", encoding="utf-8") as f:
             json.dump({"dtype": args.dtype, "num_seqs": args.num_seqs, "rows": rows}, f, indent=2)
     return 0
-
-
-def _llamacpp_offline(args: argparse.Namespace, wl: Workload, rows: list[dict]) -> list[dict]:
-    """llama.cpp's llama-batched-bench on each GGUF file the variants ran, where it is built: every
-    sequence at once, each at the workload's mean input and output length (it runs one length),
-    the same token counts; output tok/s over its whole run, prefill included, as tandem's are."""
-    from tandem.launch import bench_llamacpp, bench_quant
-    from tandem.runtime.model_files import default_model_path
-
-    if bench_llamacpp.binary() is None:
-        return []
-    input_len = round(statistics.mean(map(len, wl.prompts)))
-    output_len = round(statistics.mean(wl.output_lens))
-    peers = []
-    for row in rows:
-        path = bench_quant.resolve(args.model_path, row["variant"])[0] or default_model_path()
-        if row["weights"] == "none" or any(p["model_path"] == path for p in peers):
-            continue
-        for r in bench_llamacpp.run(path, [len(wl.prompts)], input_len, output_len, torch.get_num_threads()):
-            peers.append(r | {"variant": "llama.cpp", "weights": row["weights"], "model_path": path,
-                              "weight_bytes": os.path.getsize(path),
-                              "output_tok_s": r["batch_size"] * r["output_len"] / r["seconds"]})
-    return peers
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
-"""The weights side of `tandem bench one-batch --quantization ...`: which file and --quantization a
-variant runs, how many weight bytes a batch-1 decode step reads, the machine's streaming read
-bandwidth, and the batch-1 bound they give (bytes per token / bandwidth).
+"""The weights side of `tandem bench one-batch --quantization ...` and `bench offline --quantization
+...`: which file and --quantization a variant runs, how many weight bytes a batch-1 decode step
+reads, the machine's streaming read bandwidth, the batch-1 bound they give (bytes per token /
+bandwidth), and llama.cpp's rows on the same files.
 
 Variants: `none` (the model dequantized to --dtype, the reference path), `gguf` (the GGUF file's
 blocks as stored), `q4_0` / `q4_1` / `q8_0` (the file's weights converted to that block type by the
@@ -10,7 +11,10 @@ from __future__ import annotations
 
 import gc
 import os
+import statistics
 import time
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -186,3 +190,33 @@ def summary_rows(rows: list[dict]) -> list[str]:
                      f"{r['prefill_throughput_tok_s']:>14.1f} {r['decode_throughput_tok_s']:>13.1f} {ratio:>7.2f}x "
                      f"{per_token:>11} {bound if bound else '-':>12} {of:>9}")
     return lines
+
+
+def offline(variants: list[str], model_path: str | None, prompts: list[list[int]], output_lens: list[int],
+            engine_run: Callable[[str | None, str], Any]) -> list[dict]:
+    """bench offline --quantization: `engine_run(path, quantization)` (a timed engine run of the
+    workload: .seconds, .after = server_info) per variant, then llama.cpp on each GGUF file where it
+    is built: every sequence at once, each at the workload's mean input and output length (it runs
+    one length), output tok/s over its whole run, prefill included, as tandem's are. Rows printed
+    as they come."""
+    from tandem.launch.bench_progress import emit
+    from tandem.runtime.model_files import default_model_path
+
+    output_tokens, rows = sum(output_lens), []
+    for variant in variants:
+        path, quantization = resolve(model_path, variant)
+        run = engine_run(path, quantization)
+        rows.append({"variant": variant, "weights": run.after["weight_quantization"],
+                     "model_path": path or default_model_path(), "weight_bytes": run.after["weight_bytes"],
+                     "seconds": run.seconds, "output_tok_s": output_tokens / run.seconds})
+        emit(_offline_line(rows[-1], rows[0]))
+    mean_in, mean_out = round(statistics.mean(map(len, prompts))), round(statistics.mean(output_lens))
+    for peer in llamacpp_rows([r | {"batch_size": len(prompts)} for r in rows], mean_in, mean_out):
+        rows.append(peer | {"output_tok_s": peer["batch_size"] * peer["output_len"] / peer["seconds"]})
+        emit(f"{_offline_line(rows[-1], rows[0])}  ({len(prompts)} seqs of {mean_in} in, {mean_out} out)")
+    return rows
+
+
+def _offline_line(row: dict, first: dict) -> str:
+    return (f"{row['variant'] + ' ' + row['weights']:<26.26} {row['weight_bytes'] / 1e6:>8.1f} MB "
+            f"{row['output_tok_s']:>10.1f} tok/s {row['output_tok_s'] / first['output_tok_s']:>6.2f}x first")

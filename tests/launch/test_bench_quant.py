@@ -68,17 +68,19 @@ def test_llamacpp_peer_rows_parse_its_jsonl_and_give_ratios(tmp_path, monkeypatc
 
 
 def test_bench_offline_runs_llamacpp_on_each_file_at_the_workloads_mean_lengths(tmp_path, monkeypatch):
-    from argparse import Namespace
-
-    from tandem.launch import bench_offline
+    from types import SimpleNamespace
 
     exe = tmp_path / "llama-batched-bench"
     exe.write_text(_FAKE_BENCH.replace("$ARGS_NPL", "${14}"))
     exe.chmod(0o755)
     monkeypatch.setattr(bench_llamacpp, "install_dir", lambda: tmp_path)
-    wl = bench_offline.Workload(prompts=[[1] * 6, [1] * 10, [1] * 7, [1] * 9], output_lens=[2, 4, 3, 3])
-    rows = [{"variant": "gguf", "weights": "gguf:q4_1"}, {"variant": "none", "weights": "none"}]
-    peers = bench_offline._llamacpp_offline(Namespace(model_path=str(exe)), wl, rows)
+    held = {"gguf": "gguf:q4_1", "none": "none"}
+
+    def engine_run(path, quantization):  # a timed engine run's result, as bench_offline's gives it
+        return SimpleNamespace(seconds=1.0, after={"weight_quantization": held[quantization], "weight_bytes": 1})
+    rows = bench_quant.offline(["gguf", "none"], str(exe), [[1] * 6, [1] * 10, [1] * 7, [1] * 9], [2, 4, 3, 3],
+                               engine_run)
+    peers = [r for r in rows if r["variant"] == "llama.cpp"]
     assert [(p["variant"], p["weights"], p["batch_size"]) for p in peers] == [("llama.cpp", "gguf:q4_1", 4)]
     assert peers[0]["output_tok_s"] == 4 * 3 / 0.2  # the fake's pl x tg over its whole run's t
     args = (tmp_path / "args").read_text().split()
